@@ -1,0 +1,59 @@
+"""Block-kernel backends and their selection.
+
+``BACKENDS`` is the priority list (fastest first). :func:`select_kernel` returns the first
+backend that supports a call, or the one named by ``backend=``; when none fits it raises one
+error that lists every backend and why it was rejected.
+"""
+
+from __future__ import annotations
+
+from .base import BlockKernel, KernelCall, accumulation_dtype
+from .cpu import CpuFlashKernel
+from .math import MathKernel
+
+BACKENDS: tuple[BlockKernel, ...] = (
+    CpuFlashKernel(),
+    MathKernel(),
+)
+BACKEND_NAMES: tuple[str, ...] = tuple(b.name for b in BACKENDS)
+
+
+def get_kernel(name: str) -> BlockKernel:
+    """The backend called ``name``; raises ``ValueError`` listing the valid names."""
+    for b in BACKENDS:
+        if b.name == name:
+            return b
+    raise ValueError(f"backend={name!r} is not a known backend; choose one of {BACKEND_NAMES}")
+
+
+def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
+    """Pick the backend for ``call``: ``backend`` if given (and able), else the fastest able one.
+
+    Raises:
+        ValueError: if the named backend cannot run ``call``, or no backend can; the message
+            lists each backend considered and why it was rejected.
+    """
+    candidates = BACKENDS if backend is None else (get_kernel(backend),)
+    reasons = []
+    for b in candidates:
+        reason = b.unsupported_reason(call)
+        if reason is None:
+            return b
+        reasons.append(f"  {b.name}: {reason}")
+    what = "no attention backend" if backend is None else f"backend={backend!r}"
+    raise ValueError(
+        f"{what} supports this call ({call}):\n" + "\n".join(reasons)
+        + "\nPass a supported dtype/device/head dim, or another backend= "
+        f"(one of {BACKEND_NAMES})."
+    )
+
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "BlockKernel",
+    "KernelCall",
+    "accumulation_dtype",
+    "get_kernel",
+    "select_kernel",
+]

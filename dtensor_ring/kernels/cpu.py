@@ -1,0 +1,54 @@
+"""CPU fused kernel: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward.
+
+The op works in the SDPA layout ``[B, H, S, D]``; we hand it transposed views of our
+``[B, S, H, D]`` tensors (no copies) and transpose its outputs back. It handles GQA natively.
+Two behaviours to know (neither reaches it from the engine, which only asks for square causal
+blocks without fully masked rows): it aligns the causal mask top-left when ``S_q != S_k``, and
+it returns ``lse = 0`` for a fully masked row.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .base import BlockKernel, accumulation_dtype
+
+
+class CpuFlashKernel(BlockKernel):
+    """PyTorch's fused flash-attention kernel for CPU."""
+
+    name: ClassVar[str] = "cpu_flash"
+    device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    )
+
+    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale):
+        out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BSHD.transpose(1, 2),
+            k_BSHD.transpose(1, 2),
+            v_BSHD.transpose(1, 2),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return out_BHSD.transpose(1, 2), lse_BHS.to(accumulation_dtype(q_BSHD.dtype))
+
+    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_BSHD.transpose(1, 2),
+            q_BSHD.transpose(1, 2),
+            k_BSHD.transpose(1, 2),
+            v_BSHD.transpose(1, 2),
+            out_BSHD.transpose(1, 2),
+            lse_BHS.to(accumulation_dtype(q_BSHD.dtype)),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
