@@ -46,11 +46,16 @@ class KernelCall:
     num_heads: int
     num_kv_heads: int
     varlen: bool = False
+    deterministic: bool = False
 
     @classmethod
-    def of(cls, q: Tensor, k: Tensor, *, varlen: bool = False) -> KernelCall:
+    def of(
+        cls, q: Tensor, k: Tensor, *, varlen: bool = False, deterministic: bool = False
+    ) -> KernelCall:
         """Describe a call from ``q`` and ``k`` (``[..., H, D]`` layouts)."""
-        return cls(q.device.type, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], varlen)
+        return cls(
+            q.device.type, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], varlen, deterministic
+        )
 
 
 class BlockKernel:
@@ -66,6 +71,7 @@ class BlockKernel:
     max_head_dim: ClassVar[int] = 256
     supports_gqa: ClassVar[bool] = True
     supports_varlen: ClassVar[bool] = False
+    deterministic_backward: ClassVar[bool] = True
 
     def is_available(self) -> str | None:
         """``None`` when the backend can run in this process, else why not."""
@@ -90,6 +96,8 @@ class BlockKernel:
             return "GQA/MQA (H != H_kv) not supported"
         if call.varlen and not self.supports_varlen:
             return "varlen (cu_seqlens) not supported"
+        if call.deterministic and not self.deterministic_backward:
+            return "deterministic=True not supported (its backward is not deterministic)"
         return self.extra_reason(call)
 
     # --- dense blocks, [B, S, H, D] -------------------------------------------------------

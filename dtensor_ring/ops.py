@@ -1,0 +1,108 @@
+"""The ``dtensor_ring::`` custom ops: ring attention forward and backward.
+
+Each op is followed by its fake (shapes only, for torch.compile / meta tensors); autograd links
+them with ``register_autograd``. The process group travels by name, so the ops' schemas hold
+only tensors and primitives and Dynamo treats them as opaque (no graph breaks).
+
+Outputs are fresh contiguous tensors: ``out [B, S, H, D]`` in the input dtype and
+``lse [B, H, S]`` in the accumulation dtype (fp32; fp64 for fp64 inputs). ``lse`` carries no
+gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._compat import resolve_group
+from .comm import RingExchanger
+from .engine import ring_backward, ring_forward
+from .kernels import KernelCall, accumulation_dtype, select_kernel
+from .plan import Plan, make_plan
+from .validation import check_qkv
+
+_KV_TAG, _DKV_TAG = 0, 1
+
+make_plan_cached = functools.lru_cache(maxsize=None)(make_plan)
+
+
+def _setup(q, k, v, group_name, layout, causal) -> tuple[Plan, int, dist.ProcessGroup]:
+    check_qkv(q, k, v, layout=layout, causal=causal)
+    group = resolve_group(group_name)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    return make_plan_cached(layout, world_size, causal), rank, group
+
+
+@torch.library.custom_op("dtensor_ring::ring_attention", mutates_args=())
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group_name: str,
+    layout: str,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Ring attention of local ``q [B, S, H, D]`` and ``k, v [B, S, H_kv, D]`` -> (out, lse)."""
+    plan, rank, group = _setup(q, k, v, group_name, layout, causal)
+    kernel = select_kernel(KernelCall.of(q, k), backend)
+    exchanger = RingExchanger(group, _KV_TAG) if plan.world_size > 1 else None
+    return ring_forward(q, k, v, plan.steps[rank], exchanger, kernel, scale)
+
+
+@ring_attention.register_fake
+def _(q, k, v, group_name, layout, causal, scale, backend=None):
+    B, S, H, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        (B, H, S), dtype=accumulation_dtype(q.dtype)
+    )
+
+
+@torch.library.custom_op("dtensor_ring::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    group_name: str,
+    layout: str,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`ring_attention` given ``dout`` and its outputs."""
+    plan, rank, group = _setup(q, k, v, group_name, layout, causal)
+    kernel = select_kernel(KernelCall.of(q, k), backend)
+    kv_exchanger = dkv_exchanger = None
+    if plan.world_size > 1:
+        kv_exchanger, dkv_exchanger = RingExchanger(group, _KV_TAG), RingExchanger(group, _DKV_TAG)
+    return ring_backward(
+        dout, q, k, v, out, lse, plan.steps[rank], kv_exchanger, dkv_exchanger, kernel, scale
+    )
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *ctx.args = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup_context)
