@@ -53,7 +53,8 @@ def _part(x: Tensor, part: Part, dim: int) -> Tensor:
 
 
 def _is_empty(step: Step, seq_local: int) -> bool:
-    return step.block is None or min(step.block.q.size(seq_local), step.block.kv.size(seq_local)) == 0
+    blk = step.block
+    return blk is None or min(blk.q.size(seq_local), blk.kv.size(seq_local)) == 0
 
 
 def ring_forward(

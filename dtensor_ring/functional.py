@@ -100,7 +100,7 @@ def _make_api(prefix: str, layout: str) -> tuple[Callable, Callable, Callable]:
 
     causal_note = "" if layout == "ring" else "; must be True for this layout"
     fns = (func, kvpacked_func, qkvpacked_func)
-    for fn, kind in zip(fns, _TENSORS):
+    for fn, kind in zip(fns, _TENSORS, strict=True):
         fn.__name__ = fn.__qualname__ = f"{prefix}_{kind}"
         fn.__module__ = __name__
         fn.__doc__ = _DOC.format(
