@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from .base import BlockKernel, KernelCall, accumulation_dtype
 from .cpu import CpuFlashKernel
+from .cuda_flash import TorchFlashKernel
+from .cudnn import CudnnKernel
+from .flash_attn_pkg import FlashAttnKernel
 from .math import MathKernel
 
 BACKENDS: tuple[BlockKernel, ...] = (
+    FlashAttnKernel(),
+    CudnnKernel(),
+    TorchFlashKernel(),
     CpuFlashKernel(),
     MathKernel(),
 )

@@ -1,0 +1,170 @@
+"""PyTorch's vendored FlashAttention-2: ``aten._flash_attention_forward`` / ``_backward``.
+
+These ops take the flash-attn layouts directly: ``[B, S, H, D]`` for dense blocks and packed
+``[T, H, D]`` with int32 ``cum_seq_q/k`` for varlen, so no transposes are needed. What they
+require and return (read in ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``
+and ``torch/_meta_registrations.py``, torch 2.11-2.13):
+
+* CUDA sm80+, fp16/bf16, head dim a multiple of 8 and at most 256, ``H % H_kv == 0`` (GQA is
+  native: the backward sums the expanded dK/dV over each group itself).
+* Inputs need only a unit stride in the last dim; other strides are passed to the kernel.
+* ``lse`` is fp32 ``[B, H, S]`` for dense and ``[H, T]`` (unpadded, "unpadded_lse") for
+  varlen: exactly our ``lse_BHS`` / ``lse_HT``. The backward reads ``lse`` through its data
+  pointer with implicit contiguous strides, so we pass it ``.contiguous()``.
+* Backward makes ``grad_out`` and ``out`` contiguous itself. It takes the forward's
+  ``rng_state``/``unused`` tensors but reads them only when ``dropout_p > 0``; we never use
+  dropout, so we pass empty tensors (as ``torch/nn/attention/varlen.py`` does).
+* The backward is deterministic only under ``torch.use_deterministic_algorithms(True)``, which
+  the op reads; a ``deterministic=True`` call is refused otherwise.
+* ``causal`` is aligned bottom-right when ``S_q != S_k`` (per document for varlen): key ``j``
+  is visible to query ``i`` iff ``j <= i + S_k - S_q``. For the square causal blocks the engine
+  sends this is the top-left mask of the interface.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .base import BlockKernel, KernelCall
+
+
+def unit_last_stride(x: Tensor) -> Tensor:
+    """``x`` itself if its last dim has stride 1 (all the kernel needs), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The ``(rng_state, unused)`` pair the backward takes; unread without dropout."""
+    return torch.empty(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+
+
+def head_dim_reason(call: KernelCall) -> str | None:
+    """Why ``call``'s head dim is refused by kernels that need a multiple of 8."""
+    if call.head_dim % 8:
+        return f"head dim {call.head_dim} is not a multiple of 8 (pad it, or use another backend)"
+    return None
+
+
+def deterministic_reason(call: KernelCall) -> str | None:
+    """Why a flash backward cannot honour ``call.deterministic``: it is deterministic only
+    under ``torch.use_deterministic_algorithms(True)`` (not ``warn_only``)."""
+    strict = torch.are_deterministic_algorithms_enabled() and not (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    )
+    if call.deterministic and not strict:
+        return (
+            "deterministic=True: its backward is deterministic only under "
+            "torch.use_deterministic_algorithms(True)"
+        )
+    return None
+
+
+def cuda_sm80_reason() -> str | None:
+    """``None`` if CUDA is usable and the current device is sm80 (Ampere) or newer."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"needs an sm80+ GPU (Ampere or newer), the current device is sm{major}{minor}"
+    return None
+
+
+class TorchFlashKernel(BlockKernel):
+    """FlashAttention-2 as vendored in PyTorch (dense and varlen, GQA native)."""
+
+    name: ClassVar[str] = "cuda_flash"
+    device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    max_head_dim: ClassVar[int] = 256
+    supports_varlen: ClassVar[bool] = True
+
+    def is_available(self) -> str | None:
+        if not torch.backends.cuda.is_flash_attention_available():
+            return "this PyTorch build has no flash attention kernels"
+        return cuda_sm80_reason()
+
+    def extra_reason(self, call: KernelCall) -> str | None:
+        return head_dim_reason(call) or deterministic_reason(call)
+
+    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale):
+        out_BSHD, lse_BHS, *_ = torch.ops.aten._flash_attention_forward(
+            unit_last_stride(q_BSHD),
+            unit_last_stride(k_BSHD),
+            unit_last_stride(v_BSHD),
+            None,
+            None,
+            q_BSHD.shape[1],
+            k_BSHD.shape[1],
+            0.0,
+            causal,
+            False,
+            scale=scale,
+        )
+        return out_BSHD, lse_BHS
+
+    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale):
+        rng_state, unused = _no_dropout_rng(q_BSHD.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout_BSHD,
+            unit_last_stride(q_BSHD),
+            unit_last_stride(k_BSHD),
+            unit_last_stride(v_BSHD),
+            out_BSHD,
+            lse_BHS.contiguous(),
+            None,
+            None,
+            q_BSHD.shape[1],
+            k_BSHD.shape[1],
+            0.0,
+            causal,
+            rng_state,
+            unused,
+            scale=scale,
+        )
+        return dq, dk, dv
+
+    def forward_varlen(
+        self, q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        *, causal, scale,
+    ):
+        out_THD, lse_HT, *_ = torch.ops.aten._flash_attention_forward(
+            unit_last_stride(q_THD),
+            unit_last_stride(k_THD),
+            unit_last_stride(v_THD),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            0.0,
+            causal,
+            False,
+            scale=scale,
+        )
+        return out_THD, lse_HT
+
+    def backward_varlen(
+        self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, *, causal, scale,
+    ):
+        rng_state, unused = _no_dropout_rng(q_THD.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout_THD,
+            unit_last_stride(q_THD),
+            unit_last_stride(k_THD),
+            unit_last_stride(v_THD),
+            out_THD,
+            lse_HT.contiguous(),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            0.0,
+            causal,
+            rng_state,
+            unused,
+            scale=scale,
+        )
+        return dq, dk, dv

@@ -1,0 +1,100 @@
+"""cuDNN fused attention: ``aten._scaled_dot_product_cudnn_attention`` and its backward.
+
+The op works in the SDPA layout ``[B, H, S, D]``; we hand it ``transpose(1, 2)`` views of our
+``[B, S, H, D]`` tensors (no copies). cuDNN takes arbitrary strides (they are baked into its
+cached execution graph), and this BSHD-backed layout is what SDPA itself passes for a model that
+keeps BSHD activations; the output is allocated with the query's layout, so ``out`` comes back
+as a plain BSHD tensor.
+
+What we found in the PyTorch sources (``aten/src/ATen/native/cudnn/MHA.cpp`` and
+``transformers/cuda/sdp_utils.cpp``, torch 2.11-2.13; verified on the GPU by
+``tests/gpu/check_kernels.py``):
+
+* ``lse`` comes back as fp32 ``[B, H, S, 1]``; we return a ``[B, H, S]`` view of it and give the
+  backward ``lse_BHS.unsqueeze(-1)``, the shape the forward returned.
+* GQA is native: the graph takes K/V with their own head count, and SDPA's cuDNN gate accepts
+  ``H != H_kv`` (``check_batch_size_and_num_heads_dense<enable_gqa=true>``); dK/dV come back
+  with ``H_kv`` heads.
+* Head dim: a multiple of 8, at most 128, or 256 on sm90 (H100/H200) with cuDNN >= 9.10.
+  ``S_k == 1`` is not supported (not checked here: the engine never sends such blocks).
+* The backward is not deterministic (PyTorch warns so under deterministic mode).
+* ``causal`` is the top-left mask, as in the interface. Dropout is never used, so the philox
+  seed/offset the backward takes are unread placeholders.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .base import BlockKernel, KernelCall
+from .cuda_flash import cuda_sm80_reason, head_dim_reason, unit_last_stride
+
+_MIN_CUDNN = 90000  # cuDNN 9.0: the first version PyTorch's SDPA uses for attention
+_HOPPER_D256_CUDNN = 91000  # cuDNN 9.10: head dims up to 256 on sm90
+
+
+class CudnnKernel(BlockKernel):
+    """cuDNN's fused flash attention, through PyTorch's SDPA op (dense blocks, GQA native)."""
+
+    name: ClassVar[str] = "cudnn"
+    device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    max_head_dim: ClassVar[int] = 256  # 128 off sm90, see extra_reason
+    deterministic_backward: ClassVar[bool] = False
+
+    def is_available(self) -> str | None:
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this PyTorch build"
+        version = torch.backends.cudnn.version()
+        if version is None or version < _MIN_CUDNN:
+            return f"cuDNN {version} is older than 9.0, the first with SDPA attention"
+        return cuda_sm80_reason()
+
+    def extra_reason(self, call: KernelCall) -> str | None:
+        reason = head_dim_reason(call)
+        if reason is not None:
+            return reason
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        limit = 256 if hopper and torch.backends.cudnn.version() >= _HOPPER_D256_CUDNN else 128
+        if call.head_dim > limit:
+            return f"head dim {call.head_dim} > {limit} on this GPU and cuDNN version"
+        return None
+
+    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale):
+        B, S_q, H, _ = q_BSHD.shape
+        out_BHSD, lse_BHS1, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            unit_last_stride(q_BSHD).transpose(1, 2),
+            unit_last_stride(k_BSHD).transpose(1, 2),
+            unit_last_stride(v_BSHD).transpose(1, 2),
+            None,
+            True,
+            0.0,
+            causal,
+            False,
+            scale=scale,
+        )
+        return out_BHSD.transpose(1, 2), lse_BHS1.view(B, H, S_q)
+
+    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale):
+        philox = torch.empty((), dtype=torch.long, device=q_BSHD.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout_BSHD.transpose(1, 2),
+            unit_last_stride(q_BSHD).transpose(1, 2),
+            unit_last_stride(k_BSHD).transpose(1, 2),
+            unit_last_stride(v_BSHD).transpose(1, 2),
+            out_BSHD.transpose(1, 2),
+            lse_BHS.contiguous().unsqueeze(-1),
+            philox,
+            philox,
+            None,
+            None,
+            None,
+            q_BSHD.shape[1],
+            k_BSHD.shape[1],
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
