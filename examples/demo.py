@@ -65,7 +65,7 @@ def main() -> None:
         ref_out = full_attention(*full, causal)
         ref_grads = torch.autograd.grad(ref_out, full, dout.double())
 
-        def local(t):
+        def local(t, layout=layout):
             return dr.shard_local(t, layout, rank, world).to(device, dtype)
 
         ql, kl, vl = (local(t).requires_grad_() for t in (q, k, v))
@@ -80,12 +80,14 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         out_err = (out.double() - local(ref_out).double()).abs().max()
         grad_err = max(
-            (t.grad.double() - local(g).double()).abs().max() for t, g in zip((ql, kl, vl), ref_grads)
+            (t.grad.double() - local(g).double()).abs().max()
+            for t, g in zip((ql, kl, vl), ref_grads, strict=True)
         )
         errs = torch.stack([out_err, grad_err]).to(device)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
         if rank == 0:
-            print(f"{name:<12} {errs[0]:>13.2e} {errs[1]:>14.2e} {sorted(times)[len(times) // 2] * 1e3:>11.1f}")
+            ms = sorted(times)[len(times) // 2] * 1e3
+            print(f"{name:<12} {errs[0]:>13.2e} {errs[1]:>14.2e} {ms:>11.1f}")
     dist.destroy_process_group()
 
 
