@@ -1,0 +1,318 @@
+"""Ring attention on one GPU: the slowest simulated rank against the full-sequence kernel.
+
+    python benchmarks/bench_single_gpu.py --out results/       # one H200: all of it, ~5 min
+    python benchmarks/bench_single_gpu.py --smoke              # CPU, tiny, seconds (in tests)
+
+For every block-kernel backend and layout at W ranks (default 8) and several token counts per
+rank, it measures, in one run:
+
+* block-kernel TFLOP/s at the block shapes the ring uses (diagonal and half blocks);
+* efficiency vs theoretic: full-sequence single-GPU kernel time / W, divided by the time of
+  the slowest rank of the plan, run by the real engine with a simulated communicator
+  (``dtensor_ring.simulate``); next to it the plan's own limit (mean / max rank FLOPs);
+* peak memory of that rank's forward+backward against single-device attention on the same
+  local tokens;
+* precision (at a smaller size): max/mean error of out, dq, dk, dv of the whole simulated ring
+  against an fp64 reference, as a ratio to the error of the single-device kernel;
+* predicted multi-GPU efficiency: per step, max(compute, K/V transfer at --link-gbps).
+
+It prints a table last and writes ``bench_single_gpu.json`` (and PNG plots if matplotlib is
+there) to --out. Timings: CUDA events, warm-up, median of --reps; fresh random data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from dtensor_ring import make_plan, shard_local
+from dtensor_ring.kernels import KernelCall, get_kernel
+from dtensor_ring.kernels.math import MathKernel
+from dtensor_ring.simulate import RankSimulator, simulate_ring
+
+LAYOUTS = ("ring", "zigzag", "stripe")
+
+
+def timed(fn, reps: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    cuda = torch.cuda.is_available()
+    samples = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def attn_flops(s_q: int, s_k: int, causal: bool, heads: int, head_dim: int) -> float:
+    """Forward FLOPs of one ``[s_q x s_k]`` block (fwd+bwd is 3.5x)."""
+    pairs = s_q * (s_q + 1) // 2 if causal else s_q * s_k
+    return 4.0 * pairs * heads * head_dim
+
+
+def qkv(S: int, a, dtype, device, gen):
+    """Random q ``[1, S, H, D]``, k, v ``[1, S, H_kv, D]`` and dout."""
+    q = torch.randn(1, S, a.heads, a.head_dim, generator=gen, device=device, dtype=dtype)
+    k, v = (torch.randn(1, S, a.kv_heads, a.head_dim, generator=gen, device=device, dtype=dtype)
+            for _ in "kv")
+    return q, k, v, torch.randn_like(q)
+
+
+def kernel_times(kernel, q, k, v, dout, causal: bool, reps: int) -> tuple[float, float]:
+    """(forward, forward+backward) seconds of one kernel call on these tensors."""
+    scale = q.shape[-1] ** -0.5
+
+    def fwd():
+        return kernel.forward(q, k, v, causal=causal, scale=scale)
+
+    def fwd_bwd():
+        out, lse = fwd()
+        kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+    return timed(fwd, reps), timed(fwd_bwd, reps)
+
+
+def peak_bytes(fn) -> int:
+    """Peak CUDA memory allocated during ``fn()`` above what was allocated before (0 on CPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
+    """All layouts at one (backend, tokens per rank): speed, plan limit, memory, prediction."""
+    W, dtype = a.world_size, a.dtype
+    kernel = get_kernel(backend)
+    q, k, v, dout = qkv(W * tokens, a, dtype, device, gen)
+    full_fwd, full_fwd_bwd = kernel_times(kernel, q, k, v, dout, True, a.reps)
+    theo_fwd, theo_fwd_bwd = full_fwd / W, full_fwd_bwd / W
+    # single-device attention on the same local token count (memory yardstick)
+    ql, kl, vl, dl = (t[:, :tokens] for t in (q, k, v, dout))
+
+    def local_fwd_bwd():
+        out, lse = kernel.forward(ql, kl, vl, causal=True, scale=a.head_dim ** -0.5)
+        kernel.backward(dl, ql, kl, vl, out, lse, causal=True, scale=a.head_dim ** -0.5)
+
+    local_peak = peak_bytes(local_fwd_bwd)
+    kv_bytes = 2 * tokens * a.kv_heads * a.head_dim * dtype.itemsize
+    rows = []
+    for layout in LAYOUTS:
+        plan = make_plan(layout, W, causal=True)
+        flops = plan.flops(tokens, heads=a.heads, head_dim=a.head_dim)
+        rank = max(range(W), key=flops.__getitem__)
+        sim = RankSimulator(q, k, v, layout=layout, world_size=W, rank=rank, backend=backend)
+        dout_local = shard_local(dout, layout, rank, W)
+
+        def sim_fwd_bwd(sim=sim, dout_local=dout_local):
+            sim.forward()
+            sim.backward(dout_local)
+
+        t_fwd, t_fwd_bwd = timed(sim.forward, a.reps), timed(sim_fwd_bwd, a.reps)
+        # the real exchanger's receive buffers: 2 K/V sets + 2 fp32 dK/dV sets
+        exchanger_bytes = 2 * kv_bytes + 2 * kv_bytes * 4 // dtype.itemsize
+        rank_peak = peak_bytes(sim_fwd_bwd) + exchanger_bytes
+        rows.append(dict(
+            backend=backend, layout=layout, tokens_per_rank=tokens, world_size=W, rank=rank,
+            fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fwd_bwd * 1e3,
+            theoretic_fwd_ms=theo_fwd * 1e3, theoretic_fwd_bwd_ms=theo_fwd_bwd * 1e3,
+            eff_fwd=theo_fwd / t_fwd, eff_fwd_bwd=theo_fwd_bwd / t_fwd_bwd,
+            plan_limit=1.0 / plan.imbalance(tokens),
+            predicted_eff_fwd=theo_fwd / predicted_time(
+                plan, rank, tokens, t_fwd, kv_bytes, a.link_gbps),
+            predicted_eff_fwd_bwd=theo_fwd_bwd / predicted_time(
+                plan, rank, tokens, t_fwd_bwd, 3 * kv_bytes, a.link_gbps),
+            peak_mem_ratio=rank_peak / local_peak if local_peak else None,
+            peak_mem_mb=rank_peak / 2**20, local_peak_mem_mb=local_peak / 2**20,
+        ))
+    return rows
+
+
+def predicted_time(plan, rank, tokens, measured_s, bytes_per_step, link_gbps) -> float:
+    """Sum over steps of max(compute share of the measured time, one hop of transfers)."""
+    pairs = plan.score_pairs(tokens)[rank]
+    comm_s = bytes_per_step / (link_gbps * 1e9)
+    return sum(max(measured_s * p / sum(pairs), comm_s if s + 1 < len(pairs) else 0.0)
+               for s, p in enumerate(pairs))
+
+
+def block_throughput(backend: str, tokens: int, a, device, gen) -> list[dict]:
+    """TFLOP/s of the ring's block shapes: causal diagonal, full, and half blocks."""
+    kernel = get_kernel(backend)
+    q, k, v, dout = qkv(tokens, a, a.dtype, device, gen)
+    h = tokens // 2
+    shapes = [("diag causal", q, k, v, dout, True), ("full", q, k, v, dout, False),
+              ("q x kv/2", q, k[:, :h], v[:, :h], dout, False),
+              ("q/2 x kv", q[:, h:], k, v, dout[:, h:], False)]
+    rows = []
+    for name, qq, kk, vv, dd, causal in shapes:
+        fwd, fwd_bwd = kernel_times(kernel, qq, kk, vv, dd, causal, a.reps)
+        fl = attn_flops(qq.shape[1], kk.shape[1], causal, a.heads, a.head_dim)
+        rows.append(dict(backend=backend, block=name, tokens=tokens,
+                         fwd_tflops=fl / fwd / 1e12, fwd_bwd_tflops=3.5 * fl / fwd_bwd / 1e12))
+    return rows
+
+
+def precision(backend: str, a, device, gen) -> list[dict]:
+    """Errors of the whole simulated ring vs fp64, relative to the single-device kernel."""
+    W, S = a.world_size, a.world_size * a.precision_tokens
+    q, k, v, dout = qkv(S, a, a.dtype, device, gen)
+    math64 = MathKernel()
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = math64.forward(*full, causal=True, scale=a.head_dim ** -0.5)
+    ref = (ref_out, *torch.autograd.grad(ref_out, full, dout.double()))
+    kernel = get_kernel(backend)
+    base_out, base_lse = kernel.forward(q, k, v, causal=True, scale=a.head_dim ** -0.5)
+    base = (base_out, *kernel.backward(dout, q, k, v, base_out, base_lse, causal=True,
+                                       scale=a.head_dim ** -0.5))
+    rows = []
+    for layout in LAYOUTS:
+        out, _, dq, dk, dv = simulate_ring(q, k, v, dout, layout=layout, world_size=W,
+                                           backend=backend)
+        for name, got, b, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), base, ref,
+                                   strict=True):
+            err, base_err = (got.double() - r).abs(), (b.double() - r).abs()
+            rows.append(dict(backend=backend, layout=layout, tensor=name,
+                             max_err=err.max().item(), mean_err=err.mean().item(),
+                             ratio_max=err.max().item() / base_err.max().item(),
+                             ratio_mean=err.mean().item() / base_err.mean().item()))
+    return rows
+
+
+def plots(results: dict, out_dir: str) -> None:
+    """Efficiency vs tokens per rank (per layout and backend) and memory bars, as PNGs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = results["rings"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, key in zip(axes, ("eff_fwd", "eff_fwd_bwd"), strict=True):
+        for backend in sorted({r["backend"] for r in rows}):
+            for layout in LAYOUTS:
+                pts = [(r["tokens_per_rank"], r[key]) for r in rows
+                       if r["backend"] == backend and r["layout"] == layout]
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"{backend} {layout}")
+        ax.set(xscale="log", xlabel="tokens per rank", title=key, ylim=(0, 1.1))
+        ax.axhline(1.0, color="gray", lw=0.5)
+    axes[0].set_ylabel("fraction of theoretic (full-sequence kernel / W)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "efficiency.png"), dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    mem = [r for r in rows if r["peak_mem_ratio"]]
+    ax.bar([f"{r['backend'][:5]} {r['layout']}\n{r['tokens_per_rank']}" for r in mem],
+           [r["peak_mem_ratio"] for r in mem])
+    ax.axhline(1.3, color="red", lw=0.8, label="target 1.3x")
+    ax.set(ylabel="peak memory / single-device", title="one rank, fwd+bwd")
+    ax.tick_params(axis="x", labelsize=5)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "memory.png"), dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run (checks the code paths)")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--backends", default=None, help="comma list (default: all able ones)")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--tokens", default="2048,4096,8192,16384", help="tokens per rank")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--precision-tokens", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--link-gbps", type=float, default=450.0, help="GB/s per direction")
+    a = p.parse_args()
+    if a.smoke:
+        a.world_size, a.tokens, a.heads, a.kv_heads, a.head_dim = 3, "8,16", 4, 2, 16
+        a.precision_tokens, a.reps = 8, 2
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    a.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    os.makedirs(a.out, exist_ok=True)
+    probe = torch.empty(1, 1, a.heads, a.head_dim, dtype=a.dtype, device=device)
+    probe_kv = torch.empty(1, 1, a.kv_heads, a.head_dim, dtype=a.dtype, device=device)
+    from dtensor_ring.kernels import BACKENDS
+
+    call = KernelCall.of(probe, probe_kv)
+    backends = (a.backends.split(",") if a.backends else
+                [b.name for b in BACKENDS if b.name != "math" and not b.unsupported_reason(call)])
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    results = dict(
+        date=datetime.date.today().isoformat(), torch=torch.__version__,
+        cuda=torch.version.cuda, device=torch.cuda.get_device_name() if device.type == "cuda"
+        else "cpu", config=dict(world_size=a.world_size, heads=a.heads, kv_heads=a.kv_heads,
+                                head_dim=a.head_dim, dtype=str(a.dtype), tokens=tokens),
+        blocks=[], rings=[], precision=[], errors=[],
+    )
+    for backend in backends:
+        for t in tokens:
+            for fn, key in ((block_throughput, "blocks"), (bench_config, "rings")):
+                try:
+                    results[key] += fn(backend, t, a, device, gen)
+                except Exception as e:  # record and go on: one failing backend keeps the rest
+                    results["errors"].append(f"{backend} {t} {key}: {type(e).__name__}: {e}")
+        try:
+            results["precision"] += precision(backend, a, device, gen)
+        except Exception as e:
+            results["errors"].append(f"{backend} precision: {type(e).__name__}: {e}")
+    with open(os.path.join(a.out, "bench_single_gpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plots(results, a.out)
+    print_tables(results)
+    if a.smoke and results["errors"]:
+        raise SystemExit("\n".join(results["errors"]))
+
+
+def print_tables(results: dict) -> None:
+    """The short tables: blocks, rings, precision (printed last)."""
+    print(f"\n{results['device']}, torch {results['torch']}, CUDA {results['cuda']}, "
+          f"{results['date']}, {results['config']}")
+    print(f"\n{'backend':<11}{'block':<13}{'tokens':>7}{'fwd TF/s':>10}{'f+b TF/s':>10}")
+    for r in results["blocks"]:
+        print(f"{r['backend']:<11}{r['block']:<13}{r['tokens']:>7}{r['fwd_tflops']:>10.1f}"
+              f"{r['fwd_bwd_tflops']:>10.1f}")
+    print(f"\n{'backend':<11}{'layout':<8}{'tok/rank':>8}{'fwd ms':>8}{'eff fwd':>8}"
+          f"{'f+b ms':>8}{'eff f+b':>8}{'limit':>7}{'pred f':>7}{'pred fb':>8}{'mem x':>6}")
+    for r in results["rings"]:
+        mem = f"{r['peak_mem_ratio']:.2f}" if r["peak_mem_ratio"] else "-"
+        print(f"{r['backend']:<11}{r['layout']:<8}{r['tokens_per_rank']:>8}{r['fwd_ms']:>8.2f}"
+              f"{r['eff_fwd']:>8.1%}{r['fwd_bwd_ms']:>8.2f}{r['eff_fwd_bwd']:>8.1%}"
+              f"{r['plan_limit']:>7.1%}{r['predicted_eff_fwd']:>7.1%}"
+              f"{r['predicted_eff_fwd_bwd']:>8.1%}{mem:>6}")
+    print(f"\n{'backend':<11}{'layout':<8}{'tensor':<7}{'max err':>10}{'ratio max':>10}"
+          f"{'ratio mean':>11}")
+    for r in results["precision"]:
+        print(f"{r['backend']:<11}{r['layout']:<8}{r['tensor']:<7}{r['max_err']:>10.2e}"
+              f"{r['ratio_max']:>10.2f}{r['ratio_mean']:>11.2f}")
+    for e in results["errors"]:
+        print("ERROR", e)
+
+
+if __name__ == "__main__":
+    main()

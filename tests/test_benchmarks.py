@@ -1,0 +1,21 @@
+"""The benchmark scripts run in their tiny CPU ``--smoke`` mode, so they never rot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_single_gpu_smoke(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_single_gpu.py"), "--smoke",
+         "--out", str(tmp_path)],
+        check=True, timeout=300, capture_output=True,
+    )
+    results = json.loads((tmp_path / "bench_single_gpu.json").read_text())
+    assert not results["errors"]
+    assert {r["layout"] for r in results["rings"]} == {"ring", "zigzag", "stripe"}
+    # the simulated ring is as precise as the single-device kernel (fp32 on CPU)
+    assert all(r["ratio_max"] < 4 for r in results["precision"])
