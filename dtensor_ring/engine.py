@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .kernels import BlockKernel, accumulation_dtype
 from .merge import merge_
-from .plan import Part, Step
+from .plan import Block, Part, Step
 
 
 class Exchanger(Protocol):
@@ -47,14 +47,106 @@ class Exchanger(Protocol):
     def start(self, tensors: Sequence[Tensor]): ...  # -> object with .wait() -> list[Tensor]
 
 
+class Blocks(Protocol):
+    """How the engine takes a :class:`Part` of the local tensors and runs one block on it.
+
+    The ring loops (:func:`ring_forward`, :func:`ring_backward`) are the same for dense and
+    variable-length sequences; only these steps differ:
+
+    * :class:`DenseBlocks` (the default): ``[B, S, H, D]`` tensors, ``lse [B, H, S]``; a Part is
+      a slice of S, the kernel's dense ``forward``/``backward`` runs on it.
+    * ``VarlenBlocks`` (:mod:`dtensor_ring.varlen`): packed ``[T, H, D]`` tensors,
+      ``lse [H, T]``; a Part is that part of *every document's* local piece, the kernel's
+      ``forward_varlen``/``backward_varlen`` runs on it with that Part's ``cu_seqlens``.
+
+    ``take`` may return a view or a copy, so accumulators are only updated through ``add_`` and
+    ``merge_``.
+    """
+
+    def new_lse(self, q: Tensor, dtype: torch.dtype) -> Tensor:
+        """An uninitialised lse accumulator for the local queries ``q``."""
+        ...
+
+    def is_empty(self, block: Block | None) -> bool:
+        """Whether ``block`` computes nothing (no block, or an empty query/key part)."""
+        ...
+
+    def take(self, x: Tensor, part: Part) -> Tensor:
+        """The rows of ``part`` of a token-major tensor (q, k, v, out, dout and the like)."""
+        ...
+
+    def take_lse(self, lse: Tensor, part: Part) -> Tensor:
+        """The rows of ``part`` of an lse tensor."""
+        ...
+
+    def add_(self, acc: Tensor, part: Part, x: Tensor) -> None:
+        """``acc[part] += x`` in place."""
+        ...
+
+    def merge_(
+        self, out_acc: Tensor, lse_acc: Tensor, part: Part, out_b: Tensor, lse_b: Tensor
+    ) -> None:
+        """Fold a block result into the accumulator rows of ``part`` (online-softmax merge)."""
+        ...
+
+    def forward(
+        self, kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, block: Block, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of ``block`` on parts already taken with :meth:`take`."""
+        ...
+
+    def backward(
+        self,
+        kernel: BlockKernel,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        block: Block,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of ``block`` on parts already taken with :meth:`take`."""
+        ...
+
+
 def _part(x: Tensor, part: Part, dim: int) -> Tensor:
     start, stop = part.bounds(x.shape[dim])
     return x.narrow(dim, start, stop - start)
 
 
-def _is_empty(step: Step, seq_local: int) -> bool:
-    blk = step.block
-    return blk is None or min(blk.q.size(seq_local), blk.kv.size(seq_local)) == 0
+class DenseBlocks:
+    """:class:`Blocks` of dense ``[B, S, H, D]`` tensors with ``seq_local`` tokens a rank."""
+
+    def __init__(self, seq_local: int):
+        self.seq_local = seq_local
+
+    def new_lse(self, q_BSHD: Tensor, dtype: torch.dtype) -> Tensor:
+        B, S, H, _ = q_BSHD.shape
+        return torch.empty(B, H, S, dtype=dtype, device=q_BSHD.device)
+
+    def is_empty(self, block: Block | None) -> bool:
+        n = self.seq_local
+        return block is None or min(block.q.size(n), block.kv.size(n)) == 0
+
+    def take(self, x_BSHD: Tensor, part: Part) -> Tensor:
+        return _part(x_BSHD, part, 1)
+
+    def take_lse(self, lse_BHS: Tensor, part: Part) -> Tensor:
+        return _part(lse_BHS, part, 2)
+
+    def add_(self, acc_BSHD: Tensor, part: Part, x_BSHD: Tensor) -> None:
+        _part(acc_BSHD, part, 1).add_(x_BSHD)
+
+    def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        merge_(_part(out_acc, part, 1), _part(lse_acc, part, 2), out_b, lse_b)
+
+    def forward(self, kernel, q, k, v, block, scale):
+        return kernel.forward(q, k, v, causal=block.causal, scale=scale)
+
+    def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
+        return kernel.backward(dout, q, k, v, out, lse, causal=block.causal, scale=scale)
 
 
 def ring_forward(
@@ -65,39 +157,45 @@ def ring_forward(
     exchanger: Exchanger | None,
     kernel: BlockKernel,
     scale: float,
+    blocks: Blocks | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Forward of one rank (Note [Ring forward]).
 
     Args:
         q_BSHD: local queries ``[B, S, H, D]``; k_BSHD, v_BSHD: local ``[B, S, H_kv, D]``.
+            (With varlen ``blocks``: packed ``[T, H, D]`` and ``[T, H_kv, D]``.)
         steps: this rank's row of the plan (``plan.steps[rank]``); ``steps[0]`` is the
             diagonal ``all/all`` block.
         exchanger: ring communicator; may be None when ``len(steps) == 1``.
+        blocks: how parts are taken and blocks computed (:class:`Blocks`); default
+            :class:`DenseBlocks`.
 
     Returns:
-        ``(out_BSHD, lse_BHS)``: out in the input dtype, lse in the accumulation dtype.
+        ``(out_BSHD, lse_BHS)``: out in the input dtype, lse in the accumulation dtype
+        (varlen: ``(out_THD, lse_HT)``).
     """
-    B, S, H, D = q_BSHD.shape
+    blocks = DenseBlocks(q_BSHD.shape[1]) if blocks is None else blocks
     acc = accumulation_dtype(q_BSHD.dtype)
-    out_acc = torch.empty(B, S, H, D, dtype=acc, device=q_BSHD.device)
-    lse_acc = torch.empty(B, H, S, dtype=acc, device=q_BSHD.device)
+    out_acc = torch.empty(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
+    lse_acc = blocks.new_lse(q_BSHD, acc)
     kv = [k_BSHD, v_BSHD]
     for s, step in enumerate(steps):
         pending = exchanger.start(kv) if s + 1 < len(steps) else None
-        if not _is_empty(step, S):
+        if not blocks.is_empty(step.block):
             blk = step.block
-            out_b, lse_b = kernel.forward(
-                _part(q_BSHD, blk.q, 1),
-                _part(kv[0], blk.kv, 1),
-                _part(kv[1], blk.kv, 1),
-                causal=blk.causal,
-                scale=scale,
+            out_b, lse_b = blocks.forward(
+                kernel,
+                blocks.take(q_BSHD, blk.q),
+                blocks.take(kv[0], blk.kv),
+                blocks.take(kv[1], blk.kv),
+                blk,
+                scale,
             )
             if s == 0:
                 out_acc.copy_(out_b)
                 lse_acc.copy_(lse_b)
             else:
-                merge_(_part(out_acc, blk.q, 1), _part(lse_acc, blk.q, 2), out_b, lse_b)
+                blocks.merge_(out_acc, lse_acc, blk.q, out_b, lse_b)
         if pending is not None:
             kv = pending.wait()
     return out_acc.to(q_BSHD.dtype), lse_acc
@@ -115,13 +213,15 @@ def ring_backward(
     dkv_exchanger: Exchanger | None,
     kernel: BlockKernel,
     scale: float,
+    blocks: Blocks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of one rank (Note [Ring backward]); returns ``(dq, dk, dv)`` in input dtypes.
 
     ``out_BSHD``/``lse_BHS`` are the forward's global results for the local queries. The two
     exchangers must use different tags (K/V and dK/dV transfers are in flight together).
+    ``blocks`` as in :func:`ring_forward`.
     """
-    S = q_BSHD.shape[1]
+    blocks = DenseBlocks(q_BSHD.shape[1]) if blocks is None else blocks
     acc = accumulation_dtype(q_BSHD.dtype)
     dq_acc = torch.zeros(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     kv = [k_BSHD, v_BSHD]
@@ -130,26 +230,27 @@ def ring_backward(
         last = s + 1 == len(steps)
         pending_kv = None if last else kv_exchanger.start(kv)
         grads = None
-        if not _is_empty(step, S):
+        if not blocks.is_empty(step.block):
             blk = step.block
-            grads = kernel.backward(
-                _part(dout_BSHD, blk.q, 1),
-                _part(q_BSHD, blk.q, 1),
-                _part(kv[0], blk.kv, 1),
-                _part(kv[1], blk.kv, 1),
-                _part(out_BSHD, blk.q, 1),
-                _part(lse_BHS, blk.q, 2),
-                causal=blk.causal,
-                scale=scale,
+            grads = blocks.backward(
+                kernel,
+                blocks.take(dout_BSHD, blk.q),
+                blocks.take(q_BSHD, blk.q),
+                blocks.take(kv[0], blk.kv),
+                blocks.take(kv[1], blk.kv),
+                blocks.take(out_BSHD, blk.q),
+                blocks.take_lse(lse_BHS, blk.q),
+                blk,
+                scale,
             )
-            _part(dq_acc, blk.q, 1).add_(grads[0])
+            blocks.add_(dq_acc, blk.q, grads[0])
         if pending_dkv is None:  # step 0: a fresh accumulator for our own K/V
             dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
         else:  # the accumulator of the visiting K/V, with the shares of the ranks before us
             dkv = pending_dkv.wait()
         if grads is not None:
-            _part(dkv[0], blk.kv, 1).add_(grads[1])
-            _part(dkv[1], blk.kv, 1).add_(grads[2])
+            blocks.add_(dkv[0], blk.kv, grads[1])
+            blocks.add_(dkv[1], blk.kv, grads[2])
         if len(steps) > 1:
             pending_dkv = dkv_exchanger.start(dkv)
         if pending_kv is not None:
