@@ -199,6 +199,42 @@ def precision(backend: str, a, device, gen) -> list[dict]:
     return rows
 
 
+def merge_bench(tokens: int, a, device, gen) -> list[dict]:
+    """The merge alone: the default (fused on CUDA) against eager torch ops, time and agreement."""
+    from dtensor_ring.merge import merge_, merge_eager_
+
+    shape = (1, tokens, a.heads, a.head_dim)
+    acc = torch.randn(shape, generator=gen, device=device)
+    lse = torch.randn(1, a.heads, tokens, generator=gen, device=device)
+    blk = torch.randn(shape, generator=gen, device=device).to(a.dtype)
+    blk_lse = torch.randn(1, a.heads, tokens, generator=gen, device=device)
+    rows, results = [], {}
+    for name, fn in (("default", merge_), ("eager", merge_eager_)):
+        out, out_lse = acc.clone(), lse.clone()
+        fn(out, out_lse, blk, blk_lse)
+        results[name] = (out.clone(), out_lse.clone())
+        t = timed(lambda fn=fn, o=out, lo=out_lse: fn(o, lo, blk, blk_lse), a.reps)
+        moved = acc.numel() * 8 + blk.numel() * blk.element_size() + lse.numel() * 12
+        rows.append(dict(merge=name, tokens=tokens, ms=t * 1e3, gbps=moved / t / 1e9))
+    (o1, l1), (o2, l2) = results["default"], results["eager"]
+    for r in rows:
+        r["max_diff_vs_eager"] = max((o1 - o2).abs().max().item(), (l1 - l2).abs().max().item())
+    return rows
+
+
+def eager_merge_rings(backend: str, tokens: int, a, device, gen) -> list[dict]:
+    """The zigzag ring with the eager merge, to show what the fused merge buys."""
+    import dtensor_ring.engine as engine
+    from dtensor_ring.merge import merge_eager_
+
+    default, engine.merge_ = engine.merge_, merge_eager_
+    try:
+        rows = [r for r in bench_config(backend, tokens, a, device, gen) if r["layout"] == "zigzag"]
+    finally:
+        engine.merge_ = default
+    return [dict(r, layout="zigzag (eager merge)") for r in rows]
+
+
 def plots(results: dict, out_dir: str) -> None:
     """Efficiency vs tokens per rank (per layout and backend) and memory bars, as PNGs."""
     try:
@@ -244,8 +280,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--precision-tokens", type=int, default=1024)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--precision-tokens", type=int, default=512)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--link-gbps", type=float, default=450.0, help="GB/s per direction")
     a = p.parse_args()
     if a.smoke:
@@ -268,8 +304,14 @@ def main() -> None:
         cuda=torch.version.cuda, device=torch.cuda.get_device_name() if device.type == "cuda"
         else "cpu", config=dict(world_size=a.world_size, heads=a.heads, kv_heads=a.kv_heads,
                                 head_dim=a.head_dim, dtype=str(a.dtype), tokens=tokens),
-        blocks=[], rings=[], precision=[], errors=[],
+        blocks=[], rings=[], precision=[], merges=[], errors=[],
     )
+    try:
+        results["merges"] = merge_bench(tokens[-1] if a.smoke else 8192, a, device, gen)
+        if device.type == "cuda":
+            results["rings"] += eager_merge_rings(backends[0], 8192, a, device, gen)
+    except Exception as e:
+        results["errors"].append(f"merge: {type(e).__name__}: {e}")
     for backend in backends:
         for t in tokens:
             for fn, key in ((block_throughput, "blocks"), (bench_config, "rings")):
@@ -297,11 +339,11 @@ def print_tables(results: dict) -> None:
     for r in results["blocks"]:
         print(f"{r['backend']:<11}{r['block']:<13}{r['tokens']:>7}{r['fwd_tflops']:>10.1f}"
               f"{r['fwd_bwd_tflops']:>10.1f}")
-    print(f"\n{'backend':<11}{'layout':<8}{'tok/rank':>8}{'fwd ms':>8}{'eff fwd':>8}"
+    print(f"\n{'backend':<11}{'layout':<21}{'tok/rank':>8}{'fwd ms':>8}{'eff fwd':>8}"
           f"{'f+b ms':>8}{'eff f+b':>8}{'limit':>7}{'pred f':>7}{'pred fb':>8}{'mem x':>6}")
     for r in results["rings"]:
         mem = f"{r['peak_mem_ratio']:.2f}" if r["peak_mem_ratio"] else "-"
-        print(f"{r['backend']:<11}{r['layout']:<8}{r['tokens_per_rank']:>8}{r['fwd_ms']:>8.2f}"
+        print(f"{r['backend']:<11}{r['layout']:<21}{r['tokens_per_rank']:>8}{r['fwd_ms']:>8.2f}"
               f"{r['eff_fwd']:>8.1%}{r['fwd_bwd_ms']:>8.2f}{r['eff_fwd_bwd']:>8.1%}"
               f"{r['plan_limit']:>7.1%}{r['predicted_eff_fwd']:>7.1%}"
               f"{r['predicted_eff_fwd_bwd']:>8.1%}{mem:>6}")
@@ -310,6 +352,9 @@ def print_tables(results: dict) -> None:
     for r in results["precision"]:
         print(f"{r['backend']:<11}{r['layout']:<8}{r['tensor']:<7}{r['max_err']:>10.2e}"
               f"{r['ratio_max']:>10.2f}{r['ratio_mean']:>11.2f}")
+    for r in results["merges"]:
+        print(f"merge {r['merge']:<8} {r['tokens']} rows: {r['ms']:.3f} ms, {r['gbps']:.0f} GB/s, "
+              f"max diff vs eager {r['max_diff_vs_eager']:.1e}")
     for e in results["errors"]:
         print("ERROR", e)
 

@@ -21,6 +21,9 @@ the input dtype once, at the end.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -33,7 +36,31 @@ def merge_(out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor, lse_BHS:
         out_acc_BSHD: running output, accumulation dtype; updated in place.
         lse_acc_BHS: running log-sum-exp, accumulation dtype; updated in place.
         out_BSHD, lse_BHS: the block's output (any float dtype) and log-sum-exp, same rows.
+
+    On CUDA with fp32 accumulators it runs one fused Triton kernel when Triton is installed
+    (``_triton_merge.py``), else the eager torch ops of :func:`merge_eager_`.
     """
+    fused = _fused_merge() if out_acc_BSHD.is_cuda else None
+    if (fused is not None and out_acc_BSHD.dtype == torch.float32
+            and out_acc_BSHD.stride(-1) == 1 and out_BSHD.stride(-1) == 1):
+        fused(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS)
+    else:
+        merge_eager_(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS)
+
+
+@functools.cache
+def _fused_merge():
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from ._triton_merge import triton_merge_
+
+    return triton_merge_
+
+
+def merge_eager_(
+    out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor, lse_BHS: Tensor
+) -> None:
+    """:func:`merge_` in eager torch ops (any device and dtype)."""
     weight_BSH1 = torch.sigmoid(lse_BHS - lse_acc_BHS).transpose(1, 2).unsqueeze(-1)
     out_acc_BSHD.add_(weight_BSH1 * (out_BSHD.to(out_acc_BSHD.dtype) - out_acc_BSHD))
     lse_acc_BHS.sub_(F.logsigmoid(lse_acc_BHS - lse_BHS))

@@ -1,0 +1,62 @@
+"""A fused Triton kernel for Note [Online-softmax merge] (CUDA only; imported lazily).
+
+One pass over the rows of a block: reads the fp32 accumulators and the block's output and lse,
+writes the accumulators. Eager torch needs ~6 kernels and several temporaries for the same
+update; this touches each byte once (fp32 out read + write, block out read, lse).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, lse_ptr, blk_out_ptr, blk_lse_ptr,
+    S, H, D,
+    o_sb, o_ss, o_sh, l_sb, l_sh, l_ss,
+    bo_sb, bo_ss, bo_sh, bl_sb, bl_sh, bl_ss,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)  # one (b, s) row of the block
+    b = row // S
+    s = row % S
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < H
+    hd_ok = h_ok[:, None] & (d[None, :] < D)
+
+    lse_ptrs = lse_ptr + b * l_sb + h * l_sh + s * l_ss
+    lse = tl.load(lse_ptrs, mask=h_ok, other=0.0)
+    blk_lse = tl.load(blk_lse_ptr + b * bl_sb + h * bl_sh + s * bl_ss, mask=h_ok, other=0.0)
+    blk_lse = blk_lse.to(tl.float32)
+    weight = tl.sigmoid(blk_lse - lse)
+    top = tl.maximum(lse, blk_lse)
+    new_lse = top + tl.log(tl.exp(lse - top) + tl.exp(blk_lse - top))
+
+    o_ptrs = out_ptr + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
+    o = tl.load(o_ptrs, mask=hd_ok, other=0.0)
+    bo_ptrs = blk_out_ptr + b * bo_sb + s * bo_ss + h[:, None] * bo_sh + d[None, :]
+    blk_o = tl.load(bo_ptrs, mask=hd_ok, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, o + weight[:, None] * (blk_o - o), mask=hd_ok)
+    tl.store(lse_ptrs, new_lse, mask=h_ok)
+
+
+def triton_merge_(out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor,
+                  lse_BHS: Tensor) -> None:
+    """Same contract as :func:`dtensor_ring.merge.merge_`; fp32 accumulators, unit D stride."""
+    B, S, H, D = out_acc_BSHD.shape
+    block_d = triton.next_power_of_2(D)
+    block_h = max(1, min(triton.next_power_of_2(H), 2048 // block_d))
+    grid = (B * S, triton.cdiv(H, block_h))
+    _merge_kernel[grid](
+        out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS,
+        S, H, D,
+        out_acc_BSHD.stride(0), out_acc_BSHD.stride(1), out_acc_BSHD.stride(2),
+        *lse_acc_BHS.stride(),
+        out_BSHD.stride(0), out_BSHD.stride(1), out_BSHD.stride(2),
+        *lse_BHS.stride(),
+        BLOCK_H=block_h, BLOCK_D=block_d,
+    )
