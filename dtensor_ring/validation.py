@@ -35,16 +35,49 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, layout: str, causal: bool) -> 
     Raises:
         ValueError: naming the offending argument and how to fix it.
     """
+    check_layout_causal(layout, causal)
+    check_qkv_tensors(q, k, v)
+    S = q.shape[1]
+    if layout == "zigzag" and S % 2 != 0:
+        raise ValueError(
+            f"zigzag needs an even local sequence length (two chunks per rank), got S_local={S}; "
+            "pad the global sequence to a multiple of 2 * world_size"
+        )
+
+
+def check_layout_causal(
+    layout: str, causal: bool, *, ring_func: str = "ring_flash_attn_func"
+) -> None:
+    """Check that ``layout`` is known and, unless it is "ring", that ``causal`` is True.
+
+    ``ring_func`` is the function the message suggests for non-causal attention.
+    """
     check_layout(layout)
     if layout != "ring" and not causal:
         raise ValueError(
             f"layout={layout!r} is for causal attention only; pass causal=True, or use the ring "
-            "layout (ring_flash_attn_func) for non-causal attention"
+            f"layout ({ring_func}) for non-causal attention"
         )
+
+
+_SEQ_DIMS_WORDS = {"B, S_local": "batch, local sequence length", "T_local": "packed length"}
+
+
+def check_qkv_tensors(q: Tensor, k: Tensor, v: Tensor, *, seq_dims: str = "B, S_local") -> None:
+    """Shape/dtype/device checks of ``q [*seq_dims, H, D]``, ``k``/``v [*seq_dims, H_kv, D]``.
+
+    Args:
+        seq_dims: the leading (token) dims: ``"B, S_local"`` for the dense API (4-D tensors),
+            ``"T_local"`` for packed varlen tensors (3-D).
+
+    Raises:
+        ValueError: naming the offending argument and how to fix it.
+    """
+    ndim = len(seq_dims.split(",")) + 2
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
+        if t.dim() != ndim:
             raise ValueError(
-                f"{name} must be 4-D [B, S_local, H, D], got shape {tuple(t.shape)}"
+                f"{name} must be {ndim}-D [{seq_dims}, H, D], got shape {tuple(t.shape)}"
             )
         if t.numel() == 0:
             raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); every dim must be >= 1")
@@ -52,11 +85,12 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, layout: str, causal: bool) -> 
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    (B, S, H, D), (B_kv, S_kv, H_kv, D_kv) = q.shape, k.shape
-    if (B, S, D) != (B_kv, S_kv, D_kv):
+    (*lead_q, H, D), (*lead_kv, H_kv, D_kv) = q.shape, k.shape
+    if (*lead_q, D) != (*lead_kv, D_kv):
         raise ValueError(
-            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local sequence "
-            "length and head dim ([B, S_local, H, D] vs [B, S_local, H_kv, D])"
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on "
+            f"{_SEQ_DIMS_WORDS.get(seq_dims, seq_dims)} and head dim "
+            f"([{seq_dims}, H, D] vs [{seq_dims}, H_kv, D])"
         )
     if H % H_kv != 0:
         raise ValueError(
@@ -66,8 +100,3 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, layout: str, causal: bool) -> 
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    if layout == "zigzag" and S % 2 != 0:
-        raise ValueError(
-            f"zigzag needs an even local sequence length (two chunks per rank), got S_local={S}; "
-            "pad the global sequence to a multiple of 2 * world_size"
-        )
