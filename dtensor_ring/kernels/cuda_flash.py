@@ -3,7 +3,8 @@
 These ops take the flash-attn layouts directly: ``[B, S, H, D]`` for dense blocks and packed
 ``[T, H, D]`` with int32 ``cum_seq_q/k`` for varlen, so no transposes are needed. What they
 require and return (read in ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``
-and ``torch/_meta_registrations.py``, torch 2.11-2.13):
+and ``torch/_meta_registrations.py``, torch 2.11-2.13; checked against fp64 on an H200 with
+torch 2.11.0+cu130 by ``tests/gpu/check_kernels.py``, dense and varlen, GQA 32:8):
 
 * CUDA sm80+, fp16/bf16, head dim a multiple of 8 and at most 256, ``H % H_kv == 0`` (GQA is
   native: the backward sums the expanded dK/dV over each group itself).

@@ -7,11 +7,13 @@ keeps BSHD activations; the output is allocated with the query's layout, so ``ou
 as a plain BSHD tensor.
 
 What we found in the PyTorch sources (``aten/src/ATen/native/cudnn/MHA.cpp`` and
-``transformers/cuda/sdp_utils.cpp``, torch 2.11-2.13; verified on the GPU by
-``tests/gpu/check_kernels.py``):
+``transformers/cuda/sdp_utils.cpp``) and checked on an H200 with torch 2.11.0+cu130 and
+cuDNN 9.19 (``tests/gpu/check_kernels.py``: out/lse/dq/dk/dv against fp64, bf16 and fp16,
+``H_kv`` 32 and 8, causal and not, 1k-8k blocks and an 8192x4096 block with K/V views):
 
-* ``lse`` comes back as fp32 ``[B, H, S, 1]``; we return a ``[B, H, S]`` view of it and give the
-  backward ``lse_BHS.unsqueeze(-1)``, the shape the forward returned.
+* ``lse`` comes back as fp32 ``[B, H, S, 1]`` (contiguous); we return a ``[B, H, S]`` view of
+  it and give the backward ``lse_BHS.unsqueeze(-1)``, the shape the forward returned (torch
+  2.11 also accepts ``[B, H, S]`` there).
 * GQA is native: the graph takes K/V with their own head count, and SDPA's cuDNN gate accepts
   ``H != H_kv`` (``check_batch_size_and_num_heads_dense<enable_gqa=true>``); dK/dV come back
   with ``H_kv`` heads.

@@ -31,6 +31,7 @@ signature is ``(*args, **kwargs)``; the decorated function is read from their ``
 We always pass preallocated ``dq/dk/dv``, so the backward works the same in both generations,
 and ``deterministic=torch.are_deterministic_algorithms_enabled()``, the switch ``cuda_flash``
 obeys too.
+
 Head dim must be a multiple of 8 (2.6 would pad it, 2.7+ refuses). ``causal`` is aligned
 bottom-right when ``S_q != S_k``, as in ``cuda_flash``; the engine only sends square causal
 blocks.
