@@ -7,7 +7,12 @@ Public names:
     * sequence sharding: ``shard_local``, ``unshard_local``, ``gather_sequence``,
       ``token_indices``;
     * schedules: ``make_plan`` (per-rank blocks and FLOPs);
-    * block kernels: ``BACKEND_NAMES``.
+    * block kernels: ``BACKEND_NAMES``;
+    * variable-length (packed documents, docs/varlen.md): ``ring_flash_attn_varlen_func``,
+      ``zigzag_ring_flash_attn_varlen_func``, ``llama3_flash_attn_varlen_func`` and their
+      packed forms, ``llama3_flash_attn_prepare_cu_seqlens``, ``shard_varlen``,
+      ``unshard_varlen``, ``varlen_token_indices``, ``varlen_local_cu_seqlens``,
+      ``varlen_balance``, ``VARLEN_LAYOUTS``.
 """
 
 from .functional import (
@@ -21,9 +26,29 @@ from .functional import (
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
 )
+from .functional_varlen import (
+    llama3_flash_attn_varlen_func,
+    llama3_flash_attn_varlen_kvpacked_func,
+    llama3_flash_attn_varlen_qkvpacked_func,
+    ring_flash_attn_varlen_func,
+    ring_flash_attn_varlen_kvpacked_func,
+    ring_flash_attn_varlen_qkvpacked_func,
+    zigzag_ring_flash_attn_varlen_func,
+    zigzag_ring_flash_attn_varlen_kvpacked_func,
+    zigzag_ring_flash_attn_varlen_qkvpacked_func,
+)
 from .kernels import BACKEND_NAMES
 from .layouts import LAYOUTS, gather_sequence, shard_local, token_indices, unshard_local
+from .llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .plan import make_plan
+from .varlen import (
+    VARLEN_LAYOUTS,
+    shard_varlen,
+    unshard_varlen,
+    varlen_balance,
+    varlen_local_cu_seqlens,
+    varlen_token_indices,
+)
 
 __all__ = [
     "BACKEND_NAMES",
@@ -42,4 +67,21 @@ __all__ = [
     "zigzag_ring_flash_attn_func",
     "zigzag_ring_flash_attn_kvpacked_func",
     "zigzag_ring_flash_attn_qkvpacked_func",
+    # variable-length sequences
+    "VARLEN_LAYOUTS",
+    "llama3_flash_attn_prepare_cu_seqlens",
+    "llama3_flash_attn_varlen_func",
+    "llama3_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_qkvpacked_func",
+    "ring_flash_attn_varlen_func",
+    "ring_flash_attn_varlen_kvpacked_func",
+    "ring_flash_attn_varlen_qkvpacked_func",
+    "shard_varlen",
+    "unshard_varlen",
+    "varlen_balance",
+    "varlen_local_cu_seqlens",
+    "varlen_token_indices",
+    "zigzag_ring_flash_attn_varlen_func",
+    "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
 ]

@@ -1,0 +1,230 @@
+"""The varlen ``dtensor_ring::`` custom ops: ring/zigzag varlen and llama3 all-gather attention.
+
+Built like ``ops.py``: each op is followed by its fake (shapes only) and autograd links forward
+and backward with ``register_autograd``; the process group travels by name, so Dynamo treats
+the ops as opaque. Outputs are fresh contiguous tensors: ``out [T_local, H, D]`` in the input
+dtype and ``lse [H, T_local]`` in the accumulation dtype, without gradient.
+
+The ops check their inputs themselves (every rank, before any communication), including the
+*values* of the ``cu_seqlens`` tensors, which needs them on the host: a CPU tensor is read
+directly; a GPU tensor is copied once (a sync) and then cached on its identity and version
+(``varlen.host_values``), so the backward and later layers reuse it. Running the checks inside
+the op keeps data-dependent reads out of the traced graph under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._compat import resolve_group
+from .comm import RingExchanger
+from .engine import ring_backward, ring_forward
+from .kernels import BlockKernel, KernelCall, accumulation_dtype, select_kernel
+from .llama3 import Llama3Meta, check_llama3_call, llama3_backward, llama3_forward
+from .ops import make_plan_cached
+from .varlen import VarlenBlocks, check_varlen_qkv, varlen_blocks
+
+_KV_TAG, _DKV_TAG = 2, 3  # distinct from ops.py's, should both be in flight on one group
+
+
+def _setup_ring(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend):
+    group = resolve_group(group_name)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    bounds = check_varlen_qkv(
+        q, k, v, cu_seqlens, max_seqlen, layout=layout, causal=causal, world_size=world_size
+    )
+    kernel = select_kernel(KernelCall.of(q, k, varlen=True), backend)
+    blocks: VarlenBlocks = varlen_blocks(bounds, layout, world_size, causal, q.device)
+    steps = make_plan_cached(layout, world_size, causal).steps[rank]
+    return steps, blocks, kernel, group, world_size
+
+
+@torch.library.custom_op("dtensor_ring::ring_attention_varlen", mutates_args=())
+def ring_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    group_name: str,
+    layout: str,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Ring/zigzag varlen attention of local ``q [T, H, D]``, ``k, v [T, H_kv, D]``.
+
+    ``cu_seqlens``: int32 local document boundaries (Note [Varlen layouts]). -> (out, lse).
+    """
+    steps, blocks, kernel, group, world_size = _setup_ring(
+        q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend
+    )
+    exchanger = RingExchanger(group, _KV_TAG) if world_size > 1 else None
+    return ring_forward(
+        q, k.contiguous(), v.contiguous(), steps, exchanger, kernel, scale, blocks
+    )
+
+
+@ring_attention_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, scale, backend=None):
+    T, H, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        (H, T), dtype=accumulation_dtype(q.dtype)
+    )
+
+
+@torch.library.custom_op("dtensor_ring::ring_attention_varlen_backward", mutates_args=())
+def ring_attention_varlen_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    group_name: str,
+    layout: str,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`ring_attention_varlen`."""
+    steps, blocks, kernel, group, world_size = _setup_ring(
+        q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend
+    )
+    kv_exchanger = dkv_exchanger = None
+    if world_size > 1:
+        kv_exchanger, dkv_exchanger = RingExchanger(group, _KV_TAG), RingExchanger(group, _DKV_TAG)
+    return ring_backward(
+        dout, q, k.contiguous(), v.contiguous(), out, lse, steps, kv_exchanger, dkv_exchanger,
+        kernel, scale, blocks,
+    )
+
+
+@ring_attention_varlen_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, group_name, layout, causal, scale,
+      backend=None):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _ring_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, *ctx.args = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+
+
+def _ring_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = ring_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, *ctx.args)
+    return (dq, dk, dv) + (None,) * 7
+
+
+ring_attention_varlen.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+
+
+# --- llama3 ---------------------------------------------------------------------------------
+
+
+def _setup_llama3(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, k_start,
+    k_stop, group_name, causal, backend,
+) -> tuple[Llama3Meta, BlockKernel, dist.ProcessGroup]:
+    group = resolve_group(group_name)
+    meta = check_llama3_call(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
+        k_start, k_stop, causal=causal, rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+    )
+    return meta, select_kernel(KernelCall.of(q, k, varlen=True), backend), group
+
+
+@torch.library.custom_op("dtensor_ring::llama3_attention", mutates_args=())
+def llama3_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    heads_k_stride: int,
+    k_start: int,
+    k_stop: int,
+    group_name: str,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """llama3 all-gather attention of local ``q [L, H, D]``, ``k, v [L, H_kv, D]`` -> (out, lse).
+
+    ``cu_seqlens_q/k``, ``max_seqlen_q/k`` and ``local_k_slice = slice(k_start, k_stop)`` as
+    returned by ``llama3_flash_attn_prepare_cu_seqlens`` (Note [llama3 all-gather attention]).
+    """
+    meta, kernel, group = _setup_llama3(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
+        k_start, k_stop, group_name, causal, backend,
+    )
+    return llama3_forward(q, k, v, meta, heads_k_stride, group, kernel, scale)
+
+
+@llama3_attention.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, k_start,
+      k_stop, group_name, causal, scale, backend=None):
+    T, H, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        (H, T), dtype=accumulation_dtype(q.dtype)
+    )
+
+
+@torch.library.custom_op("dtensor_ring::llama3_attention_backward", mutates_args=())
+def llama3_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    heads_k_stride: int,
+    k_start: int,
+    k_stop: int,
+    group_name: str,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`llama3_attention`."""
+    meta, kernel, group = _setup_llama3(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
+        k_start, k_stop, group_name, causal, backend,
+    )
+    return llama3_backward(dout, q, k, v, out, lse, meta, heads_k_stride, group, kernel, scale)
+
+
+@llama3_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      heads_k_stride, k_start, k_stop, group_name, causal, scale, backend=None):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _llama3_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.args = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+
+
+def _llama3_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = llama3_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 11
+
+
+llama3_attention.register_autograd(_llama3_backward, setup_context=_llama3_setup_context)
