@@ -1,0 +1,135 @@
+"""fp64 reference implementations the tests compare the library against.
+
+Everything here is deliberately naive and independent of ``dtensor_ring``: explicit score
+matrices, a ``-inf`` mask, ``logsumexp``, computed in float64 with plain torch ops (so autograd
+provides the reference gradients), and the sequence layouts written out as index lists.
+
+Shape legend: B batch, S sequence, H query heads, H_kv key/value heads, D head dim, T packed
+tokens (varlen).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LAYOUTS = ("ring", "zigzag", "stripe")
+
+
+def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Validate the head counts and return the group size ``H // H_kv``."""
+    assert k.shape == v.shape, (k.shape, v.shape)
+    H, H_kv = q.shape[-2], k.shape[-2]
+    assert H % H_kv == 0, (H, H_kv)
+    assert q.shape[-1] == k.shape[-1], (q.shape, k.shape)
+    return H // H_kv
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Exact softmax attention of full sequences, in float64.
+
+    Args:
+        q: ``[B, S, H, D]``; k, v: ``[B, S, H_kv, D]`` with ``H % H_kv == 0``: KV head ``j``
+            serves query heads ``j*G .. (j+1)*G - 1`` (``G = H // H_kv``, i.e.
+            ``repeat_interleave``, as in flash-attn).
+        causal: query ``i`` sees keys ``j <= i``.
+        scale: softmax scale, default ``D ** -0.5``.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` (natural log), both
+        float64 and differentiable with respect to the inputs.
+    """
+    group = _check_heads(q, k, v)
+    S_q, S_k, D = q.shape[1], k.shape[1], q.shape[-1]
+    scale = D**-0.5 if scale is None else scale
+    q64, k64, v64 = (x.to(torch.float64) for x in (q, k, v))
+    k64 = k64.repeat_interleave(group, dim=2)
+    v64 = v64.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
+    if causal:
+        assert S_q == S_k, "causal reference is for self-attention (S_q == S_k)"
+        visible = torch.ones(S_q, S_k, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, S_q]
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v64)
+    return out, lse
+
+
+def reference_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-document attention of packed sequences, in float64.
+
+    Args:
+        q: ``[T, H, D]``; k, v: ``[T, H_kv, D]``; ``cu_seqlens``: ``[N + 1]`` document
+            boundaries (``0 = c_0 <= c_1 <= ... <= c_N = T``). Tokens attend only within their
+            document (and causally within it if ``causal``).
+
+    Returns:
+        ``(out, lse)``: ``out`` ``[T, H, D]`` and ``lse`` ``[H, T]``, float64, differentiable.
+    """
+    bounds = [int(c) for c in cu_seqlens.tolist()]
+    assert bounds[0] == 0 and bounds[-1] == q.shape[0], bounds
+    outs, lses = [], []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end == start:
+            continue
+        out, lse = reference_attention(
+            q[None, start:end], k[None, start:end], v[None, start:end], causal=causal, scale=scale
+        )
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=-1)
+
+
+def layout_indices(layout: str, rank: int, world_size: int, seq_len: int) -> Tensor:
+    """Global token positions rank ``rank`` of ``world_size`` holds, in local order.
+
+    * ``ring``: the contiguous block ``[r*S/W, (r+1)*S/W)``;
+    * ``zigzag``: the sequence cut into ``2W`` equal chunks; chunk ``r`` then chunk ``2W-1-r``;
+    * ``stripe``: tokens ``r, r+W, r+2W, ...``.
+    """
+    W, S = world_size, seq_len
+    if layout == "ring":
+        assert S % W == 0, (S, W)
+        n = S // W
+        return torch.arange(rank * n, (rank + 1) * n)
+    if layout == "zigzag":
+        assert S % (2 * W) == 0, (S, W)
+        c = S // (2 * W)
+        first, second = rank, 2 * W - 1 - rank
+        return torch.cat([torch.arange(first * c, (first + 1) * c),
+                          torch.arange(second * c, (second + 1) * c)])
+    if layout == "stripe":
+        assert S % W == 0, (S, W)
+        return torch.arange(rank, S, W)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+
+def shard(x: Tensor, layout: str, rank: int, world_size: int, seq_dim: int = 1) -> Tensor:
+    """Reference sharding: the tokens of ``x`` (along ``seq_dim``) that ``rank`` holds."""
+    idx = layout_indices(layout, rank, world_size, x.shape[seq_dim]).to(x.device)
+    return x.index_select(seq_dim, idx)
+
+
+def random_qkv(
+    B: int, S: int, H: int, H_kv: int, D: int, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Seeded random ``q [B,S,H,D]``, ``k, v [B,S,H_kv,D]``, identical on every process.
+
+    Drawn in float64 and then cast, so the values for a seed are the same for every dtype.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, S, H_kv, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, S, H_kv, D, generator=gen, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
