@@ -20,8 +20,9 @@ from torch import Tensor
 class PendingExchange:
     """Transfers in flight; :meth:`wait` returns the received tensors."""
 
-    def __init__(self, works: list, received: list[Tensor]):
+    def __init__(self, works: list, sent: list[Tensor], received: list[Tensor]):
         self._works = works
+        self._sent = sent  # keeps contiguous copies alive until the sends complete
         self._received = received
 
     def wait(self) -> list[Tensor]:
@@ -54,8 +55,13 @@ class RingExchanger:
         return self._buffers[self._turn]
 
     def start(self, tensors: Sequence[Tensor]) -> PendingExchange:
-        """Start sending ``tensors`` right and receiving their like from the left."""
+        """Start sending ``tensors`` right and receiving their like from the left.
+
+        Non-contiguous tensors (e.g. the k/v views of a packed kv) are sent as contiguous
+        copies; the received tensors are always contiguous.
+        """
+        tensors = [t.contiguous() for t in tensors]
         received = self._receive_buffers(tensors)
         ops = [dist.P2POp(dist.isend, t, self._next, self.group, self.tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self._prev, self.group, self.tag) for t in received]
-        return PendingExchange(dist.batch_isend_irecv(ops), received)
+        return PendingExchange(dist.batch_isend_irecv(ops), tensors, received)
