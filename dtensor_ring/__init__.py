@@ -12,9 +12,18 @@ Public names:
       ``zigzag_ring_flash_attn_varlen_func``, ``llama3_flash_attn_varlen_func`` and their
       packed forms, ``llama3_flash_attn_prepare_cu_seqlens``, ``shard_varlen``,
       ``unshard_varlen``, ``varlen_token_indices``, ``varlen_local_cu_seqlens``,
-      ``varlen_balance``, ``VARLEN_LAYOUTS``.
+      ``varlen_balance``, ``VARLEN_LAYOUTS``;
+    * DTensor (docs/composability.md): ``ring_sdpa`` (scope: ``F.scaled_dot_product_attention``
+      on sequence-sharded DTensors runs ring attention), ``scaled_dot_product_ring_attention``,
+      ``shard_sequence``, ``unshard_sequence``.
 """
 
+from .dtensor import (
+    ring_sdpa,
+    scaled_dot_product_ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
 from .functional import (
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
@@ -84,4 +93,9 @@ __all__ = [
     "zigzag_ring_flash_attn_varlen_func",
     "zigzag_ring_flash_attn_varlen_kvpacked_func",
     "zigzag_ring_flash_attn_varlen_qkvpacked_func",
+    # DTensor
+    "ring_sdpa",
+    "scaled_dot_product_ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
 ]

@@ -36,3 +36,35 @@ def group_name(group: dist.ProcessGroup | None) -> str:
 def resolve_group(name: str) -> dist.ProcessGroup:
     """The process group registered under ``name``."""
     return _c10d._resolve_process_group(name)
+
+
+@torch.compiler.assume_constant_result
+def _select_backend_name(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    deterministic: bool,
+    backend: str | None,
+) -> str:
+    from .kernels import KernelCall, select_kernel
+
+    call = KernelCall(device_type, dtype, head_dim, num_heads, num_kv_heads,
+                      deterministic=deterministic)
+    return select_kernel(call, backend).name
+
+
+def select_backend_name(
+    q: torch.Tensor, k: torch.Tensor, backend: str | None, *, deterministic: bool = False
+) -> str:
+    """Name of the block kernel for ``q [..., H, D]`` and ``k [..., H_kv, D]`` (see select_kernel).
+
+    Front doors resolve the kernel before calling the op, so that an unsupported call raises
+    on every rank before any communication. Under ``torch.compile`` the choice is made once at
+    trace time and baked into the graph as a constant (``torch.compiler.
+    assume_constant_result``): backends' availability probes (``torch.backends.cudnn.
+    is_available()``, imports) are not traceable by Dynamo and would break the graph.
+    """
+    return _select_backend_name(q.device.type, q.dtype, int(q.shape[-1]), int(q.shape[-2]),
+                                int(k.shape[-2]), bool(deterministic), backend)

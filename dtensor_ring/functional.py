@@ -21,8 +21,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import Tensor
 
-from ._compat import group_name
-from .kernels import KernelCall, select_kernel
+from ._compat import group_name, select_backend_name
 from .ops import ring_attention
 from .validation import check_qkv, check_unsupported
 
@@ -45,7 +44,7 @@ def _attention(
     check_unsupported(dropout_p=dropout_p, window_size=window_size, alibi_slopes=alibi_slopes)
     check_qkv(q, k, v, layout=layout, causal=causal)
     # Resolve the kernel here too, so that an unsupported call fails before any communication.
-    backend = select_kernel(KernelCall.of(q, k, deterministic=deterministic), backend).name
+    backend = select_backend_name(q, k, backend, deterministic=deterministic)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = ring_attention(q, k, v, group_name(group), layout, causal, scale, backend)
     return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,102 @@
+"""Private DTensor internals that the DTensor front door needs, walled off in one place.
+
+One private API is used: DTensor's table of custom op handlers,
+``DTensor._op_dispatcher._custom_op_handlers`` (a ``dict`` from ``OpOverload`` to
+``handler(op, args, kwargs)``; DTensor's dispatcher, in Python up to torch 2.9 and in C++
+from 2.10, calls a listed handler instead of sharding propagation). PyTorch's own
+context parallelism (``torch/distributed/tensor/experimental/_context_parallel/_attention.py``)
+and loss parallelism (``torch/distributed/tensor/parallel/loss.py``) install their handlers
+the same way. :mod:`dtensor_ring.dtensor` uses it to route the fused SDPA aten ops (and
+their backward ops) on DTensors to ring attention (Note [How SDPA on DTensors reaches ring
+attention]).
+
+:data:`HAS_OP_HANDLER_TABLE` says whether this torch has the table in the known form (checked
+at import, for torch ``>= 2.11``); ``tests/test_dtensor.py`` asserts it and that DTensor's
+dispatcher really calls an installed handler, so a PyTorch change fails loudly there. Without
+it, :func:`custom_op_handlers` raises ``RuntimeError`` (``ring_sdpa`` cannot work);
+``scaled_dot_product_ring_attention`` needs no private API and keeps working.
+
+``bind_args`` and ``return_names`` read ``OpOverload._schema`` (long-standing, but private).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch.distributed.tensor import DTensor
+
+_KNOWN_FROM = (2, 11)
+_TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+Handler = Callable[[torch._ops.OpOverload, tuple, dict], object]
+
+
+def _handler_table() -> dict | None:
+    """DTensor's handler dict, or None when this torch does not have it in the known form."""
+    if _TORCH_VERSION < _KNOWN_FROM:
+        return None
+    dispatcher = getattr(DTensor, "_op_dispatcher", None)
+    table = getattr(dispatcher, "_custom_op_handlers", None)
+    return table if isinstance(table, dict) else None
+
+
+HAS_OP_HANDLER_TABLE: bool = _handler_table() is not None
+
+
+def current_handlers() -> dict:
+    """A copy of DTensor's handler table (``{}`` when unavailable); for tests and debugging."""
+    table = _handler_table()
+    return dict(table) if table is not None else {}
+
+
+@contextlib.contextmanager
+def custom_op_handlers(handlers: Mapping[torch._ops.OpOverload, Handler]) -> Iterator[None]:
+    """Install ``handlers`` in DTensor's handler table for the scope; restore it on exit.
+
+    The table is updated in place (the dispatcher may hold a reference to it) and exactly the
+    previous entries of the affected ops are restored, also when the body raises.
+
+    Raises:
+        RuntimeError: when this torch does not have the table in the known form.
+    """
+    table = _handler_table()
+    if table is None:
+        raise RuntimeError(
+            f"torch {torch.__version__}: DTensor._op_dispatcher._custom_op_handlers is missing "
+            "or changed, so dtensor_ring.ring_sdpa cannot route SDPA on DTensors to ring "
+            "attention; dtensor_ring/_dtensor_compat.py needs an update for this version. "
+            "dtensor_ring.scaled_dot_product_ring_attention (no private API) still works."
+        )
+    missing = object()
+    saved = {op: table.get(op, missing) for op in handlers}
+    table.update(handlers)
+    try:
+        yield
+    finally:
+        for op, previous in saved.items():
+            if previous is missing:
+                table.pop(op, None)
+            else:
+                table[op] = previous
+
+
+def bind_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, object]:
+    """``{argument name: value}`` of a call of ``op``, defaults filled in, from its schema."""
+    bound: dict[str, object] = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            bound[arg.name] = None
+    return bound
+
+
+def return_names(op: torch._ops.OpOverload) -> list[str]:
+    """Names of ``op``'s returns, from its schema (``""`` for unnamed ones)."""
+    return [ret.name for ret in op._schema.returns]

@@ -1,0 +1,703 @@
+"""DTensor front door: ``F.scaled_dot_product_attention`` on sequence-sharded DTensors.
+
+Public names: :func:`ring_sdpa` (the scope), :func:`scaled_dot_product_ring_attention` (the
+function SDPA calls become), :func:`shard_sequence` / :func:`unshard_sequence`.
+
+Shape legend: B batch, H query heads, H_kv key/value heads, S sequence, D head dim. SDPA's
+layout is ``[B, H, S, D]`` (sequence dim 2); the op's is ``[B, S, H, D]`` (sequence dim 1).
+:func:`_swap_seq_heads` is the only conversion between them (a transpose view).
+
+Note [DTensor global view of a permuted layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+DTensor has no notion of token order: a DTensor sharded ``Shard(seq_dim)`` over the W ranks of
+the context-parallel mesh dim means "the global tensor is the concatenation of the rank shards
+in rank order". With the ring layout that *is* the sequence. With zigzag or stripe
+(Note [Sequence layouts] in ``layouts.py``) each rank holds a permuted selection of tokens, so
+the DTensor's global view is the **permuted** sequence, e.g. S = 8, W = 2, zigzag:
+
+    original order          0 1 2 3 4 5 6 7
+    rank 0 holds            0 1 | 6 7
+    rank 1 holds            2 3 | 4 5
+    DTensor global view     0 1 6 7 2 3 4 5     (what full_tensor() / redistribute() return)
+
+Consequences:
+
+* Elementwise and per-token ops (linear layers, norms, activations, RoPE with the right
+  position ids, token-level losses and their mean) are unaffected: they commute with any
+  permutation of tokens. So is ring attention, which is told the layout.
+* Ops that mix positions (cumsum, convolutions or shifts along the sequence, slicing a window
+  of positions, ``full_tensor()`` compared with an unpermuted tensor) see the permuted order.
+  Build position ids with :func:`dtensor_ring.token_indices` (or shard them with
+  :func:`shard_sequence` like the inputs) and shift labels *before* sharding.
+* Only :func:`unshard_sequence` (or :func:`dtensor_ring.gather_sequence` on plain local
+  tensors) restores the original order.
+
+:func:`shard_sequence` builds such DTensors for inputs, labels and position ids alike.
+
+Note [How SDPA on DTensors reaches ring attention]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``F.scaled_dot_product_attention`` is a composite: it picks a fused kernel from the inputs'
+(global) metadata and calls that aten op (``_scaled_dot_product_flash_attention_for_cpu``,
+``_scaled_dot_product_flash_attention``, ``_efficient_attention``, ``_cudnn_attention``),
+whose autograd formula later calls the matching ``..._backward`` op. On DTensors both reach
+DTensor's dispatcher, which offers a table of custom op handlers (private; walled off in
+``_dtensor_compat.py``). ``with ring_sdpa(layout=...)`` installs, and removes on exit:
+
+1. Handlers for all four SDPA op families, forward and backward (:data:`ATEN_SDPA_OPS`, one
+   row per family; arguments are bound by schema name, so one forward and one backward
+   handler serve every row). The forward handler validates placements, transposes the local
+   shards to ``[B, S, H, D]`` and calls ``dtensor_ring::ring_attention`` on them; it returns
+   ``(out, lse)`` as DTensors (plus whatever else the op's schema returns); the backward
+   handler gets them back from autograd and calls ``dtensor_ring::ring_attention_backward``.
+
+2. A ``TorchFunctionMode`` (public API) that sees the SDPA call *before* kernel choice. It
+   raises a clear ``ValueError`` for what ring attention does not do (attn_mask, dropout,
+   bad placements), and runs SDPA under ``sdpa_kernel`` without the math backend, which would
+   otherwise decompose into sharded matmuls that never reach a handler. Being a mode, it is on
+   the stack Dynamo guards: a function compiled outside the scope is recompiled inside it, and
+   the other way round. (The handler table alone is invisible to Dynamo's guards.)
+
+Why the handlers do the work rather than the mode calling our op directly: the same path must
+run however the call arrives. Activation checkpointing recomputes the forward inside
+``backward()``, which a mode does not see (a mode is switched off while it handles
+``Tensor.backward``), and Dynamo traces checkpointed regions (higher-order ops) without the
+ambient mode; both then reach the aten ops, so routing everything through them keeps the saved
+tensors of forward and recompute identical. It follows that the scope must be entered outside
+``torch.compile``'d code (the handlers act while AOTAutograd traces, after Dynamo); entering it
+inside raises ``RuntimeError``.
+
+:func:`scaled_dot_product_ring_attention` is the scope-free alternative: it calls our op on the
+DTensors directly (its sharding rule is registered with ``register_sharding``, public), works
+in eager and compiled code alike, and needs no private API.
+
+Outside the scope nothing of this is active: SDPA on DTensors behaves as PyTorch makes it.
+The sharding rules of our own ops stay registered (they concern only ``dtensor_ring::`` ops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from . import _dtensor_compat
+from ._compat import select_backend_name
+from .layouts import Layout, check_layout, local_seq_divisor, shard_local, token_indices
+from .ops import ring_attention, ring_attention_backward
+
+__all__ = [
+    "ATEN_SDPA_OPS",
+    "ring_sdpa",
+    "scaled_dot_product_ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
+]
+
+SDPA_SEQ_DIM = 2  # [B, H, S, D]
+OP_SEQ_DIM = 1  # [B, S, H, D]
+BATCH_DIM = 0
+
+
+def _swap_seq_heads(t: Tensor) -> Tensor:
+    """``[B, H, S, D] <-> [B, S, H, D]`` (a transpose view; its own inverse).
+
+    The one place where SDPA's layout meets the op's; DTensors map ``Shard(2) <-> Shard(1)``.
+    """
+    return t.transpose(1, 2)
+
+
+def _to_op_layout(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """SDPA's ``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` -> the op's ``[B, S, H(_kv), D]``.
+
+    q stays a view; k and v are made contiguous, because they travel around the ring and
+    process-group sends need contiguous buffers.
+    """
+    return (_swap_seq_heads(query), _swap_seq_heads(key).contiguous(),
+            _swap_seq_heads(value).contiguous())
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (global metadata only: identical on every rank, so errors raise everywhere,
+# before any communication).
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Sharded:
+    """What the checks need of a DTensor or a DTensorSpec."""
+
+    name: str
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+
+
+def _describe(x: DTensor, name: str) -> _Sharded:
+    return _Sharded(name, x.device_mesh, tuple(x.placements), tuple(x.shape))
+
+
+def _mesh_dim_label(mesh: DeviceMesh, i: int) -> str:
+    names = mesh.mesh_dim_names
+    return f"mesh dim {i}" + (f" ({names[i]!r})" if names else "")
+
+
+def _cp_mesh_dim(
+    xs: Sequence[_Sharded], *, seq_dim: int, layout: str, layout_names: str
+) -> int:
+    """Check q/k/v-like tensors for ring attention; return the context-parallel mesh dim.
+
+    Accepted: one mesh; identical placements; ``Shard(seq_dim)`` on exactly one mesh dim (the
+    context-parallel dim); ``Replicate()`` or ``Shard(0)`` (batch) on the others; even shards.
+    """
+    first = xs[0]
+    for x in xs:
+        if len(x.shape) != 4:
+            raise ValueError(
+                f"{x.name} must be a 4-D {layout_names} DTensor, got shape {tuple(x.shape)}"
+            )
+    for x in xs[1:]:
+        if x.mesh is not first.mesh and x.mesh != first.mesh:
+            raise ValueError(
+                f"{first.name} and {x.name} are on different device meshes ({first.mesh} vs "
+                f"{x.mesh}); ring attention needs q, k and v on one mesh"
+            )
+        if x.placements != first.placements:
+            raise ValueError(
+                f"{first.name} and {x.name} have different placements ({first.placements} vs "
+                f"{x.placements}); shard q, k and v the same way (e.g. with shard_sequence)"
+            )
+    mesh, cp_dim = first.mesh, None
+    batch_ways = 1
+    for i, p in enumerate(first.placements):
+        if isinstance(p, Replicate):
+            continue
+        if isinstance(p, Partial):
+            raise ValueError(
+                f"{first.name} has placement {p} on {_mesh_dim_label(mesh, i)}: ring attention "
+                "needs the values, not partial sums; redistribute to Replicate() or Shard first"
+            )
+        # type() check: _StridedShard (a Shard subclass) is not an even split of one dim.
+        if type(p) is Shard and p.dim % 4 == seq_dim:
+            if cp_dim is not None:
+                raise ValueError(
+                    f"{first.name} is sharded on the sequence dim {seq_dim} over two mesh dims "
+                    f"({cp_dim} and {i}); shard the sequence over one (context-parallel) mesh dim"
+                )
+            cp_dim = i
+        elif type(p) is Shard and p.dim % 4 == BATCH_DIM:
+            batch_ways *= mesh.size(i)
+        else:
+            raise ValueError(
+                f"{first.name} has placement {p} on {_mesh_dim_label(mesh, i)}; ring attention "
+                f"accepts Shard({seq_dim}) (sequence, {layout_names}) on one mesh dim and "
+                f"Replicate() or Shard({BATCH_DIM}) (batch) on the others"
+            )
+    if cp_dim is None:
+        raise ValueError(
+            f"{first.name} (placements {first.placements}) is not sharded on the sequence dim "
+            f"{seq_dim} of {layout_names}; shard it Shard({seq_dim}) over the context-parallel "
+            "mesh dim (e.g. with dtensor_ring.shard_sequence)"
+        )
+    world = mesh.size(cp_dim)
+    divisor = local_seq_divisor(layout, world)
+    for x in xs:
+        S, B = x.shape[seq_dim], x.shape[BATCH_DIM]
+        if S % divisor != 0:
+            raise ValueError(
+                f"{x.name}: sequence length {S} is not divisible by {divisor}, as layout="
+                f"{layout!r} needs on {world} ranks (uneven shards); pad the sequence to a "
+                f"multiple of {divisor}"
+            )
+        if B % batch_ways != 0:
+            raise ValueError(
+                f"{x.name}: batch {B} is not divisible by the {batch_ways} ranks it is "
+                "sharded over (uneven shards)"
+            )
+    return cp_dim
+
+
+def _check_sdpa_args(
+    query: DTensor,
+    key: DTensor,
+    value: DTensor,
+    attn_mask: object,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    layout: str,
+) -> int:
+    """Validate an SDPA call on DTensors ``[B, H, S, D]``; return the context-parallel mesh dim."""
+    check_layout(layout)
+    tensors = {"query": query, "key": key, "value": value}
+    if attn_mask is not None:
+        raise ValueError(
+            "attn_mask is not supported by ring attention (SDPA on sequence-sharded DTensors); "
+            "pass attn_mask=None and is_causal=True for a causal mask"
+        )
+    if dropout_p != 0.0:
+        raise ValueError(
+            f"dropout_p={dropout_p} is not supported by ring attention; pass dropout_p=0.0"
+        )
+    for name, t in tensors.items():
+        if not isinstance(t, DTensor):
+            raise TypeError(
+                f"{name} is a {type(t).__name__}, not a DTensor, while other SDPA inputs are "
+                "DTensors; make q, k and v DTensors on one mesh (DTensor.from_local for local "
+                "shards)"
+            )
+    if layout != "ring" and not is_causal:
+        raise ValueError(
+            f"ring_sdpa(layout={layout!r}) is for causal attention only, got is_causal=False; "
+            "use layout='ring' for non-causal attention"
+        )
+    cp_dim = _cp_mesh_dim(
+        [_describe(t, n) for n, t in tensors.items()],
+        seq_dim=SDPA_SEQ_DIM, layout=layout, layout_names="[B, H, S, D]",
+    )
+    (B, H, S, D), (Bk, H_kv, Sk, Dk) = query.shape, key.shape
+    if key.shape != value.shape:
+        raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
+    if (B, S, D) != (Bk, Sk, Dk):
+        raise ValueError(
+            f"query {tuple(query.shape)} and key/value {tuple(key.shape)} must agree on batch, "
+            "sequence length and head dim (ring attention is self-attention over one sequence)"
+        )
+    if H != H_kv and not enable_gqa:
+        raise ValueError(
+            f"query has {H} heads and key/value {H_kv}; pass enable_gqa=True for grouped-query "
+            "attention"
+        )
+    if H % H_kv != 0:
+        raise ValueError(f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv}")
+    return cp_dim
+
+
+# --------------------------------------------------------------------------------------------
+# The DTensor path of SDPA.
+# --------------------------------------------------------------------------------------------
+def scaled_dot_product_ring_attention(
+    query: DTensor,
+    key: DTensor,
+    value: DTensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    layout: Layout = "ring",
+    backend: str | None = None,
+) -> DTensor:
+    """Ring attention with ``F.scaled_dot_product_attention``'s signature, on DTensors.
+
+    What SDPA calls on DTensors become inside :func:`ring_sdpa`; also callable directly.
+
+    Args:
+        query: ``[B, H, S, D]``; key, value: ``[B, H_kv, S, D]`` (``H_kv < H`` needs
+            ``enable_gqa=True``). DTensors on one mesh, placed ``Shard(2)`` (sequence) on one
+            mesh dim (the context-parallel dim, holding tokens as ``layout`` says) and
+            ``Replicate()`` or ``Shard(0)`` on the others; S divisible by the layout's divisor.
+        attn_mask: must be None.  dropout_p: must be 0.0.
+        is_causal: causal mask over the original (unpermuted) sequence; required for zigzag
+            and stripe.
+        scale: softmax scale, default ``D ** -0.5``.
+        layout: how the sequence is sharded (Note [Sequence layouts]).
+        backend: block-kernel backend name, or None for automatic choice.
+
+    Returns:
+        ``[B, H, S, D]`` DTensor with ``query``'s placements.
+
+    Raises:
+        ValueError: on unsupported placements or arguments, on every rank, before any
+            communication.
+    """
+    cp_dim = _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                              layout)
+    group_name = query.device_mesh.get_group(cp_dim).group_name
+    q, k, v = _to_op_layout(query, key, value)
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend = _resolve_backend(q, k, backend)
+    out, _ = ring_attention(q, k, v, group_name, layout, bool(is_causal), scale, backend)
+    return _swap_seq_heads(out)
+
+
+def _resolve_backend(q: Tensor, k: Tensor, backend: str | None) -> str:
+    """Pick the block kernel now, so that an unsupported call fails before communication."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    return select_backend_name(q, k, backend, deterministic=deterministic)
+
+
+# --------------------------------------------------------------------------------------------
+# Sharding rules of our ops on DTensors ([B, S, H, D], sequence dim 1).
+# --------------------------------------------------------------------------------------------
+def _single_dim_strategies(
+    placements: Sequence[Placement], outputs: Sequence[str], inputs: Sequence[str]
+) -> list[tuple[list, list]]:
+    """``register_sharding`` strategies for each kind of placement in ``placements``.
+
+    ``outputs``/``inputs`` hold one code per op return/argument: ``"t"`` a [B, S, H, D]
+    tensor, ``"l"`` an lse [B, H, S], ``"-"`` a non-tensor argument. Only the kinds present in
+    the (validated) inputs are offered, so DTensor's choice is exactly the inputs' placements.
+    """
+    def one(kind: str) -> tuple[list, list]:
+        def place(code: str):
+            if code == "-":
+                return None
+            if kind == "replicate":
+                return Replicate()
+            if kind == "batch":
+                return Shard(BATCH_DIM)
+            return Shard(OP_SEQ_DIM if code == "t" else 2)
+        return [place(c) for c in outputs], [place(c) for c in inputs]
+
+    kinds = []
+    for p in placements:
+        kind = ("replicate" if isinstance(p, Replicate)
+                else "seq" if p.dim % 4 == OP_SEQ_DIM else "batch")
+        if kind not in kinds:
+            kinds.append(kind)
+    return [one(kind) for kind in kinds]
+
+
+def _check_op_group(q, k, v, group_name: str, layout: str) -> int:
+    xs = [_Sharded(n, s.mesh, tuple(s.placements), tuple(s.shape))
+          for n, s in (("q", q), ("k", k), ("v", v))]
+    cp_dim = _cp_mesh_dim(xs, seq_dim=OP_SEQ_DIM, layout=layout, layout_names="[B, S, H, D]")
+    expected = q.mesh.get_group(cp_dim).group_name
+    if group_name != expected:
+        raise ValueError(
+            f"group_name={group_name!r} is not the process group of the context-parallel "
+            f"{_mesh_dim_label(q.mesh, cp_dim)} ({expected!r}) along which q/k/v are sharded"
+        )
+    return cp_dim
+
+
+@register_sharding(torch.ops.dtensor_ring.ring_attention.default)
+def _ring_attention_sharding(q, k, v, group_name, layout, causal, scale, backend=None):
+    _check_op_group(q, k, v, group_name, layout)
+    return _single_dim_strategies(q.placements, "tl", "ttt-----")
+
+
+@register_sharding(torch.ops.dtensor_ring.ring_attention_backward.default)
+def _ring_attention_backward_sharding(
+    dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None
+):
+    _check_op_group(q, k, v, group_name, layout)
+    # dout may arrive placed otherwise (e.g. Partial): DTensor redistributes it to match.
+    return _single_dim_strategies(q.placements, "ttt", "tttttl-----")
+
+
+# --------------------------------------------------------------------------------------------
+# Second line: SDPA aten ops reaching DTensor directly (private handler table).
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AtenSDPAOps:
+    """One family of fused SDPA aten ops (forward and backward) and its lse shape.
+
+    Arguments are bound by schema name, so every family shares one forward and one backward
+    handler: ``query, key, value``, ``attn_mask``/``attn_bias``, ``dropout_p``, ``is_causal``,
+    ``scale``; backward also ``grad_out``/``grad_out_``, ``out``, ``logsumexp``. Returns beyond
+    ``(output, logsumexp)`` / ``(grad_query, grad_key, grad_value)`` are filled per schema type.
+    """
+
+    forward: str
+    backward: str
+    lse_trailing_one: bool = False  # cuDNN's lse is [B, H, S, 1]
+
+    @property
+    def forward_op(self) -> torch._ops.OpOverload:
+        return getattr(torch.ops.aten, self.forward).default
+
+    @property
+    def backward_op(self) -> torch._ops.OpOverload:
+        return getattr(torch.ops.aten, self.backward).default
+
+
+ATEN_SDPA_OPS: tuple[AtenSDPAOps, ...] = (
+    AtenSDPAOps("_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    AtenSDPAOps("_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_flash_attention_backward"),
+    AtenSDPAOps("_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_efficient_attention_backward"),
+    AtenSDPAOps("_scaled_dot_product_cudnn_attention",
+                "_scaled_dot_product_cudnn_attention_backward", lse_trailing_one=True),
+)
+
+
+@dataclass(frozen=True)
+class _Config:
+    layout: str
+    backend: str | None
+
+
+def _first(bound: dict, *names: str):
+    for n in names:
+        if n in bound:
+            return bound[n]
+    raise KeyError(names)
+
+
+def _replicated_like(like: DTensor, local: Tensor) -> DTensor:
+    return DTensor.from_local(local, like.device_mesh, [Replicate()] * like.device_mesh.ndim,
+                              run_check=False)
+
+
+def aten_sdpa_forward_handler(
+    config: _Config, op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple:
+    """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
+    family = _FAMILY_OF[op]
+    a = _dtensor_compat.bind_args(op, args, kwargs)
+    query, key, value = a["query"], a["key"], a["value"]
+    is_causal = bool(a.get("is_causal", False))
+    cp_dim = _check_sdpa_args(query, key, value, _first(a, "attn_mask", "attn_bias"),
+                              float(a.get("dropout_p", 0.0)), is_causal, True, config.layout)
+    mesh = query.device_mesh
+    q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
+    scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
+    backend = _resolve_backend(q, k, config.backend)
+    out, lse = ring_attention(q, k, v, mesh.get_group(cp_dim).group_name, config.layout,
+                              is_causal, scale, backend)
+    if family.lse_trailing_one:
+        lse = lse.unsqueeze(-1)
+    out_dt = DTensor.from_local(_swap_seq_heads(out), mesh, query.placements, run_check=False)
+    lse_dt = DTensor.from_local(lse, mesh, query.placements, run_check=False)  # [B, H, S(, 1)]
+    results: list[object] = [out_dt, lse_dt]
+    S_local = q.shape[1]
+    for name in _dtensor_compat.return_names(op)[2:]:
+        if name.startswith("max_"):  # SymInt max_q / max_k
+            results.append(S_local)
+        elif name.startswith("cum_seq"):  # undefined for dense inputs, as natively
+            results.append(None)
+        else:  # philox seed/offset, rng_state, unused, debug mask: ignored by our backward
+            results.append(_replicated_like(query, q.new_empty(0, dtype=torch.int64)))
+    return tuple(results)
+
+
+def aten_sdpa_backward_handler(
+    config: _Config, op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple:
+    """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
+    family = _FAMILY_OF[op]
+    a = _dtensor_compat.bind_args(op, args, kwargs)
+    query, key, value = a["query"], a["key"], a["value"]
+    is_causal = bool(a.get("is_causal", False))
+    cp_dim = _check_sdpa_args(query, key, value, _first(a, "attn_mask", "attn_bias"),
+                              float(a.get("dropout_p", 0.0)), is_causal, True, config.layout)
+    mesh, placements = query.device_mesh, query.placements
+    dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
+    dout, out, lse = (t if t.placements == placements else t.redistribute(mesh, placements)
+                      for t in (dout, out, lse))
+    q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
+    dout_l, out_l = _swap_seq_heads(dout.to_local()), _swap_seq_heads(out.to_local())
+    lse_l = lse.to_local()
+    if family.lse_trailing_one:
+        lse_l = lse_l.squeeze(-1)
+    lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
+    scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
+    backend = _resolve_backend(q, k, config.backend)
+    dq, dk, dv = ring_attention_backward(
+        dout_l.contiguous(), q, k, v, out_l, lse_l.contiguous(),
+        mesh.get_group(cp_dim).group_name, config.layout, is_causal, scale, backend,
+    )
+    grads = [DTensor.from_local(_swap_seq_heads(g), mesh, placements, run_check=False)
+             for g in (dq, dk, dv)]
+    # efficient attention also returns grad_bias: None, as attn_bias is None
+    return tuple(grads + [None] * (len(_dtensor_compat.return_names(op)) - 3))
+
+
+_FAMILY_OF: dict[torch._ops.OpOverload, AtenSDPAOps] = {}
+for _family in ATEN_SDPA_OPS:
+    for _op in (_family.forward_op, _family.backward_op):
+        _FAMILY_OF[_op] = _family
+
+
+def _aten_handlers(config: _Config) -> dict:
+    handlers = {}
+    for family in ATEN_SDPA_OPS:
+        handlers[family.forward_op] = functools.partial(aten_sdpa_forward_handler, config)
+        handlers[family.backward_op] = functools.partial(aten_sdpa_backward_handler, config)
+    return handlers
+
+
+# --------------------------------------------------------------------------------------------
+# The scope.
+# --------------------------------------------------------------------------------------------
+_FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.CUDNN_ATTENTION]  # FLASH_ATTENTION covers the CPU flash kernel
+_SDPA_FUNCS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention,
+               torch.ops.aten.scaled_dot_product_attention.default)
+
+
+class _RingSDPAMode(TorchFunctionMode):
+    """Checks SDPA calls on DTensors and keeps them on a fused kernel (see the Note above)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SDPA_FUNCS:
+            query, key, value, *rest = args
+            if any(isinstance(t, DTensor) for t in (query, key, value)):
+                _check_sdpa_call(self.config, query, key, value, *rest, **kwargs)
+                # Never SDPA's math fallback (which would decompose into sharded matmuls):
+                # a fused op, caught by our handler, or SDPA's own "no kernel" error.
+                with sdpa_kernel(_FUSED_BACKENDS):
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def __init__(self, config: _Config):
+        super().__init__()
+        self.config = config
+
+
+def _check_sdpa_call(config, query, key, value, attn_mask=None, dropout_p=0.0,
+                     is_causal=False, scale=None, enable_gqa=False) -> None:
+    _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                     config.layout)
+
+
+@contextlib.contextmanager
+def ring_sdpa(layout: Layout = "zigzag", backend: str | None = None) -> Iterator[None]:
+    """Scope in which SDPA on sequence-sharded DTensors runs ring attention.
+
+    Inside it, ``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...,
+    enable_gqa=...)`` with DTensor ``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` placed
+    ``Shard(2)`` over one mesh dim (``Replicate()``/``Shard(0)`` on the others) returns
+    ring attention as a ``[B, H, S, D]`` DTensor with the same placements, differentiable.
+    See :func:`scaled_dot_product_ring_attention` for the accepted arguments and
+    Note [How SDPA on DTensors reaches ring attention] for the mechanism. SDPA on plain
+    tensors is left alone.
+
+    Enter it around the whole training step, forward *and* backward (activation checkpointing
+    recomputes attention during backward), outside ``torch.compile``'d functions. Everything
+    installed is removed on exit, also on an exception. Scopes nest (the innermost wins).
+
+    Args:
+        layout: "ring", "zigzag" or "stripe": how the DTensors' sequence shards are laid out
+            (Note [Sequence layouts]); zigzag and stripe need ``is_causal=True``.
+        backend: block-kernel backend name, or None for automatic choice.
+
+    Raises:
+        RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
+            when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
+    """
+    check_layout(layout)
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "enter dtensor_ring.ring_sdpa outside the torch.compile'd function (e.g. around "
+            "the training step): its SDPA handlers act while AOTAutograd traces, after Dynamo; "
+            "inside compiled code call dtensor_ring.scaled_dot_product_ring_attention instead"
+        )
+    config = _Config(layout, backend)
+    with _dtensor_compat.custom_op_handlers(_aten_handlers(config)), _RingSDPAMode(config):
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence sharding of DTensors.
+# --------------------------------------------------------------------------------------------
+def _resolve_mesh_dim(mesh: DeviceMesh, mesh_dim: int | str | None) -> int:
+    if mesh_dim is None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names or ''}; pass mesh_dim= (index "
+                "or name of the context-parallel dim)"
+            )
+        return 0
+    if isinstance(mesh_dim, str):
+        names = mesh.mesh_dim_names or ()
+        if mesh_dim not in names:
+            raise ValueError(f"mesh_dim={mesh_dim!r} is not a dim name of the mesh {names}")
+        return names.index(mesh_dim)
+    if not -mesh.ndim <= mesh_dim < mesh.ndim:
+        raise ValueError(f"mesh_dim={mesh_dim} is out of range for a {mesh.ndim}-D mesh")
+    return mesh_dim % mesh.ndim
+
+
+def shard_sequence(
+    tensor: Tensor,
+    mesh: DeviceMesh,
+    seq_dim: int = 1,
+    layout: Layout = "zigzag",
+    mesh_dim: int | str | None = None,
+    *,
+    batch_dim: int | None = None,
+) -> DTensor:
+    """This rank's shard of ``tensor``'s sequence under ``layout``, as a DTensor (no communication).
+
+    Works for inputs, labels and position ids alike (any dtype, any rank of tensor). The
+    DTensor's global view is the *permuted* sequence for zigzag/stripe
+    (Note [DTensor global view of a permuted layout]); :func:`unshard_sequence` inverts this.
+
+    Args:
+        tensor: the full sequence along ``seq_dim`` (length S, divisible by the layout's
+            divisor), e.g. ids ``[B, S]``, hidden states ``[B, S, E]``, q ``[B, H, S, D]``.
+            Identical on every rank of the context-parallel mesh dim.
+        mesh: device mesh; ``mesh_dim`` (index or name) is the context-parallel dim, optional
+            for a 1-D mesh.
+        seq_dim: the sequence dim of ``tensor`` (1 for ``[B, S, ...]``, 2 for SDPA's
+            ``[B, H, S, D]``).
+        layout: "ring", "zigzag" or "stripe" (Note [Sequence layouts]).
+        batch_dim: for meshes with other dims: None means ``tensor`` is the same on those
+            ranks (placed ``Replicate()``); an int means each rank holds its own batch there
+            (data parallel; placed ``Shard(batch_dim)``, the global batch being the
+            concatenation).
+
+    Returns:
+        DTensor placed ``Shard(seq_dim)`` on ``mesh_dim``; its local tensor is
+        :func:`dtensor_ring.shard_local` of ``tensor`` for this rank (``S // W`` tokens).
+    """
+    check_layout(layout)
+    cp_dim = _resolve_mesh_dim(mesh, mesh_dim)
+    seq_dim = seq_dim % tensor.dim()
+    if batch_dim is not None:
+        batch_dim %= tensor.dim()
+        if batch_dim == seq_dim:
+            raise ValueError(f"batch_dim={batch_dim} must differ from seq_dim={seq_dim}")
+    other: Placement = Replicate() if batch_dim is None else Shard(batch_dim)
+    placements = [other] * mesh.ndim
+    placements[cp_dim] = Shard(seq_dim)
+    local = shard_local(tensor, layout, mesh.get_local_rank(cp_dim), mesh.size(cp_dim), seq_dim)
+    return DTensor.from_local(local, mesh, placements, run_check=False)
+
+
+def unshard_sequence(dtensor: DTensor, seq_dim: int = 1, layout: Layout = "zigzag") -> Tensor:
+    """The full tensor of a sequence-sharded DTensor, in the original token order.
+
+    Inverse of :func:`shard_sequence`: ``DTensor.full_tensor()`` (gathering every sharded
+    mesh dim) followed by the inverse of the layout's permutation along ``seq_dim``.
+    A collective on every rank of the mesh; differentiable.
+
+    Args:
+        dtensor: placed ``Shard(seq_dim)`` on exactly one mesh dim (the context-parallel dim);
+            its sequence laid out as ``layout`` says.
+        seq_dim: the sequence dim (1 for ``[B, S, ...]``, 2 for ``[B, H, S, D]``).
+        layout: "ring", "zigzag" or "stripe".
+
+    Returns:
+        Plain tensor of ``dtensor``'s global shape with the sequence in original order.
+    """
+    check_layout(layout)
+    if not isinstance(dtensor, DTensor):
+        raise TypeError(f"unshard_sequence needs a DTensor, got {type(dtensor).__name__}")
+    seq_dim = seq_dim % dtensor.dim()
+    cp_dims = [i for i, p in enumerate(dtensor.placements)
+               if type(p) is Shard and p.dim % dtensor.dim() == seq_dim]
+    if len(cp_dims) != 1:
+        raise ValueError(
+            f"dtensor (placements {tuple(dtensor.placements)}) must be sharded Shard({seq_dim}) "
+            "on exactly one mesh dim (the context-parallel dim)"
+        )
+    world = dtensor.device_mesh.size(cp_dims[0])
+    S = dtensor.shape[seq_dim]
+    order = torch.cat([token_indices(layout, S, r, world) for r in range(world)])
+    inverse = torch.argsort(order).to(dtensor.device)
+    return dtensor.full_tensor().index_select(seq_dim, inverse)
