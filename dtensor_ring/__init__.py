@@ -7,6 +7,7 @@ Public names:
     * sequence sharding: ``shard_local``, ``unshard_local``, ``gather_sequence``,
       ``token_indices``;
     * schedules: ``make_plan`` (per-rank blocks and FLOPs);
+    * single-device simulation: ``RankSimulator``, ``simulate_ring``;
     * block kernels: ``BACKEND_NAMES``;
     * variable-length (packed documents, docs/varlen.md): ``ring_flash_attn_varlen_func``,
       ``zigzag_ring_flash_attn_varlen_func``, ``llama3_flash_attn_varlen_func`` and their
@@ -50,6 +51,7 @@ from .kernels import BACKEND_NAMES
 from .layouts import LAYOUTS, gather_sequence, shard_local, token_indices, unshard_local
 from .llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .plan import make_plan
+from .simulate import RankSimulator, simulate_ring
 from .varlen import (
     VARLEN_LAYOUTS,
     shard_varlen,
@@ -60,6 +62,8 @@ from .varlen import (
 )
 
 __all__ = [
+    "RankSimulator",
+    "simulate_ring",
     "BACKEND_NAMES",
     "LAYOUTS",
     "gather_sequence",
