@@ -43,12 +43,11 @@ def _scale(q: Tensor, softmax_scale: float | None) -> float:
 
 
 def _max_seqlen(value, name: str) -> int | None:
-    if value is None:
-        return None
-    try:
-        return int(value)  # a 0-d device tensor is read here (a sync): pass an int
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an int or None, got {value!r}") from None
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
+        return int(value)  # a device tensor is read here (a sync): pass an int
+    raise ValueError(f"{name} must be an int or None, got {value!r}")
 
 
 def _ring_varlen(
