@@ -27,15 +27,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ._compat import group_name
 from .kernels import KernelCall, select_kernel
-from .llama3 import check_llama3_call
+from .llama3 import check_heads_k_stride, check_llama3_call
 from .ops_varlen import llama3_attention, ring_attention_varlen
-from .validation import check_unsupported
+from .validation import check_layout_causal, check_qkv_tensors, check_unsupported
 from .varlen import check_varlen_qkv
+
+
+@torch.compiler.assume_constant_result
+def _select_varlen_backend(
+    device_type: str, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+    deterministic: bool, backend: str | None,
+) -> str:
+    call = KernelCall(device_type, dtype, head_dim, num_heads, num_kv_heads, varlen=True,
+                      deterministic=deterministic)
+    return select_kernel(call, backend).name
+
+
+def _backend_name(q: Tensor, k: Tensor, backend: str | None, deterministic: bool) -> str:
+    """The varlen block kernel's name; a constant under torch.compile (as the dense API's
+    ``_compat.select_backend_name``: backend availability probes are not traceable)."""
+    return _select_varlen_backend(q.device.type, q.dtype, int(q.shape[-1]), int(q.shape[-2]),
+                                  int(k.shape[-2]), bool(deterministic), backend)
 
 
 def _scale(q: Tensor, softmax_scale: float | None) -> float:
@@ -70,11 +88,14 @@ def _ring_varlen(
     check_unsupported(dropout_p=dropout_p, window_size=window_size, alibi_slopes=alibi_slopes)
     name = group_name(group)
     max_seqlen = _max_seqlen(max_seqlen, "max_seqlen")
-    check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen, layout=layout, causal=causal,
-                     world_size=dist.get_world_size(group))
+    if torch.compiler.is_compiling():  # the op checks the cu_seqlens values when it runs
+        check_layout_causal(layout, causal, ring_func="ring_flash_attn_varlen_func")
+        check_qkv_tensors(q, k, v, seq_dims="T_local")
+    else:
+        check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen, layout=layout, causal=causal,
+                         world_size=dist.get_world_size(group))
     # Resolve the kernel here too, so that an unsupported call fails before any communication.
-    call = KernelCall.of(q, k, varlen=True, deterministic=deterministic)
-    backend = select_kernel(call, backend).name
+    backend = _backend_name(q, k, backend, deterministic)
     out, lse = ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, name, layout, causal,
                                      _scale(q, softmax_scale), backend)
     return (out, lse, None) if return_attn_probs else out
@@ -183,11 +204,14 @@ def _llama3(
     max_q, max_k = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k,
                                                                           "max_seqlen_k")
     k_start, k_stop = local_k_slice.start, local_k_slice.stop
-    check_llama3_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, heads_k_stride, k_start,
-                      k_stop, causal=causal, rank=dist.get_rank(group),
-                      world_size=dist.get_world_size(group))
-    call = KernelCall.of(q, k, varlen=True, deterministic=deterministic)
-    backend = select_kernel(call, backend).name
+    if torch.compiler.is_compiling():  # the op checks the cu_seqlens values when it runs
+        check_qkv_tensors(q, k, v, seq_dims="T_local")
+        check_heads_k_stride(heads_k_stride, k.shape[1])
+    else:
+        check_llama3_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, heads_k_stride,
+                          k_start, k_stop, causal=causal, rank=dist.get_rank(group),
+                          world_size=dist.get_world_size(group))
+    backend = _backend_name(q, k, backend, deterministic)
     out, lse = llama3_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                 heads_k_stride, k_start, k_stop, name, causal,
                                 _scale(q, softmax_scale), backend)

@@ -543,3 +543,37 @@ def check_opcheck(group: dist.ProcessGroup, op_name: str) -> None:
 @pytest.mark.parametrize("op_name", ["ring_attention_varlen", "llama3_attention"])
 def test_opcheck(dist_pool, op_name):
     dist_pool.run(check_opcheck, 2, op_name=op_name)
+
+
+def check_compile(group: dist.ProcessGroup) -> None:
+    """The front doors trace with ``fullgraph=True`` (no graph break) and match eager."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    cu = torch.tensor(cumulative([2 * W, 4 * W]), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(int(cu[-1]), 4, 8, dtype=torch.float64, generator=gen)
+    q, cu_local = dr.shard_varlen(x, cu, "zigzag", rank, W)
+    k = q[:, :2].clone()
+    meta = dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
+    ql = x[rank * (x.shape[0] // W):(rank + 1) * (x.shape[0] // W)]
+    kl = ql[:, :2].clone()
+
+    def fn(q, k, ql, kl):
+        a = dr.zigzag_ring_flash_attn_varlen_func(q, k, k, cu_local, None, causal=True,
+                                                  group=group)
+        b = dr.llama3_flash_attn_varlen_func(ql, kl, kl, *meta[:4], 1, meta[4], causal=True,
+                                             group=group)
+        return a.sum() + b.sum()
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, ql, kl)]
+        loss = f(*leaves)
+        loss.backward()
+        results.append([loss.detach(), *(t.grad for t in leaves)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_compile_fullgraph(dist_pool):
+    dist_pool.run(check_compile, 2)
