@@ -117,13 +117,8 @@ def _swap_seq_heads(t: Tensor) -> Tensor:
 
 
 def _to_op_layout(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """SDPA's ``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` -> the op's ``[B, S, H(_kv), D]``.
-
-    q stays a view; k and v are made contiguous, because they travel around the ring and
-    process-group sends need contiguous buffers.
-    """
-    return (_swap_seq_heads(query), _swap_seq_heads(key).contiguous(),
-            _swap_seq_heads(value).contiguous())
+    """SDPA's ``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` -> the op's ``[B, S, H, D]`` views."""
+    return _swap_seq_heads(query), _swap_seq_heads(key), _swap_seq_heads(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,7 +176,7 @@ def _cp_mesh_dim(
             continue
         if isinstance(p, Partial):
             raise ValueError(
-                f"{first.name} has placement {p} on {_mesh_dim_label(mesh, i)}: ring attention "
+                f"{first.name} has placement {p!r} on {_mesh_dim_label(mesh, i)}: ring attention "
                 "needs the values, not partial sums; redistribute to Replicate() or Shard first"
             )
         # type() check: _StridedShard (a Shard subclass) is not an even split of one dim.
@@ -196,7 +191,7 @@ def _cp_mesh_dim(
             batch_ways *= mesh.size(i)
         else:
             raise ValueError(
-                f"{first.name} has placement {p} on {_mesh_dim_label(mesh, i)}; ring attention "
+                f"{first.name} has placement {p!r} on {_mesh_dim_label(mesh, i)}; ring attention "
                 f"accepts Shard({seq_dim}) (sequence, {layout_names}) on one mesh dim and "
                 f"Replicate() or Shard({BATCH_DIM}) (batch) on the others"
             )
@@ -440,10 +435,11 @@ class _Config:
 
 
 def _first(bound: dict, *names: str):
+    """The value of the first of ``names`` that the op has (None if it has none of them)."""
     for n in names:
         if n in bound:
             return bound[n]
-    raise KeyError(names)
+    return None
 
 
 def _replicated_like(like: DTensor, local: Tensor) -> DTensor:
