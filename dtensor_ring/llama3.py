@@ -33,6 +33,7 @@ group's kernels. K/V are gathered in their input dtype (exact).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -156,7 +157,7 @@ def llama3_meta(
             f"local_k_slice=slice({k_start}, {k_stop}) must lie within the "
             f"{world_size * local_len} gathered tokens and be non-empty"
         )
-    check_bounds(bk, k_stop - k_start, "cu_seqlens_k")
+    check_bounds(bk, k_stop - k_start, "cu_seqlens_k", "the length of local_k_slice")
     if len(bk) != len(bq):
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same documents, got {len(bq)} and "
@@ -173,8 +174,28 @@ def llama3_meta(
                 f"local document i must end where its queries end, i.e. cu_seqlens_k[1:] == "
                 f"{shifted}, got {list(bk[1:])}"
             )
-    check_max_seqlen("max_seqlen_q", max_seqlen_q, bq)
-    check_max_seqlen("max_seqlen_k", max_seqlen_k, bk)
+    hint = "what llama3_flash_attn_prepare_cu_seqlens returns"
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, bq, hint)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, bk, hint)
+    return _llama3_meta_cached(
+        tuple(bq), tuple(bk), k_start, k_stop, local_len, causal, rank, world_size,
+        torch.device(device),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _llama3_meta_cached(
+    bq: tuple[int, ...],
+    bk: tuple[int, ...],
+    k_start: int,
+    k_stop: int,
+    local_len: int,
+    causal: bool,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> Llama3Meta:
+    # Cached on the values: the cu_seqlens tensors are copied to ``device`` once per batch.
     return Llama3Meta(
         causal=causal,
         rank=rank,
@@ -186,7 +207,7 @@ def llama3_meta(
         cu_k=torch.tensor(bk, dtype=torch.int32, device=device),
         max_q=max(b - a for a, b in zip(bq[:-1], bq[1:], strict=True)),
         max_k=max(b - a for a, b in zip(bk[:-1], bk[1:], strict=True)),
-        prefix=prefix if causal else 0,
+        prefix=rank * local_len - k_start if causal else 0,
         first_len=bq[1],
     )
 

@@ -110,8 +110,10 @@ def check_cu_seqlens_tensor(cu_seqlens: object, name: str = "cu_seqlens") -> Non
         )
 
 
-def check_bounds(bounds: Sequence[int], total: int, name: str = "cu_seqlens") -> None:
-    """Check document boundaries: start at 0, strictly increasing, end at ``total``."""
+def check_bounds(
+    bounds: Sequence[int], total: int, name: str = "cu_seqlens", what: str = "the number of tokens"
+) -> None:
+    """Check document boundaries: start at 0, strictly increasing, end at ``total`` (``what``)."""
     if bounds[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0]={bounds[0]}")
     for i in range(len(bounds) - 1):
@@ -122,7 +124,7 @@ def check_bounds(bounds: Sequence[int], total: int, name: str = "cu_seqlens") ->
             )
     if bounds[-1] != total:
         raise ValueError(
-            f"{name} must end at the number of tokens {total}, got {name}[-1]={bounds[-1]}"
+            f"{name} must end at {what} {total}, got {name}[-1]={bounds[-1]}"
         )
 
 
@@ -183,13 +185,18 @@ def check_local_zigzag(bounds_local: Sequence[int], world_size: int) -> None:
             )
 
 
-def check_max_seqlen(name: str, max_seqlen: int | None, bounds: Sequence[int]) -> None:
+def check_max_seqlen(
+    name: str,
+    max_seqlen: int | None,
+    bounds: Sequence[int],
+    hint: str = "the local maximum (global maximum // world_size)",
+) -> None:
     """``max_seqlen`` (None: not given) must be at least the longest document of ``bounds``."""
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
     if max_seqlen is not None and max_seqlen < longest:
         raise ValueError(
             f"{name}={max_seqlen} is smaller than the longest local document ({longest} "
-            "tokens); pass the local maximum (global maximum // world_size), or None"
+            f"tokens); pass {hint}, or None"
         )
 
 
