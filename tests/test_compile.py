@@ -1,0 +1,223 @@
+"""torch.compile: the ops' registrations, and both front doors compiled without graph breaks.
+
+Tiers, cheapest first (all on the session's gloo worker pool, ``dist_pool``; every worker
+compiles, so the compiled cases are few and tiny: CPU inductor compiles are slow):
+
+1. ``torch.library.opcheck`` on ``dtensor_ring::ring_attention`` and its backward op
+   (schema, fake tensor, autograd registration, AOT dispatch) on 1 and 2 ranks.
+2. ``fullgraph=True`` (a graph break fails the compile) with a counting backend: one frame,
+   the op once per attention call, and the same forward and gradients as eager, for
+   * the functional API on plain tensors (``zigzag_ring_flash_attn_func``),
+   * ``F.scaled_dot_product_attention`` on DTensors with ``ring_sdpa`` entered outside the
+     compiled function (aot_eager and inductor),
+   * ``scaled_dot_product_ring_attention`` called inside a compiled, activation-checkpointed
+     function.
+3. Scope and compile interplay: entering ``ring_sdpa`` inside a compiled function raises;
+   a function compiled inside the scope is recompiled (not reused) outside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch.distributed as dist
+import torch.nn.functional as F
+from reference import random_qkv
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+import dtensor_ring
+
+OPS = (torch.ops.dtensor_ring.ring_attention.default,
+       torch.ops.dtensor_ring.ring_attention_backward.default)
+
+
+def _count(graphs, op) -> int:
+    return sum(node.target is op for gm in graphs for node in gm.graph.nodes)
+
+
+def _max_diff(xs, ys) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(xs, ys, strict=True))
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, dtensor_ring.dtensor.DTensor) else t
+
+
+# --------------------------------------------------------------------------------------------
+# 1. opcheck
+# --------------------------------------------------------------------------------------------
+def _opcheck(group, layout):
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v = random_qkv(1, 4 * W, 2, 1, 8, dtype=torch.float32, seed=0)
+    q, k, v = (dtensor_ring.shard_local(t, layout, rank, W).requires_grad_() for t in (q, k, v))
+    name = group.group_name
+    fwd_args = (q, k, v, name, layout, True, 0.35, None)
+    results = {"forward": torch.library.opcheck(OPS[0], fwd_args)}
+    out, lse = OPS[0](*[a.detach() if isinstance(a, torch.Tensor) else a for a in fwd_args])
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, name, layout, True, 0.35,
+                None)
+    results["backward"] = torch.library.opcheck(OPS[1], bwd_args)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_opcheck(dist_pool, world_size):
+    for results in dist_pool.run(_opcheck, world_size, layout="zigzag"):
+        for which, result in results.items():
+            assert all(v == "SUCCESS" for v in result.values()), (which, result)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. fullgraph compiles
+# --------------------------------------------------------------------------------------------
+def _functional(group, backend):
+    torch._dynamo.reset()
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v = random_qkv(1, 8 * W, 4, 2, 8, dtype=torch.float32, seed=2)
+    q, k, v = (dtensor_ring.shard_local(t, "zigzag", rank, W) for t in (q, k, v))
+
+    def f(q, k, v):
+        o = dtensor_ring.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
+        return dtensor_ring.zigzag_ring_flash_attn_func(o * 2, k, v, causal=True, group=group)
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    results = []
+    for fn in (f, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.sum().backward()
+        results.append([out, *(t.grad for t in leaves)])
+    return {"frames": counter.frame_count, "ops": _count(counter.graphs, OPS[0]),
+            "diff": _max_diff(*results)}
+
+
+def _dtensor_sdpa(group, backend):
+    """F.sdpa on DTensors, ``ring_sdpa`` entered outside the compiled function."""
+    torch._dynamo.reset()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    W = mesh.size()
+    q, k, v = random_qkv(1, 8 * W, 4, 2, 8, dtype=torch.float32, seed=3)
+    q, k, v = (dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="zigzag")
+               for t in (q, k, v))
+
+    def f(q, k, v):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o = F.scaled_dot_product_attention(o.sin(), k, v, is_causal=True, enable_gqa=True)
+        return o * 2
+
+    graphs = {"forward": [], "backward": []}
+
+    def keep(which):
+        def compiler(gm, example_inputs):
+            graphs[which].append(gm)
+            return gm.forward
+        return compiler
+
+    if backend == "aot_eager":  # aot_eager, keeping AOTAutograd's graphs to count our ops
+        backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    results = []
+    with dtensor_ring.ring_sdpa(layout="zigzag"):
+        for fn in (f, compiled):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves)
+            out.sum().backward()
+            results.append([_full(t) for t in (out, *(t.grad for t in leaves))])
+    return {"frames": counter.frame_count, "diff": _max_diff(*results),
+            "forward_ops": _count(graphs["forward"], OPS[0]),
+            "backward_ops": _count(graphs["backward"], OPS[1])}
+
+
+def _direct_checkpointed(group, backend):
+    """``scaled_dot_product_ring_attention`` in a compiled, checkpointed function."""
+    torch._dynamo.reset()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    W = mesh.size()
+    q, k, v = random_qkv(1, 8 * W, 4, 4, 8, dtype=torch.float32, seed=4)
+    q, k, v = (dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="stripe")
+               for t in (q, k, v))
+
+    def block(q, k, v):
+        o = dtensor_ring.scaled_dot_product_ring_attention(q.cos(), k, v, is_causal=True,
+                                                           layout="stripe")
+        return o.sin()
+
+    def f(q, k, v):
+        return checkpoint(block, q, k, v, use_reentrant=False) * 2
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    results = []
+    for fn in (f, compiled):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.sum().backward()
+        results.append([_full(t) for t in (out, *(t.grad for t in leaves))])
+    return {"frames": counter.frame_count, "diff": _max_diff(*results)}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_functional_api_compiles_fullgraph(dist_pool, backend):
+    for r in dist_pool.run(_functional, 2, timeout_s=400, backend=backend):
+        assert r["frames"] == 1 and r["ops"] == 2, r
+        assert r["diff"] < 1e-5, r
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_dtensor_sdpa_compiles_fullgraph(dist_pool, backend):
+    for r in dist_pool.run(_dtensor_sdpa, 2, timeout_s=400, backend=backend):
+        assert r["frames"] == 1 and r["diff"] < 1e-5, r
+        if backend == "aot_eager":  # the op once per attention call, forward and backward
+            assert r["forward_ops"] == 2 and r["backward_ops"] == 2, r
+
+
+def test_direct_call_compiles_with_activation_checkpointing(dist_pool):
+    for r in dist_pool.run(_direct_checkpointed, 2, backend="aot_eager"):
+        assert r["frames"] == 1 and r["diff"] < 1e-5, r
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Scope and compile
+# --------------------------------------------------------------------------------------------
+def _scope_and_compile(group):
+    torch._dynamo.reset()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    q = dtensor_ring.shard_sequence(torch.randn(1, 2, 8, 4), mesh, seq_dim=2, layout="ring")
+    found = {}
+
+    def inside(q):
+        with dtensor_ring.ring_sdpa(layout="ring"):
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    try:
+        torch.compile(inside, backend="aot_eager", fullgraph=True)(q)
+        found["inside"] = "no error"
+    except Exception as e:  # noqa: BLE001 - Dynamo may wrap the RuntimeError
+        found["inside"] = "enter dtensor_ring.ring_sdpa outside" in str(e)
+
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter)
+    with dtensor_ring.ring_sdpa(layout="ring"):
+        compiled(q)
+    try:  # outside the scope, SDPA on DTensors is PyTorch's again (on CPU: no strategy)
+        compiled(q)
+        found["outside"] = "reused"
+    except Exception as e:  # noqa: BLE001 - whatever PyTorch raises while recompiling
+        found["outside"] = "recompiled" if "sharding strategy" in str(e) else str(e)
+    found["frames"] = counter.frame_count  # the recompile outside failed: still 1
+    return found
+
+
+def test_scope_inside_compile_raises_and_scope_is_guarded(dist_pool):
+    for found in dist_pool.run(_scope_and_compile, 2):
+        assert found == {"inside": True, "outside": "recompiled", "frames": 1}, found
