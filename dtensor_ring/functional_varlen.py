@@ -56,6 +56,9 @@ def _backend_name(q: Tensor, k: Tensor, backend: str | None, deterministic: bool
                                   int(k.shape[-2]), bool(deterministic), backend)
 
 
+Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
+
+
 def _scale(q: Tensor, softmax_scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
@@ -150,26 +153,32 @@ def _name(fns: tuple[Callable, ...], prefix: str, doc: dict[str, str]) -> None:
 def _make_varlen_api(prefix: str, layout: str) -> tuple[Callable, Callable, Callable]:
     """Build ring/zigzag ``{prefix}_func``, ``_kvpacked_func`` and ``_qkvpacked_func``."""
 
-    def func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-             window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-             return_attn_probs=False, group=None, *, backend=None):
+    def func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int | None,
+             dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+             window_size: tuple[int, int] = (-1, -1), alibi_slopes: Tensor | None = None,
+             deterministic: bool = False, return_attn_probs: bool = False,
+             group: dist.ProcessGroup | None = None, *, backend: str | None = None) -> Result:
         return _ring_varlen(layout, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
                             causal, window_size, alibi_slopes, deterministic, return_attn_probs,
                             group, backend)
 
-    def kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
-                      causal=False, window_size=(-1, -1), alibi_slopes=None,
-                      deterministic=False, return_attn_probs=False, group=None, *,
-                      backend=None):
+    def kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens: Tensor, max_seqlen: int | None,
+                      dropout_p: float = 0.0, softmax_scale: float | None = None,
+                      causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                      alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                      return_attn_probs: bool = False, group: dist.ProcessGroup | None = None,
+                      *, backend: str | None = None) -> Result:
         _check_packed("kv", kv, 2)
         return _ring_varlen(layout, q, kv[:, 0], kv[:, 1], cu_seqlens, max_seqlen, dropout_p,
                             softmax_scale, causal, window_size, alibi_slopes, deterministic,
                             return_attn_probs, group, backend)
 
-    def qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
-                       causal=False, window_size=(-1, -1), alibi_slopes=None,
-                       deterministic=False, return_attn_probs=False, group=None, *,
-                       backend=None):
+    def qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int | None,
+                       dropout_p: float = 0.0, softmax_scale: float | None = None,
+                       causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                       alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                       return_attn_probs: bool = False, group: dist.ProcessGroup | None = None,
+                       *, backend: str | None = None) -> Result:
         _check_packed("qkv", qkv, 3)
         return _ring_varlen(layout, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen,
                             dropout_p, softmax_scale, causal, window_size, alibi_slopes,
@@ -230,31 +239,40 @@ _LLAMA3_META = (
 def _make_llama3_api() -> tuple[Callable, Callable, Callable]:
     """Build ``llama3_flash_attn_varlen_func`` and its packed forms."""
 
-    def func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
-             local_k_slice, dropout_p=0.0, softmax_scale=None, causal=False,
-             window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-             return_attn_probs=False, group=None, *, backend=None):
+    def func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+             max_seqlen_q: int | None, max_seqlen_k: int | None, heads_k_stride: int,
+             local_k_slice: slice, dropout_p: float = 0.0, softmax_scale: float | None = None,
+             causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+             alibi_slopes: Tensor | None = None, deterministic: bool = False,
+             return_attn_probs: bool = False, group: dist.ProcessGroup | None = None, *,
+             backend: str | None = None) -> Result:
         return _llama3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        heads_k_stride, local_k_slice, dropout_p, softmax_scale, causal,
                        window_size, alibi_slopes, deterministic, return_attn_probs, group,
                        backend)
 
-    def kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      heads_k_stride, local_k_slice, dropout_p=0.0, softmax_scale=None,
-                      causal=False, window_size=(-1, -1), alibi_slopes=None,
-                      deterministic=False, return_attn_probs=False, group=None, *,
-                      backend=None):
+    def kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                      max_seqlen_q: int | None, max_seqlen_k: int | None, heads_k_stride: int,
+                      local_k_slice: slice, dropout_p: float = 0.0,
+                      softmax_scale: float | None = None, causal: bool = False,
+                      window_size: tuple[int, int] = (-1, -1),
+                      alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                      return_attn_probs: bool = False, group: dist.ProcessGroup | None = None,
+                      *, backend: str | None = None) -> Result:
         _check_packed("kv", kv, 2)
         return _llama3(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                        max_seqlen_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale,
                        causal, window_size, alibi_slopes, deterministic, return_attn_probs,
                        group, backend)
 
-    def qkvpacked_func(qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       heads_k_stride, local_k_slice, dropout_p=0.0, softmax_scale=None,
-                       causal=False, window_size=(-1, -1), alibi_slopes=None,
-                       deterministic=False, return_attn_probs=False, group=None, *,
-                       backend=None):
+    def qkvpacked_func(qkv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                       max_seqlen_q: int | None, max_seqlen_k: int | None, heads_k_stride: int,
+                       local_k_slice: slice, dropout_p: float = 0.0,
+                       softmax_scale: float | None = None, causal: bool = False,
+                       window_size: tuple[int, int] = (-1, -1),
+                       alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                       return_attn_probs: bool = False, group: dist.ProcessGroup | None = None,
+                       *, backend: str | None = None) -> Result:
         _check_packed("qkv", qkv, 3)
         return _llama3(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens_q, cu_seqlens_k,
                        max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice, dropout_p,
