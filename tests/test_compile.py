@@ -23,6 +23,7 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
 from reference import random_qkv
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -116,7 +117,7 @@ def _dtensor_sdpa(group, backend):
     def keep(which):
         def compiler(gm, example_inputs):
             graphs[which].append(gm)
-            return gm.forward
+            return make_boxed_func(gm.forward)
         return compiler
 
     if backend == "aot_eager":  # aot_eager, keeping AOTAutograd's graphs to count our ops

@@ -6,7 +6,8 @@ with
 
 * ``fully_shard`` over all 4 ranks (the flattened dp x cp dims: gradients must be reduced
   over cp as well as dp, since each cp rank holds only its tokens' share of every gradient;
-  docs/composability.md), per block and then the root;
+  docs/composability.md), per block and then the root; or HSDP (replicate over cp, shard
+  over dp);
 * per-block ``torch.compile(fullgraph=True)`` applied before ``fully_shard`` (or eager),
   optionally with activation checkpointing inside the blocks;
 * inputs, labels and positions sharded with ``shard_sequence`` (zigzag), attention through
@@ -26,7 +27,7 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dtensor_ring
@@ -35,10 +36,14 @@ from dtensor_ring.testing import TinyConfig, TinyTransformer
 DP, CP, B_LOCAL, S, STEPS, LR = 2, 2, 2, 16, 2, 0.5
 
 
-def _fsdp_parity(group, layout, compile_backend, activation_checkpointing):
+def _fsdp_parity(group, layout, compile_backend, activation_checkpointing, fsdp):
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
-    fsdp_mesh = init_device_mesh("cpu", (DP * CP,))  # = the flattened (dp, cp) dims
+    if fsdp == "flat":  # shard over the flattened (dp, cp) dims
+        fsdp_mesh = init_device_mesh("cpu", (DP * CP,))
+    else:  # HSDP: replicate over cp, shard over dp (FSDP2's 2-D mesh: (replicate, shard))
+        fsdp_mesh = DeviceMesh("cpu", torch.arange(DP * CP).view(DP, CP).T,
+                               mesh_dim_names=("cp_replicate", "dp_shard"))
     cfg = TinyConfig(activation_checkpointing=activation_checkpointing)
     torch.manual_seed(0)
     reference = TinyTransformer(cfg)
@@ -91,14 +96,16 @@ def _fsdp_parity(group, layout, compile_backend, activation_checkpointing):
 
 
 @pytest.mark.parametrize(
-    "compile_backend,activation_checkpointing",
-    [(None, True), ("aot_eager", False), ("aot_eager", True)],
-    ids=["eager-ac", "compiled", "compiled-ac"],
+    "compile_backend,activation_checkpointing,fsdp",
+    [(None, True, "flat"), ("aot_eager", False, "flat"), ("aot_eager", True, "flat"),
+     ("aot_eager", False, "hsdp")],
+    ids=["eager-ac", "compiled", "compiled-ac", "compiled-hsdp"],
 )
-def test_fsdp2_cp_matches_single_process(dist_pool, compile_backend, activation_checkpointing):
+def test_fsdp2_cp_matches_single_process(dist_pool, compile_backend, activation_checkpointing,
+                                         fsdp):
     results = dist_pool.run(_fsdp_parity, 4, timeout_s=400, layout="zigzag",
                             compile_backend=compile_backend,
-                            activation_checkpointing=activation_checkpointing)
+                            activation_checkpointing=activation_checkpointing, fsdp=fsdp)
     for rank, (losses, grad_errors) in enumerate(results):
         for step, (loss, ref_loss) in enumerate(losses):
             assert abs(loss - ref_loss) < 1e-5 * max(1.0, abs(ref_loss)), (rank, step, losses)
