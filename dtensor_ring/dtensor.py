@@ -293,7 +293,10 @@ def scaled_dot_product_ring_attention(
 ) -> DTensor:
     """Ring attention with ``F.scaled_dot_product_attention``'s signature, on DTensors.
 
-    What SDPA calls on DTensors become inside :func:`ring_sdpa`; also callable directly.
+    Computes what SDPA computes inside :func:`ring_sdpa`, without a scope or private API: it
+    calls ``dtensor_ring::ring_attention`` on the DTensors (sharding rule registered with
+    ``register_sharding``). Works in eager and compiled code (also inside a ``torch.compile``'d
+    function), with activation checkpointing.
 
     Args:
         query: ``[B, H, S, D]``; key, value: ``[B, H_kv, S, D]`` (``H_kv < H`` needs
@@ -391,7 +394,7 @@ def _ring_attention_backward_sharding(
 
 
 # --------------------------------------------------------------------------------------------
-# Second line: SDPA aten ops reaching DTensor directly (private handler table).
+# SDPA aten-op handlers, installed by ring_sdpa in DTensor's (private) handler table.
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AtenSDPAOps:
@@ -537,27 +540,28 @@ _SDPA_FUNCS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product
 class _RingSDPAMode(TorchFunctionMode):
     """Checks SDPA calls on DTensors and keeps them on a fused kernel (see the Note above)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SDPA_FUNCS:
-            query, key, value, *rest = args
-            if any(isinstance(t, DTensor) for t in (query, key, value)):
-                _check_sdpa_call(self.config, query, key, value, *rest, **kwargs)
-                # Never SDPA's math fallback (which would decompose into sharded matmuls):
-                # a fused op, caught by our handler, or SDPA's own "no kernel" error.
-                with sdpa_kernel(_FUSED_BACKENDS):
-                    return func(*args, **kwargs)
-        return func(*args, **kwargs)
-
     def __init__(self, config: _Config):
         super().__init__()
         self.config = config
 
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SDPA_FUNCS and _check_dtensor_sdpa_call(self.config, *args, **kwargs):
+            # Never SDPA's math fallback (which would decompose into sharded matmuls): a
+            # fused op, caught by our handler, or SDPA's own "no kernel available" error.
+            with sdpa_kernel(_FUSED_BACKENDS):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
-def _check_sdpa_call(config, query, key, value, attn_mask=None, dropout_p=0.0,
-                     is_causal=False, scale=None, enable_gqa=False) -> None:
+
+def _check_dtensor_sdpa_call(config, query, key, value, attn_mask=None, dropout_p=0.0,
+                             is_causal=False, scale=None, enable_gqa=False) -> bool:
+    """False for SDPA on plain tensors; True for a valid call on DTensors; else raises."""
+    if not any(isinstance(t, DTensor) for t in (query, key, value)):
+        return False
     _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
                      config.layout)
+    return True
 
 
 @contextlib.contextmanager

@@ -188,6 +188,13 @@ def _sdpa_numerics(group, layout):
             out.backward(dout)
         return out
 
+    def sdpa_keywords(q, k, v, dout, causal, scale):
+        with dtensor_ring.ring_sdpa(layout=layout):
+            out = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=causal,
+                                                 scale=scale)
+            out.backward(dout)
+        return out
+
     def aten_cpu(q, k, v, dout, causal, scale):
         with dtensor_ring.ring_sdpa(layout=layout):
             out = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
@@ -217,6 +224,7 @@ def _sdpa_numerics(group, layout):
     run("sdpa_gqa", sdpa, H_kv=2)
     run("sdpa_mqa_fp32", sdpa, H_kv=1, dtype=torch.float32)
     run("sdpa_scale", sdpa, scale=0.3)
+    run("sdpa_keywords", sdpa_keywords)
     run("aten_cpu", aten_cpu, H_kv=2)
     run("direct", direct, H_kv=2)
     run("op_on_dtensors", op, H_kv=2)
