@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .layouts import check_layout
+from .validation import check_layout_causal
 
 
 class Part(enum.Enum):
@@ -152,14 +152,9 @@ def make_plan(layout: str, world_size: int, causal: bool) -> Plan:
 
     Raises ``ValueError`` for an unknown layout, a non-causal zigzag/stripe, or world_size < 1.
     """
-    check_layout(layout)
+    check_layout_causal(layout, causal)
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    if layout != "ring" and not causal:
-        raise ValueError(
-            f"layout={layout!r} is for causal attention only (causal=False is balanced under "
-            "'ring' already); pass causal=True or use layout='ring'"
-        )
     steps = tuple(
         tuple(
             Step(src, _block(layout, causal, r, src))
