@@ -1,0 +1,99 @@
+"""transformers models with ``attn_implementation="dtensor_ring"`` match them without CP."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+WORLD = 2
+BATCH, SEQ, VOCAB = 2, 32, 128
+
+
+def _config(arch: str):
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+               max_position_embeddings=256)
+
+
+def _model(arch: str, attn_implementation: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(arch), attn_implementation=attn_implementation,
+                                            dtype=torch.float32)
+
+
+def _cp_vs_full(group, arch: str, layout: str) -> tuple[float, float, float]:
+    import dtensor_ring as dr
+    import dtensor_ring.hf as drhf
+
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    batch = {"input_ids": input_ids, "labels": input_ids.clone()}
+
+    ref = _model(arch, "sdpa")
+    ref_out = ref(**batch)
+    ref_out.loss.backward()
+
+    drhf.setup(group=group, layout=layout)
+    model = _model(arch, "dtensor_ring")
+    out = model(**drhf.shard_batch(batch, group=group, layout=layout))
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=group)  # each rank's share of the global mean
+    logits = dr.gather_sequence(out.logits.detach().contiguous(), layout, group=group)
+    grad_err = 0.0
+    for (name, p), (ref_name, p_ref) in zip(model.named_parameters(), ref.named_parameters(),
+                                            strict=True):
+        assert name == ref_name
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        grad_err = max(grad_err, (grad - p_ref.grad).abs().max().item())
+    return ((logits - ref_out.logits.detach()).abs().max().item(),
+            abs(loss.item() - ref_out.loss.item()), grad_err)
+
+
+@pytest.mark.parametrize("arch, layout", [("llama", "zigzag"), ("llama", "stripe"),
+                                          ("qwen2", "ring")])
+def test_matches_without_cp(dist_pool, arch, layout):
+    for logits_err, loss_err, grad_err in dist_pool.run(_cp_vs_full, WORLD, arch=arch,
+                                                        layout=layout):
+        assert logits_err < 1e-5 and loss_err < 1e-5 and grad_err < 1e-5, (
+            logits_err, loss_err, grad_err)
+
+
+def _rejects(group, what: str) -> str:
+    import dtensor_ring as dr
+    import dtensor_ring.hf as drhf
+
+    drhf.setup(group=group, layout="zigzag")
+    model = _model("llama", "dtensor_ring")
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    inputs = drhf.shard_batch({"input_ids": input_ids}, group=group, layout="zigzag")
+    if what == "packed":  # two documents: positions restart
+        s = SEQ // 2
+        inputs["position_ids"] = dr.shard_local(
+            torch.cat([torch.arange(s), torch.arange(s)]).expand(BATCH, SEQ), "zigzag",
+            dist.get_rank(group), dist.get_world_size(group))
+    elif what == "no_positions":
+        del inputs["position_ids"]
+    else:  # padding
+        mask = torch.ones_like(inputs["input_ids"])
+        mask[0, -1] = 0
+        inputs["attention_mask"] = mask
+    with pytest.raises(ValueError) as info:
+        model(**inputs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("what", ["packed", "no_positions", "padding"])
+def test_rejects_what_it_cannot_honour(dist_pool, what):
+    for message in dist_pool.run(_rejects, WORLD, what=what):
+        assert "dtensor_ring" in message
