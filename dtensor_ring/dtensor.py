@@ -531,8 +531,19 @@ def _aten_handlers(config: _Config) -> dict:
 # --------------------------------------------------------------------------------------------
 # The scope.
 # --------------------------------------------------------------------------------------------
-_FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                   SDPBackend.CUDNN_ATTENTION]  # FLASH_ATTENTION covers the CPU flash kernel
+@torch.compiler.assume_constant_result  # the getters are not traceable; read at trace time
+def _enabled_fused_backends() -> tuple[SDPBackend, ...]:
+    """The fused SDPA backends enabled now (FLASH_ATTENTION covers the CPU flash kernel).
+
+    Keeping the user's choice (e.g. ``sdpa_kernel(CUDNN_ATTENTION)``) matters: a recompute
+    under activation checkpointing runs without our mode, so it must pick the same aten op.
+    """
+    flags = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+             (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+             (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled()))
+    return tuple(backend for backend, enabled in flags if enabled)
+
+
 _SDPA_FUNCS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention,
                torch.ops.aten.scaled_dot_product_attention.default)
 
@@ -548,8 +559,9 @@ class _RingSDPAMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _SDPA_FUNCS and _check_dtensor_sdpa_call(self.config, *args, **kwargs):
             # Never SDPA's math fallback (which would decompose into sharded matmuls): a
-            # fused op, caught by our handler, or SDPA's own "no kernel available" error.
-            with sdpa_kernel(_FUSED_BACKENDS):
+            # fused op (among those enabled), caught by our handler, or SDPA's own "no kernel
+            # available" error.
+            with sdpa_kernel(list(_enabled_fused_backends())):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 

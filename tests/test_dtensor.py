@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from reference import random_qkv, reference_attention, shard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring
 from dtensor_ring import _dtensor_compat
@@ -379,6 +380,13 @@ def _errors(group):
                 messages[f"{name}/{way}"] = "no error"
             except (ValueError, TypeError) as e:
                 messages[f"{name}/{way}"] = f"{type(e).__name__}: {e}"
+    # only SDPA's math backend enabled: no fused op to route, SDPA says so (no silent math)
+    try:
+        with dtensor_ring.ring_sdpa(layout="zigzag"), sdpa_kernel([SDPBackend.MATH]):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        messages["math_only"] = "no error"
+    except RuntimeError as e:
+        messages["math_only"] = f"RuntimeError: {e}"
     # our op on DTensors with a group that is not the sharded mesh dim's
     bshd = dt([Shard(1)], full.transpose(1, 2).contiguous())
     try:
@@ -415,6 +423,7 @@ def test_placement_and_argument_errors(dist_pool):
                 assert message.startswith(kind) and expected in message, (rank, name, way,
                                                                           message)
         assert "group_name='no-such-group' is not the process group" in messages["op/group"]
+        assert messages["math_only"].startswith("RuntimeError: No viable backend"), messages
 
 
 # --------------------------------------------------------------------------------------------
