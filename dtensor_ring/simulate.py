@@ -24,6 +24,7 @@ from .engine import ring_backward, ring_forward
 from .kernels import KernelCall, accumulation_dtype, select_kernel
 from .layouts import shard_local, unshard_local
 from .plan import make_plan
+from .varlen import shard_varlen, unshard_varlen, varlen_blocks, varlen_local_cu_seqlens
 
 
 class _Delivered:
@@ -60,14 +61,43 @@ class SimulatedExchanger:
         return _Delivered(delivered, self._zero)
 
 
+class _Sequence:
+    """How full tensors split into rank parts and back: dense ``[B, S, ...]`` or packed varlen
+    ``[T, ...]`` with global ``cu_seqlens``."""
+
+    def __init__(self, layout: str, world_size: int, cu_seqlens: Sequence[int] | None):
+        self.layout, self.world_size, self.cu_seqlens = layout, world_size, cu_seqlens
+        self.seq_dim = 1 if cu_seqlens is None else 0  # of q/k/v/out
+        self.lse_seq_dim = 2 if cu_seqlens is None else 1  # lse [B, H, S] or [H, T]
+
+    def shard(self, full: Tensor, rank: int) -> Tensor:
+        if self.cu_seqlens is None:
+            return shard_local(full, self.layout, rank, self.world_size)
+        return shard_varlen(full, self.cu_seqlens, self.layout, rank, self.world_size)[0]
+
+    def unshard(self, parts: Sequence[Tensor], seq_dim: int) -> Tensor:
+        if self.cu_seqlens is None:
+            return unshard_local(parts, self.layout, seq_dim)
+        return unshard_varlen(parts, self.cu_seqlens, self.layout, seq_dim)
+
+    def blocks(self, causal: bool, device: torch.device):
+        """The engine's :class:`~dtensor_ring.engine.Blocks` (None: dense default)."""
+        if self.cu_seqlens is None:
+            return None
+        local = varlen_local_cu_seqlens(self.cu_seqlens, self.layout, 0, self.world_size)
+        return varlen_blocks(local.tolist(), self.layout, self.world_size, causal, device)
+
+
 class RankSimulator:
     """Rank ``rank`` of a ``world_size``-rank ring, on the device of the given full tensors.
 
     Args:
         q, k, v: FULL sequences, ``[B, S, H, D]`` / ``[B, S, H_kv, D]`` (S divisible as the
-            layout needs).
+            layout needs); with ``cu_seqlens``, packed ``[T, H, D]`` / ``[T, H_kv, D]``.
         layout, world_size, rank, causal: the ring to simulate.
         backend: block kernel (None: automatic), scale: default ``D ** -0.5``.
+        cu_seqlens: global document boundaries of packed inputs (ring / zigzag varlen,
+            docs/varlen.md); None for dense inputs.
 
     ``forward()`` and ``backward(dout_local)`` run the engine exactly as a real rank would;
     the dK/dV that arrive from the "previous rank" are zeros, so ``backward`` returns this
@@ -76,13 +106,16 @@ class RankSimulator:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, *, layout: str, world_size: int,
                  rank: int, causal: bool = True, backend: str | None = None,
-                 scale: float | None = None):
+                 scale: float | None = None, cu_seqlens: Sequence[int] | None = None):
         self.plan = make_plan(layout, world_size, causal)
         self.rank, self.world_size = rank, world_size
-        self.kernel = select_kernel(KernelCall.of(q, k), backend)
+        self.sequence = _Sequence(layout, world_size, cu_seqlens)
+        self.blocks = self.sequence.blocks(causal, q.device)
+        varlen = cu_seqlens is not None
+        self.kernel = select_kernel(KernelCall.of(q, k, varlen=varlen), backend)
         self.scale = q.shape[-1] ** -0.5 if scale is None else scale
-        local = [[shard_local(t, layout, r, world_size) for t in (k, v)] for r in range(world_size)]
-        self.q = shard_local(q, layout, rank, world_size)
+        local = [[self.sequence.shard(t, r) for t in (k, v)] for r in range(world_size)]
+        self.q = self.sequence.shard(q, rank)
         self.k, self.v = local[rank]
         steps = self.plan.steps[rank]
         # the K/V that arrive at the end of step s are those of step s + 1's source rank
@@ -103,7 +136,7 @@ class RankSimulator:
         """``(out_BSHD, lse_BHS)`` of this rank's local queries."""
         self.out, self.lse = ring_forward(
             self.q, self.k, self.v, self.steps, SimulatedExchanger(self.kv_deliveries),
-            self.kernel, self.scale,
+            self.kernel, self.scale, self.blocks,
         )
         return self.out, self.lse
 
@@ -117,27 +150,32 @@ class RankSimulator:
         dq, dk, dv = ring_backward(
             dout, self.q, self.k, self.v, self.out, self.lse, self.steps,
             SimulatedExchanger(self.kv_deliveries), dkv_exchanger, self.kernel, self.scale,
+            self.blocks,
         )
         return dq, dk, dv, dkv_exchanger.sent
 
 
 def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *,
                   layout: str, world_size: int, causal: bool = True,
-                  backend: str | None = None, scale: float | None = None):
+                  backend: str | None = None, scale: float | None = None,
+                  cu_seqlens: Sequence[int] | None = None):
     """Every rank of the ring in turn on one device; full-sequence results in token order.
 
     Args:
-        q, k, v, dout: full ``[B, S, H(_kv), D]`` tensors (``dout`` optional).
+        q, k, v, dout: full ``[B, S, H(_kv), D]`` tensors (``dout`` optional); with
+            ``cu_seqlens`` (global document boundaries), packed ``[T, H(_kv), D]``.
 
     Returns:
         ``(out, lse)`` if ``dout`` is None, else ``(out, lse, dq, dk, dv)``; ``lse`` is
-        ``[B, H, S]``.
+        ``[B, H, S]`` (varlen: ``[H, T]``).
     """
     sims = [RankSimulator(q, k, v, layout=layout, world_size=world_size, rank=r, causal=causal,
-                          backend=backend, scale=scale) for r in range(world_size)]
+                          backend=backend, scale=scale, cu_seqlens=cu_seqlens)
+            for r in range(world_size)]
+    seq = sims[0].sequence
     results = [sim.forward() for sim in sims]
-    out = unshard_local([o for o, _ in results], layout, seq_dim=1)
-    lse = unshard_local([lse for _, lse in results], layout, seq_dim=2)
+    out = seq.unshard([o for o, _ in results], seq.seq_dim)
+    lse = seq.unshard([lse for _, lse in results], seq.lse_seq_dim)
     if dout is None:
         return out, lse
     acc = accumulation_dtype(q.dtype)
@@ -145,7 +183,7 @@ def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *
     dv_parts = [torch.zeros(sim.v.shape, dtype=acc, device=q.device) for sim in sims]
     dq_parts = []
     for r, sim in enumerate(sims):
-        dq, dk, dv, sent = sim.backward(shard_local(dout, layout, r, world_size), record=True)
+        dq, dk, dv, sent = sim.backward(seq.shard(dout, r), record=True)
         dq_parts.append(dq)
         if world_size == 1:
             dk_parts[0] += dk
@@ -154,7 +192,7 @@ def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *
         for step, (dk_s, dv_s) in zip(sim.steps, sent, strict=True):
             dk_parts[step.src] += dk_s
             dv_parts[step.src] += dv_s
-    dq = unshard_local(dq_parts, layout, seq_dim=1)
-    dk = unshard_local([d.to(k.dtype) for d in dk_parts], layout, seq_dim=1)
-    dv = unshard_local([d.to(v.dtype) for d in dv_parts], layout, seq_dim=1)
+    dq = seq.unshard(dq_parts, seq.seq_dim)
+    dk = seq.unshard([d.to(k.dtype) for d in dk_parts], seq.seq_dim)
+    dv = seq.unshard([d.to(v.dtype) for d in dv_parts], seq.seq_dim)
     return out, lse, dq, dk, dv
