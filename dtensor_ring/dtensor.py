@@ -52,19 +52,21 @@ DTensor's dispatcher, which offers a table of custom op handlers (private; walle
 
 2. A ``TorchFunctionMode`` (public API) that sees the SDPA call *before* kernel choice. It
    raises a clear ``ValueError`` for what ring attention does not do (attn_mask, dropout,
-   bad placements), and runs SDPA under ``sdpa_kernel`` without the math backend, which would
-   otherwise decompose into sharded matmuls that never reach a handler. Being a mode, it is on
-   the stack Dynamo guards: a function compiled outside the scope is recompiled inside it, and
-   the other way round. (The handler table alone is invisible to Dynamo's guards.)
+   bad placements), and runs SDPA under ``sdpa_kernel`` restricted to the enabled fused
+   backends: never the math fallback, which would decompose into sharded matmuls that never
+   reach a handler. Being a mode, it is on the stack Dynamo guards: a function compiled
+   outside the scope is recompiled inside it, and the other way round. (The handler table
+   alone is invisible to Dynamo's guards.)
 
 Why the handlers do the work rather than the mode calling our op directly: the same path must
 run however the call arrives. Activation checkpointing recomputes the forward inside
 ``backward()``, which a mode does not see (a mode is switched off while it handles
 ``Tensor.backward``), and Dynamo traces checkpointed regions (higher-order ops) without the
 ambient mode; both then reach the aten ops, so routing everything through them keeps the saved
-tensors of forward and recompute identical. It follows that the scope must be entered outside
-``torch.compile``'d code (the handlers act while AOTAutograd traces, after Dynamo); entering it
-inside raises ``RuntimeError``.
+tensors of forward and recompute identical. (The handler table is also process-wide, while
+modes are thread-local: CUDA backward runs on autograd's device threads.) It follows that the
+scope must be entered outside ``torch.compile``'d code (the handlers act while AOTAutograd
+traces, after Dynamo); entering it inside raises ``RuntimeError``.
 
 :func:`scaled_dot_product_ring_attention` is the scope-free alternative: it calls our op on the
 DTensors directly (its sharding rule is registered with ``register_sharding``, public), works
