@@ -275,16 +275,18 @@ class _KVGather:
         out = self._buffers[self._turn]
         self._turn ^= 1
         work = _all_gather(out, local, group=self.group, async_op=True)
-        return _Pending(work, (out[:, 0], out[:, 1]))
+        return _Pending(work, (out[:, 0], out[:, 1]), local)
 
 
 class _Pending:
-    def __init__(self, work, result):
-        self._work, self._result = work, result
+    """An async collective; holds its input until :meth:`wait` (allocator safety)."""
+
+    def __init__(self, work, result, keep_alive: Tensor):
+        self._work, self._result, self._keep_alive = work, result, keep_alive
 
     def wait(self):
-        if self._work is not None:
-            self._work.wait()
+        self._work.wait()
+        self._keep_alive = None
         return self._result
 
 
@@ -384,11 +386,11 @@ def llama3_backward(
     groups = _head_groups(H, k_THD.shape[1], heads_k_stride)
     gather = _KVGather(k_THD, v_THD, heads_k_stride, group)
     pending = gather.start(groups[0][0])
-    reducing = None  # (work, result [L, 2, s, D], kv heads) of the previous group
+    reducing = None  # (work, result [L, 2, s, D], kv heads, input) of the previous group
     m = meta
 
     def finish(reduced) -> None:
-        work, result, kv_heads = reduced
+        work, result, kv_heads, _input = reduced  # the input stays alive until the wait
         work.wait()
         dk[:, kv_heads] += result[:, 0]
         dv[:, kv_heads] += result[:, 1]
@@ -432,6 +434,6 @@ def llama3_backward(
             finish(reducing)
         result = dkv_full.new_empty(L, 2, heads_k_stride, D)
         work = _reduce_scatter(result, dkv_full, group=group, async_op=True)
-        reducing = (work, result, kv_heads)
+        reducing = (work, result, kv_heads, dkv_full)
     finish(reducing)
     return dq.to(q_THD.dtype), dk.to(k_THD.dtype), dv.to(v_THD.dtype)
