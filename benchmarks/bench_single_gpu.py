@@ -235,6 +235,80 @@ def eager_merge_rings(backend: str, tokens: int, a, device, gen) -> list[dict]:
     return [dict(r, layout="zigzag (eager merge)") for r in rows]
 
 
+VARLEN_LOCAL_CU_SEQLENS = (  # the seed benchmark's local document boundaries (8192 tokens)
+    (0, 8192), (0, 256, 7648, 8192), (0, 4096, 8192), (0, 3104, 6304, 7904, 8064, 8192),
+)
+
+
+class _LocalGather:
+    """Stands in for llama3's all-gather on one device: the full K/V are already here."""
+
+    def __init__(self, k_full, v_full, stride: int):
+        self.k, self.v, self.stride = k_full, v_full, stride
+
+    def start(self, h: int):
+        from dtensor_ring.simulate import _Delivered
+
+        heads = slice(h, h + self.stride)
+        return _Delivered([self.k[:, heads], self.v[:, heads]], zero=False)
+
+
+def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
+    """ring / zigzag varlen (simulated slowest rank) and llama3 (forward) vs one full call."""
+    import dtensor_ring.llama3 as llama3
+    from dtensor_ring import llama3_flash_attn_prepare_cu_seqlens, varlen_balance
+
+    W, backend = a.world_size, "cuda_flash" if device.type == "cuda" else "math"
+    kernel = get_kernel(backend)
+    bounds = [b * W for b in local_bounds]
+    scale = a.head_dim ** -0.5
+    q, k, v, dout = (t[0] for t in qkv(bounds[-1], a, a.dtype, device, gen))  # [T, H, D]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    n = max(b - a_ for a_, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+    def full_fwd():
+        return kernel.forward_varlen(q, k, v, cu, cu, n, n, causal=True, scale=scale)
+
+    def full_fwd_bwd():
+        out, lse = full_fwd()
+        kernel.backward_varlen(dout, q, k, v, out, lse, cu, cu, n, n, causal=True, scale=scale)
+
+    theo_fwd, theo_fwd_bwd = timed(full_fwd, a.reps) / W, timed(full_fwd_bwd, a.reps) / W
+    balance = varlen_balance(bounds, W, causal=True)
+    row = dict(local_cu_seqlens=list(local_bounds), world_size=W, backend=backend,
+               theoretic_fwd_ms=theo_fwd * 1e3, theoretic_fwd_bwd_ms=theo_fwd_bwd * 1e3)
+    for layout in ("ring", "zigzag"):
+        rank = max(range(W), key=balance[layout].__getitem__)
+        sim = RankSimulator(q, k, v, layout=layout, world_size=W, rank=rank, backend=backend,
+                            cu_seqlens=bounds)
+        dl = dout[: sim.q.shape[0]]  # any values of the local shape time the same
+
+        def fwd_bwd(sim=sim, dl=dl):
+            sim.forward()
+            sim.backward(dl)
+
+        t_fwd, t_fwd_bwd = timed(sim.forward, a.reps), timed(fwd_bwd, a.reps)
+        row[f"{layout}_eff_fwd"] = theo_fwd / t_fwd
+        row[f"{layout}_eff_fwd_bwd"] = theo_fwd_bwd / t_fwd_bwd
+        row[f"{layout}_limit"] = sum(balance[layout]) / W / max(balance[layout])
+    rank = max(range(W), key=balance["llama3"].__getitem__)
+    cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
+    L = bounds[-1] // W
+    meta = llama3.llama3_meta(cu_q, cu_k, max_q, max_k, k_slice.start, k_slice.stop, L, True,
+                              rank, W, device)
+    ql, kl, vl = (t[rank * L:(rank + 1) * L] for t in (q, k, v))
+    default_gather = llama3._KVGather
+    llama3._KVGather = lambda k_, v_, stride, group: _LocalGather(k, v, stride)
+    try:
+        t_fwd = timed(lambda: llama3.llama3_forward(ql, kl, vl, meta, a.kv_heads, None, kernel,
+                                                     scale), a.reps)
+    finally:
+        llama3._KVGather = default_gather
+    row["llama3_eff_fwd"] = theo_fwd / t_fwd
+    row["llama3_limit"] = sum(balance["llama3"]) / W / max(balance["llama3"])
+    return [row]
+
+
 def plots(results: dict, out_dir: str) -> None:
     """Efficiency vs tokens per rank (per layout and backend) and memory bars, as PNGs."""
     try:
@@ -304,8 +378,13 @@ def main() -> None:
         cuda=torch.version.cuda, device=torch.cuda.get_device_name() if device.type == "cuda"
         else "cpu", config=dict(world_size=a.world_size, heads=a.heads, kv_heads=a.kv_heads,
                                 head_dim=a.head_dim, dtype=str(a.dtype), tokens=tokens),
-        blocks=[], rings=[], precision=[], merges=[], errors=[],
+        blocks=[], rings=[], precision=[], merges=[], varlen=[], errors=[],
     )
+    for bounds in VARLEN_LOCAL_CU_SEQLENS if not a.smoke else ((0, 4, 12, 16),):
+        try:
+            results["varlen"] += varlen_rings(bounds, a, device, gen)
+        except Exception as e:
+            results["errors"].append(f"varlen {bounds}: {type(e).__name__}: {e}")
     try:
         results["merges"] = merge_bench(tokens[-1] if a.smoke else 8192, a, device, gen)
         if device.type == "cuda":
@@ -352,6 +431,13 @@ def print_tables(results: dict) -> None:
     for r in results["precision"]:
         print(f"{r['backend']:<11}{r['layout']:<8}{r['tensor']:<7}{r['max_err']:>10.2e}"
               f"{r['ratio_max']:>10.2f}{r['ratio_mean']:>11.2f}")
+    print(f"\n{'local cu_seqlens':<36}{'ring f':>8}{'ring fb':>8}{'zz f':>8}{'zz fb':>8}"
+          f"{'llama3 f':>9}{'limits r/zz/l3':>17}")
+    for r in results["varlen"]:
+        limits = f"{r['ring_limit']:.0%}/{r['zigzag_limit']:.0%}/{r['llama3_limit']:.0%}"
+        print(f"{str(r['local_cu_seqlens']):<36}{r['ring_eff_fwd']:>8.1%}"
+              f"{r['ring_eff_fwd_bwd']:>8.1%}{r['zigzag_eff_fwd']:>8.1%}"
+              f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}{limits:>17}")
     for r in results["merges"]:
         print(f"merge {r['merge']:<8} {r['tokens']} rows: {r['ms']:.3f} ms, {r['gbps']:.0f} GB/s, "
               f"max diff vs eager {r['max_diff_vs_eager']:.1e}")
