@@ -38,69 +38,73 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(samples)
 
 
+def sdpa(q, k, v):
+    """Causal GQA SDPA in ``[B, H, S, D]`` (plain tensors or DTensors)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def functional(q, k, v):
+    """The functional API on ``[B, H, S, D]`` tensors (flash layout inside)."""
+    out = dr.zigzag_ring_flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return out.transpose(1, 2)
+
+
+def check_size(S: int, mesh) -> list[dict]:
+    """Every path at sequence length ``S``: error vs plain SDPA, fwd and fwd+bwd times."""
+    B, H, H_kv, D = 1, 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in "kv")
+    dout = torch.randn_like(q)
+    ref = sdpa(q, k, v)
+
+    def as_dtensor(t):
+        return dr.shard_sequence(t, mesh, seq_dim=2, layout="zigzag")
+
+    plain_inputs, dtensor_inputs = (q, k, v, dout), tuple(map(as_dtensor, (q, k, v, dout)))
+    paths = {  # name -> (function, inputs)
+        "plain sdpa": (sdpa, plain_inputs),
+        "dtensor sdpa eager": (sdpa, dtensor_inputs),
+        "dtensor sdpa compiled": (torch.compile(sdpa, fullgraph=True), dtensor_inputs),
+        "functional eager": (functional, plain_inputs),
+        "functional compiled": (torch.compile(functional, fullgraph=True), plain_inputs),
+    }
+    rows = []
+    for name, (fn, (qi, ki, vi, di)) in paths.items():
+        leaves = [t.detach().requires_grad_() for t in (qi, ki, vi)]
+
+        def fwd(fn=fn, qi=qi, ki=ki, vi=vi):
+            return fn(qi, ki, vi)
+
+        def fwd_bwd(fn=fn, leaves=leaves, di=di):
+            fn(*leaves).backward(di)
+
+        try:
+            out = fwd()
+            out = out.to_local() if hasattr(out, "to_local") else out
+            rows.append(dict(S=S, path=name, max_err_vs_sdpa=(out - ref).abs().max().item(),
+                             fwd_ms=timed(fwd), fwd_bwd_ms=timed(fwd_bwd)))
+        except Exception as e:  # record and go on
+            rows.append(dict(S=S, path=name, error=f"{type(e).__name__}: {e}"[:300]))
+    return rows
+
+
 def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29513")
     dist.init_process_group("nccl", rank=0, world_size=1)
     mesh = init_device_mesh("cuda", (1,))
-    B, H, H_kv, D = 1, 32, 8, 128
+    from torch._dynamo.utils import counters
+
     rows, results = [], {}
-    for S in (1024, 8192):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k, v = (torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-                for _ in "kv")
-        dout = torch.randn_like(q)
-
-        def plain(q=q, k=k, v=v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-        ref = plain()
-        dts = [dr.shard_sequence(t, mesh, seq_dim=2, layout="zigzag") for t in (q, k, v)]
-
-        def sdpa(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-        def functional(q, k, v):  # [B, H, S, D] -> flash layout and back
-            out = dr.zigzag_ring_flash_attn_func(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-            return out.transpose(1, 2)
-
-        torch._dynamo.reset()
-        from torch._dynamo.utils import counters
-
-        counters.clear()
-        compiled_sdpa = torch.compile(sdpa, fullgraph=True)
-        compiled_functional = torch.compile(functional, fullgraph=True)
-        paths = {
-            "plain sdpa": lambda: plain(),
-            "dtensor sdpa eager": lambda: sdpa(*dts).to_local(),
-            "dtensor sdpa compiled": lambda: compiled_sdpa(*dts).to_local(),
-            "functional eager": lambda: functional(q, k, v),
-            "functional compiled": lambda: compiled_functional(q, k, v),
-        }
-        with dr.ring_sdpa(layout="zigzag"):
-            for name, fn in paths.items():
-                try:
-                    err = (fn().float() - ref.float()).abs().max().item()
-                    fwd = timed(fn)
-                    leaves = [t.detach().requires_grad_() for t in (dts if "dtensor" in name
-                                                                    else (q, k, v))]
-
-                    def fwd_bwd(name=name, leaves=leaves):
-                        f = {"plain sdpa": plain, "dtensor sdpa eager": sdpa,
-                             "dtensor sdpa compiled": compiled_sdpa,
-                             "functional eager": functional,
-                             "functional compiled": compiled_functional}[name]
-                        out = f(*leaves)
-                        out.backward(dr.shard_sequence(dout, mesh, seq_dim=2, layout="zigzag")
-                                     if "dtensor" in name else dout)
-
-                    rows.append(dict(S=S, path=name, max_err_vs_sdpa=err, fwd_ms=fwd,
-                                     fwd_bwd_ms=timed(fwd_bwd)))
-                except Exception as e:  # record and go on
-                    rows.append(dict(S=S, path=name, error=f"{type(e).__name__}: {e}"[:300]))
-        results[f"graph_breaks_S{S}"] = sum(counters["graph_break"].values())
+    with dr.ring_sdpa(layout="zigzag"):
+        for S in (1024, 8192):
+            torch._dynamo.reset()
+            counters.clear()
+            rows += check_size(S, mesh)
+            results[f"graph_breaks_S{S}"] = sum(counters["graph_break"].values())
     results["rows"] = rows
     results.update(torch=torch.__version__, device=torch.cuda.get_device_name())
     out_dir = os.environ.get("OUT", "out")
