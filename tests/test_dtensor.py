@@ -281,6 +281,28 @@ def test_sdpa_2d_mesh(dist_pool, cp_first, batch_sharded):
         assert placements_ok and err < 1e-10, err
 
 
+def _sdpa_without_autograd(group):
+    """Inference: under inference_mode SDPA itself reaches DTensor (and is decomposed there)."""
+    mesh = _mesh(group)
+    q, k, v = random_qkv(1, 8 * mesh.size(), 4, 2, 8, seed=5)
+    ref, _ = reference_attention(q, k, v, causal=True)
+    dts = [dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="zigzag")
+           for t in (q, k, v)]
+    errors = {}
+    for name, context in (("inference_mode", torch.inference_mode), ("no_grad", torch.no_grad)):
+        with context(), dtensor_ring.ring_sdpa(layout="zigzag"):
+            out = F.scaled_dot_product_attention(*dts, is_causal=True, enable_gqa=True)
+        full = dtensor_ring.unshard_sequence(out, seq_dim=2, layout="zigzag").transpose(1, 2)
+        errors[name] = (full - ref).abs().max().item()
+    return errors
+
+
+def test_sdpa_without_autograd(dist_pool):
+    for errors in dist_pool.run(_sdpa_without_autograd, 2):
+        assert set(errors) == {"inference_mode", "no_grad"}
+        assert max(errors.values()) < 1e-10, errors
+
+
 # --------------------------------------------------------------------------------------------
 # 3. CUDA aten-op handlers, called directly with CPU DTensors
 # --------------------------------------------------------------------------------------------
