@@ -275,7 +275,7 @@ def _ulysses(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slope
     check_layout(layout)
     check_qkv_tensors(q, k, v)
     name = _group_name(group)
-    W = dist.get_world_size(resolve_group(name))
+    W = dist.get_world_size(group)
     _check_heads(q, W, "Ulysses attention")
     if causal and (q.shape[1] * W) % local_seq_divisor(layout, W) != 0:
         raise ValueError(
