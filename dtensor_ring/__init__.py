@@ -16,7 +16,10 @@ Public names:
       ``varlen_balance``, ``VARLEN_LAYOUTS``;
     * DTensor (docs/composability.md): ``ring_sdpa`` (scope: ``F.scaled_dot_product_attention``
       on sequence-sharded DTensors runs ring attention), ``scaled_dot_product_ring_attention``,
-      ``shard_sequence``, ``unshard_sequence``.
+      ``shard_sequence``, ``unshard_sequence``;
+    * Ulysses and 2-D (Ulysses x ring) context parallelism (docs/ulysses.md):
+      ``ulysses_flash_attn_func`` (+ ``_kvpacked`` / ``_qkvpacked``), ``hybrid_flash_attn_func``,
+      ``hybrid_shard_local``, ``hybrid_token_indices``, ``comm_volume``.
 """
 
 from .dtensor import (
@@ -52,6 +55,15 @@ from .layouts import LAYOUTS, gather_sequence, shard_local, token_indices, unsha
 from .llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .plan import make_plan
 from .simulate import RankSimulator, simulate_ring
+from .ulysses import (
+    comm_volume,
+    hybrid_flash_attn_func,
+    hybrid_shard_local,
+    hybrid_token_indices,
+    ulysses_flash_attn_func,
+    ulysses_flash_attn_kvpacked_func,
+    ulysses_flash_attn_qkvpacked_func,
+)
 from .varlen import (
     VARLEN_LAYOUTS,
     shard_varlen,
@@ -102,4 +114,12 @@ __all__ = [
     "scaled_dot_product_ring_attention",
     "shard_sequence",
     "unshard_sequence",
+    # Ulysses and 2-D hybrid
+    "comm_volume",
+    "hybrid_flash_attn_func",
+    "hybrid_shard_local",
+    "hybrid_token_indices",
+    "ulysses_flash_attn_func",
+    "ulysses_flash_attn_kvpacked_func",
+    "ulysses_flash_attn_qkvpacked_func",
 ]
