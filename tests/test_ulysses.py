@@ -158,6 +158,22 @@ def test_hybrid_2x2(dist_pool, layout, causal, H, H_kv):
     dist_pool.run(check_hybrid, 4, layout=layout, causal=causal, H=H, H_kv=H_kv)
 
 
+def check_hybrid_errors(group):
+    ulysses_group, ring_group = _hybrid_groups()
+    groups = dict(ulysses_group=ulysses_group, ring_group=ring_group)
+    q, k, v = random_qkv(1, 4, 3, 3, 8)
+    with pytest.raises(ValueError, match="H % 2 == 0"):
+        hybrid_flash_attn_func(q, k, v, causal=True, **groups)
+    q, k, v = random_qkv(1, 4, 4, 4, 8)
+    with pytest.raises(ValueError, match="causal"):
+        hybrid_flash_attn_func(q, k, v, causal=False, **groups)
+
+
+def test_hybrid_errors(dist_pool):
+    """H % U != 0 and non-causal zigzag raise on every rank before any communication."""
+    dist_pool.run(check_hybrid_errors, 4)
+
+
 def test_hybrid_token_indices_partition():
     for layout in ("ring", "zigzag", "stripe"):
         idx = [hybrid_token_indices(layout, 32, r, 2, u, 4) for r in range(2) for u in range(4)]
