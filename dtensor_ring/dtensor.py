@@ -230,11 +230,37 @@ def _check_sdpa_args(
     is_causal: bool,
     enable_gqa: bool,
     layout: str,
-) -> int:
-    """Validate an SDPA call on DTensors ``[B, H, S, D]``; return the context-parallel mesh dim."""
+) -> tuple[int, str]:
+    """Validate an SDPA call on DTensors ``[B, H, S, D]``.
+
+    Returns:
+        ``(cp_dim, group_name)``: the context-parallel mesh dim and its process group's name.
+    """
+    def describe(t):
+        if not isinstance(t, DTensor):
+            return type(t).__name__
+        return t.device_mesh, tuple(t.placements), tuple(int(n) for n in t.shape)
+
+    return _check_sdpa_metadata(
+        tuple(describe(t) for t in (query, key, value)), attn_mask is not None,
+        float(dropout_p), bool(is_causal), bool(enable_gqa), layout,
+    )
+
+
+@torch.compiler.assume_constant_result
+def _check_sdpa_metadata(
+    metadata: tuple, has_mask: bool, dropout_p: float, is_causal: bool, enable_gqa: bool,
+    layout: str,
+) -> tuple[int, str]:
+    """The checks of :func:`_check_sdpa_args`, on metadata only.
+
+    A Dynamo constant: under ``torch.compile`` it runs as plain Python at trace time (its
+    result is baked into the graph), so it may use anything (``type()``, process groups) that
+    Dynamo versions trace differently or not at all. ``metadata``: per q, k, v either
+    ``(mesh, placements, shape)`` or the type name of a non-DTensor.
+    """
     check_layout(layout)
-    tensors = {"query": query, "key": key, "value": value}
-    if attn_mask is not None:
+    if has_mask:
         raise ValueError(
             "attn_mask is not supported by ring attention (SDPA on sequence-sharded DTensors); "
             "pass attn_mask=None and is_causal=True for a causal mask"
@@ -243,29 +269,28 @@ def _check_sdpa_args(
         raise ValueError(
             f"dropout_p={dropout_p} is not supported by ring attention; pass dropout_p=0.0"
         )
-    for name, t in tensors.items():
-        if not isinstance(t, DTensor):
+    names = ("query", "key", "value")
+    for name, meta in zip(names, metadata, strict=True):
+        if isinstance(meta, str):
             raise TypeError(
-                f"{name} is a {type(t).__name__}, not a DTensor, while other SDPA inputs are "
-                "DTensors; make q, k and v DTensors on one mesh (DTensor.from_local for local "
-                "shards)"
+                f"{name} is a {meta}, not a DTensor, while other SDPA inputs are DTensors; "
+                "make q, k and v DTensors on one mesh (DTensor.from_local for local shards)"
             )
     if layout != "ring" and not is_causal:
         raise ValueError(
             f"ring_sdpa(layout={layout!r}) is for causal attention only, got is_causal=False; "
             "use layout='ring' for non-causal attention"
         )
-    cp_dim = _cp_mesh_dim(
-        [_describe(t, n) for n, t in tensors.items()],
-        seq_dim=SDPA_SEQ_DIM, layout=layout, layout_names="[B, H, S, D]",
-    )
-    (B, H, S, D), (Bk, H_kv, Sk, Dk) = query.shape, key.shape
-    if key.shape != value.shape:
-        raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
+    xs = [_Sharded(n, *meta) for n, meta in zip(names, metadata, strict=True)]
+    cp_dim = _cp_mesh_dim(xs, seq_dim=SDPA_SEQ_DIM, layout=layout, layout_names="[B, H, S, D]")
+    q_shape, k_shape, v_shape = (x.shape for x in xs)
+    (B, H, S, D), (Bk, H_kv, Sk, Dk) = q_shape, k_shape
+    if k_shape != v_shape:
+        raise ValueError(f"key and value shapes differ: {k_shape} vs {v_shape}")
     if (B, S, D) != (Bk, Sk, Dk):
         raise ValueError(
-            f"query {tuple(query.shape)} and key/value {tuple(key.shape)} must agree on batch, "
-            "sequence length and head dim (ring attention is self-attention over one sequence)"
+            f"query {q_shape} and key/value {k_shape} must agree on batch, sequence length "
+            "and head dim (ring attention is self-attention over one sequence)"
         )
     if H != H_kv and not enable_gqa:
         raise ValueError(
@@ -274,7 +299,7 @@ def _check_sdpa_args(
         )
     if H % H_kv != 0:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv}")
-    return cp_dim
+    return cp_dim, xs[0].mesh.get_group(cp_dim).group_name
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,9 +344,8 @@ def scaled_dot_product_ring_attention(
         ValueError: on unsupported placements or arguments, on every rank, before any
             communication.
     """
-    cp_dim = _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
-                              layout)
-    group_name = query.device_mesh.get_group(cp_dim).group_name
+    _, group_name = _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal,
+                                     enable_gqa, layout)
     q, k, v = _to_op_layout(query, key, value)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = _resolve_backend(q, k, backend)
@@ -460,14 +484,14 @@ def aten_sdpa_forward_handler(
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
-    cp_dim = _check_sdpa_args(query, key, value, _first(a, "attn_mask", "attn_bias"),
-                              float(a.get("dropout_p", 0.0)), is_causal, True, config.layout)
+    _, group_name = _check_sdpa_args(query, key, value, _first(a, "attn_mask", "attn_bias"),
+                                     float(a.get("dropout_p", 0.0)), is_causal, True,
+                                     config.layout)
     mesh = query.device_mesh
     q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
     scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
     backend = _resolve_backend(q, k, config.backend)
-    out, lse = ring_attention(q, k, v, mesh.get_group(cp_dim).group_name, config.layout,
-                              is_causal, scale, backend)
+    out, lse = ring_attention(q, k, v, group_name, config.layout, is_causal, scale, backend)
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(_swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -492,8 +516,9 @@ def aten_sdpa_backward_handler(
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
-    cp_dim = _check_sdpa_args(query, key, value, _first(a, "attn_mask", "attn_bias"),
-                              float(a.get("dropout_p", 0.0)), is_causal, True, config.layout)
+    _, group_name = _check_sdpa_args(query, key, value, _first(a, "attn_mask", "attn_bias"),
+                                     float(a.get("dropout_p", 0.0)), is_causal, True,
+                                     config.layout)
     mesh, placements = query.device_mesh, query.placements
     dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
     dout, out, lse = (t if t.placements == placements else t.redistribute(mesh, placements)
@@ -508,7 +533,7 @@ def aten_sdpa_backward_handler(
     backend = _resolve_backend(q, k, config.backend)
     dq, dk, dv = ring_attention_backward(
         dout_l.contiguous(), q, k, v, out_l, lse_l.contiguous(),
-        mesh.get_group(cp_dim).group_name, config.layout, is_causal, scale, backend,
+        group_name, config.layout, is_causal, scale, backend,
     )
     grads = [DTensor.from_local(_swap_seq_heads(g), mesh, placements, run_check=False)
              for g in (dq, dk, dv)]
