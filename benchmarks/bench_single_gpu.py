@@ -391,6 +391,8 @@ def main() -> None:
             results["rings"] += eager_merge_rings(backends[0], 8192, a, device, gen)
     except Exception as e:
         results["errors"].append(f"merge: {type(e).__name__}: {e}")
+    if device.type == "cuda":  # one discarded pass: cuDNN plans, Triton JIT, clocks up
+        bench_config(backends[0], tokens[0], a, device, gen)
     for backend in backends:
         for t in tokens:
             for fn, key in ((block_throughput, "blocks"), (bench_config, "rings")):

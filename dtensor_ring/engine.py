@@ -26,10 +26,26 @@ the visiting K/V travels with them, one step behind:
     after the last step the accumulator of rank r's own K/V arrives from rank r - 1, complete.
 
 dq and the travelling dK/dV accumulate in the accumulation dtype (exact sums over W blocks).
+
+Note [Merges off the critical path]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Block kernels are compute-bound; the merges (forward) and dq accumulations (backward) after
+them are memory-bound and depend on nothing but their block's result. On CUDA they run on a
+second stream, so the next block kernel starts at once and the update overlaps it:
+
+    compute stream:  | kernel s | kernel s+1 | kernel s+2 | ...            | wait side | cast
+    side stream:                | merge s |  | merge s+1 |  ...
+
+The side stream waits for the compute stream before each update (so it sees block s), the
+block results are marked as used on it (``record_stream``: the allocator must not hand their
+memory to kernel s+1 early), and the compute stream waits for the side stream once, before the
+accumulators are read. dK/dV updates stay on the compute stream: they are needed at once, for
+the send.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -111,6 +127,35 @@ class Blocks(Protocol):
         ...
 
 
+class _SideStream:
+    """Runs updates on a second CUDA stream (Note [Merges off the critical path]); inline
+    elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.stream = _side_stream(device) if device.type == "cuda" else None
+
+    def run(self, update, *results: Tensor) -> None:
+        """``update()`` after everything queued so far; ``results`` are the tensors it reads."""
+        if self.stream is None:
+            update()
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            update()
+        for t in results:
+            t.record_stream(self.stream)
+
+    def join(self) -> None:
+        """Make the compute stream wait for every update."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 def _part(x: Tensor, part: Part, dim: int) -> Tensor:
     start, stop = part.bounds(x.shape[dim])
     return x.narrow(dim, start, stop - start)
@@ -178,6 +223,7 @@ def ring_forward(
     acc = accumulation_dtype(q_BSHD.dtype)
     out_acc = torch.empty(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     lse_acc = blocks.new_lse(q_BSHD, acc)
+    side = _SideStream(q_BSHD.device)
     kv = [k_BSHD, v_BSHD]
     for s, step in enumerate(steps):
         pending = exchanger.start(kv) if s + 1 < len(steps) else None
@@ -195,9 +241,13 @@ def ring_forward(
                 out_acc.copy_(out_b)
                 lse_acc.copy_(lse_b)
             else:
-                blocks.merge_(out_acc, lse_acc, blk.q, out_b, lse_b)
+                side.run(
+                    functools.partial(blocks.merge_, out_acc, lse_acc, blk.q, out_b, lse_b),
+                    out_b, lse_b,
+                )
         if pending is not None:
             kv = pending.wait()
+    side.join()
     return out_acc.to(q_BSHD.dtype), lse_acc
 
 
@@ -224,6 +274,7 @@ def ring_backward(
     blocks = DenseBlocks(q_BSHD.shape[1]) if blocks is None else blocks
     acc = accumulation_dtype(q_BSHD.dtype)
     dq_acc = torch.zeros(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
+    side = _SideStream(q_BSHD.device)
     kv = [k_BSHD, v_BSHD]
     pending_dkv = None
     for s, step in enumerate(steps):
@@ -243,7 +294,7 @@ def ring_backward(
                 blk,
                 scale,
             )
-            blocks.add_(dq_acc, blk.q, grads[0])
+            side.run(functools.partial(blocks.add_, dq_acc, blk.q, grads[0]), grads[0])
         if pending_dkv is None:  # step 0: a fresh accumulator for our own K/V
             dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
         else:  # the accumulator of the visiting K/V, with the shares of the ranks before us
@@ -257,4 +308,5 @@ def ring_backward(
             kv = pending_kv.wait()
     if pending_dkv is not None:
         dkv = pending_dkv.wait()
+    side.join()
     return dq_acc.to(q_BSHD.dtype), dkv[0].to(k_BSHD.dtype), dkv[1].to(v_BSHD.dtype)
