@@ -10,10 +10,19 @@ Every rank of ``group`` holds ``S / W`` tokens of each sequence (Note [Sequence 
 everything else (embeddings, norms, MLPs, RoPE with the *global* position ids that
 :func:`shard_batch` provides, the token-level loss) runs on the local tokens unchanged.
 
+Packed sequences (one row of documents back to back, ``position_ids`` restarting at 0 at each
+document, as ``DataCollatorWithFlattening`` builds them) run the varlen attention, as
+flash-attention-2 does in transformers: :func:`shard_batch` derives the *global* document
+boundaries from the full ``position_ids`` and returns them as ``cu_seq_lens_q`` /
+``cu_seq_lens_k``, which transformers passes through to the attention function (Note
+[Varlen layouts] in ``varlen.py``: "llama3" cuts the packed stream into W contiguous slices;
+"ring" / "zigzag" cut every document into W / 2W pieces).
+
 Limits (each raises ``ValueError`` rather than computing something else): causal attention
-only, no attention mask (padding) or 4-D masks, no packed sequences (position ids must be the
-global positions of the layout, which :func:`shard_batch` builds), no sliding window, no
-softcap, no dropout, no KV cache.
+only, no attention mask (padding) or 4-D masks, packed sequences only with B == 1, the
+"llama3" layout only with B == 1 and "stripe" not packed, position ids only as
+:func:`shard_batch` builds them (positions restarting without the ``cu_seq_lens_*`` metadata
+are rejected), no sliding window, no softcap, no dropout, no KV cache.
 
 ``transformers`` is imported only inside the functions here; ``import dtensor_ring`` never
 imports this module.
@@ -21,21 +30,35 @@ imports this module.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .functional import ring_flash_attn_func, stripe_flash_attn_func, zigzag_ring_flash_attn_func
-from .layouts import Layout, check_layout, shard_local, token_indices
+from .functional_varlen import (
+    llama3_flash_attn_varlen_func,
+    ring_flash_attn_varlen_func,
+    zigzag_ring_flash_attn_varlen_func,
+)
+from .layouts import LAYOUTS, shard_local, token_indices
+from .llama3 import llama3_flash_attn_prepare_cu_seqlens
+from .varlen import host_values, varlen_local_cu_seqlens, varlen_token_indices
 
-__all__ = ["ATTN_IMPLEMENTATION", "setup", "shard_batch", "ring_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "HF_LAYOUTS", "setup", "shard_batch", "ring_attention_forward"]
 
 ATTN_IMPLEMENTATION = "dtensor_ring"
 IGNORE_INDEX = -100
+HFLayout = Literal["ring", "zigzag", "stripe", "llama3"]
+HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3")
 _FUNCS = {"ring": ring_flash_attn_func, "zigzag": zigzag_ring_flash_attn_func,
           "stripe": stripe_flash_attn_func}
+_VARLEN_FUNCS = {"ring": ring_flash_attn_varlen_func,
+                 "zigzag": zigzag_ring_flash_attn_varlen_func}
 
 
 @dataclass
@@ -48,7 +71,12 @@ class _Config:
 _config: _Config | None = None
 
 
-def setup(group: dist.ProcessGroup | None = None, layout: Layout = "zigzag",
+def _check_hf_layout(layout: str) -> None:
+    if layout not in HF_LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; choose one of {HF_LAYOUTS}")
+
+
+def setup(group: dist.ProcessGroup | None = None, layout: HFLayout = "zigzag",
           backend: str | None = None) -> None:
     """Register ``attn_implementation="dtensor_ring"`` with transformers, running over ``group``.
 
@@ -59,14 +87,15 @@ def setup(group: dist.ProcessGroup | None = None, layout: Layout = "zigzag",
 
     Args:
         group: the context-parallel process group (default: the default group).
-        layout: "ring", "zigzag" or "stripe": how :func:`shard_batch` shards the sequence.
+        layout: "ring", "zigzag", "stripe" or "llama3" (packed / B == 1 only): how
+            :func:`shard_batch` shards the sequence.
         backend: block-kernel backend name (``dtensor_ring.BACKEND_NAMES``), or None.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     global _config
-    check_layout(layout)
+    _check_hf_layout(layout)
     _config = _Config(group, layout, backend)
     AttentionInterface.register(ATTN_IMPLEMENTATION, ring_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
@@ -98,8 +127,11 @@ def ring_attention_forward(
         query: ``[B, H, S, D]`` (S local tokens); key, value: ``[B, H_kv, S, D]``.
         attention_mask: must be None (:func:`setup`'s mask function builds none).
         scaling: softmax scale (default ``D ** -0.5``).  dropout: must be 0.
-        kwargs: ``position_ids [B, S]`` must be the layout's global positions; a
-            ``sliding_window`` or ``softcap`` other than None is rejected.
+        kwargs: ``position_ids [B, S]`` must be this rank's positions as :func:`shard_batch`
+            builds them; ``cu_seq_lens_q`` (and ``cu_seq_lens_k``, equal to it), the *global*
+            document boundaries ``[N + 1]`` of a packed batch (B == 1), select the varlen
+            attention (``max_length_q/k`` are not needed and ignored); a ``sliding_window``
+            or ``softcap`` other than None is rejected.
 
     Returns:
         ``(out [B, S, H, D], None)``.
@@ -115,55 +147,130 @@ def ring_attention_forward(
             raise ValueError(f"dtensor_ring attention does not support {name}={kwargs[name]}")
     if dropout != 0.0:
         raise ValueError(f"dtensor_ring attention does not support dropout={dropout}")
-    _check_positions(kwargs.get("position_ids"), query.shape[2])
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is not None:
+        return _varlen_attention(query, key, value, scaling, cu_seqlens, kwargs), None
+    if _config.layout == "llama3":
+        raise ValueError("dtensor_ring attention with layout='llama3' needs the cu_seq_lens_q "
+                         "metadata that dtensor_ring.hf.shard_batch returns")
+    world = dist.get_world_size(_config.group)
+    seq_local = query.shape[2]
+    _check_positions(kwargs.get("position_ids"), token_indices(
+        _config.layout, seq_local * world, dist.get_rank(_config.group), world))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = _FUNCS[_config.layout](q, k, v, softmax_scale=scaling, causal=True,
                                  group=_config.group, backend=_config.backend)
     return out, None
 
 
-def _check_positions(position_ids: Tensor | None, seq_local: int) -> None:
-    """Raise unless ``position_ids [B, S]`` are this rank's global positions under the layout."""
+def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float | None,
+                      cu_seqlens: Tensor, kwargs: dict) -> Tensor:
+    """Causal varlen attention of a packed row: ``query [1, H, T_local, D]``, key/value
+    ``[1, H_kv, T_local, D]``, global ``cu_seqlens [N + 1]`` -> ``out [1, T_local, H, D]``."""
     assert _config is not None
-    world = dist.get_world_size(_config.group)
-    expected = token_indices(_config.layout, seq_local * world, dist.get_rank(_config.group),
-                             world)
-    if position_ids is None or position_ids.shape[-1] != seq_local or not bool(
+    layout, group = _config.layout, _config.group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu_seqlens and not torch.equal(cu_k, cu_seqlens):
+        raise ValueError("dtensor_ring attention needs cu_seq_lens_k == cu_seq_lens_q")
+    if layout not in ("llama3", *_VARLEN_FUNCS):
+        raise ValueError(f"dtensor_ring attention has no packed (varlen) form for "
+                         f"layout={layout!r}; use 'llama3', 'ring' or 'zigzag'")
+    if query.shape[0] != 1:
+        raise ValueError(f"dtensor_ring packed attention needs batch size 1, got {query.shape[0]}")
+    bounds = host_values(cu_seqlens)
+    if bounds[-1] != query.shape[2] * world:
+        raise ValueError(
+            f"cu_seq_lens_q must be the global document boundaries (ending at T_local * W = "
+            f"{query.shape[2] * world}), got {list(bounds)}; build it with shard_batch")
+    _check_positions(kwargs.get("position_ids"), _doc_positions(bounds)[
+        varlen_token_indices(bounds, layout, rank, world)])
+    q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))  # [T_local, H(_kv), D]
+    if layout == "llama3":
+        cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
+            cu_seqlens, True, rank, world)
+        out = llama3_flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, k.shape[1], k_slice, softmax_scale=scaling,
+            causal=True, group=group, backend=_config.backend)
+    else:
+        out = _VARLEN_FUNCS[layout](
+            q, k, v, varlen_local_cu_seqlens(cu_seqlens, layout, rank, world), None,
+            softmax_scale=scaling, causal=True, group=group, backend=_config.backend)
+    return out.unsqueeze(0)
+
+
+def _check_positions(position_ids: Tensor | None, expected: Tensor) -> None:
+    """Raise unless ``position_ids [B, S]`` equal ``expected [S]`` (this rank's positions)."""
+    assert _config is not None
+    if position_ids is None or position_ids.shape[-1] != expected.shape[0] or not bool(
         (position_ids == expected.to(position_ids.device)).all()
     ):
         raise ValueError(
-            "dtensor_ring attention needs position_ids = the global positions of this rank's "
-            f"tokens under layout={_config.layout!r} (build the inputs with "
-            "dtensor_ring.hf.shard_batch); packed sequences (positions restarting per document) "
-            "are not supported"
+            "dtensor_ring attention needs position_ids = this rank's positions under "
+            f"layout={_config.layout!r} (global positions, or positions within each document "
+            "of a packed batch); build the inputs with dtensor_ring.hf.shard_batch: packed "
+            "sequences (positions restarting per document) need its cu_seq_lens_q/k metadata"
         )
 
 
+def _doc_positions(bounds: Sequence[int]) -> Tensor:
+    """Position of every token within its document (int64 ``[T]``), for ``cu_seqlens`` bounds."""
+    b = torch.tensor(bounds)
+    starts, lengths = b[:-1], b[1:] - b[:-1]
+    return torch.arange(bounds[-1]) - starts.repeat_interleave(lengths)
+
+
+def _packed_bounds(position_ids: Tensor | None, seq_len: int) -> tuple[int, ...] | None:
+    """Document boundaries of a packed ``position_ids [B, S]``; None if every row is 0..S-1."""
+    if position_ids is None or bool(
+        (position_ids == torch.arange(seq_len, device=position_ids.device)).all()
+    ):
+        return None
+    if position_ids.shape[0] != 1:
+        raise ValueError("dtensor_ring supports packed sequences (position_ids restarting per "
+                         f"document) only in one row (batch size 1), got {position_ids.shape[0]}")
+    row = position_ids[0].cpu()
+    bounds = (*(row == 0).nonzero().flatten().tolist(), seq_len)
+    if bounds[0] != 0 or not torch.equal(row, _doc_positions(bounds)):
+        raise ValueError("dtensor_ring needs position_ids 0, 1, ... within every document "
+                         "(restarting at 0 at each document start)")
+    return bounds
+
+
 def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup | None = None,
-                layout: Layout = "zigzag") -> dict[str, Tensor]:
+                layout: HFLayout = "zigzag") -> dict[str, Tensor]:
     """This rank's part of a causal-LM batch, ready for ``model(**...)`` (no communication).
 
     Args:
         batch: full sequences, identical on every rank of ``group``: ``input_ids [B, S]`` and
-            optionally ``labels [B, S]`` (unshifted, as for transformers' causal LMs) and an
-            all-ones ``attention_mask``; S divisible by the layout's divisor.
+            optionally ``labels [B, S]`` (unshifted, as for transformers' causal LMs), an
+            all-ones ``attention_mask`` and ``position_ids [B, S]``: 0..S-1 in every row, or,
+            for a packed batch (B == 1), restarting at 0 at each document start, as
+            ``DataCollatorWithFlattening`` builds them. S must divide as the layout needs
+            (dense: S % W, or 2W for zigzag; packed: Note [Varlen layouts]).
         group: the context-parallel process group (the one given to :func:`setup`).
-        layout: the layout given to :func:`setup`.
+        layout: the layout given to :func:`setup`; "llama3" treats a B == 1 batch that is not
+            packed as one document.
 
     Returns:
-        ``input_ids`` and ``position_ids [B, S/W]`` (global positions); with labels also
-        ``labels`` and ``shift_labels [B, S/W]`` (shifted *before* sharding, so each local
-        token has its own next token, -100 after the last) and ``num_items_in_batch`` (the
-        non-ignored label count of the whole sequences). The model's loss is then this rank's
-        share of the global mean: sum it over the ranks of ``group`` (or, equivalently, sum
-        the gradients; e.g. all-reduce them) to get the single-process loss and gradients.
+        ``input_ids`` and ``position_ids [B, S/W]`` (global positions, or positions within
+        each document if packed); with labels also ``labels`` and ``shift_labels [B, S/W]``
+        (shifted *before* sharding, so each local token has its own next token, -100 after
+        the last) and ``num_items_in_batch`` (the non-ignored label count of the whole
+        sequences). Packed (or "llama3"): also ``cu_seq_lens_q`` = ``cu_seq_lens_k``, the
+        *global* document boundaries (int32 ``[N + 1]``), which select the varlen attention.
+        The model's loss is then this rank's share of the global mean: sum it over the ranks
+        of ``group`` (or, equivalently, sum the gradients; e.g. all-reduce them) to get the
+        single-process loss and gradients.
 
     Raises:
-        ValueError: for an ``attention_mask`` with padding, or other keys it cannot shard.
+        ValueError: for an ``attention_mask`` with padding, packed rows with B > 1, a packed
+            batch with layout "stripe", lengths the layout cannot divide, or keys it cannot
+            shard.
     """
-    check_layout(layout)
+    _check_hf_layout(layout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    extra = set(batch) - {"input_ids", "labels", "attention_mask"}
+    extra = set(batch) - {"input_ids", "labels", "attention_mask", "position_ids"}
     if extra:
         raise ValueError(f"shard_batch cannot shard {sorted(extra)}")
     mask = batch.get("attention_mask")
@@ -171,12 +278,29 @@ def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup | None = None
         raise ValueError("dtensor_ring does not support padding (attention_mask with zeros)")
     input_ids = batch["input_ids"]
     B, S = input_ids.shape
-    positions = torch.arange(S, device=input_ids.device).expand(B, S)
-    out = {name: shard_local(t, layout, rank, world)
-           for name, t in (("input_ids", input_ids), ("position_ids", positions))}
+    bounds = _packed_bounds(batch.get("position_ids"), S)
+    out: dict[str, Tensor] = {}
+    shard: Callable[[Tensor], Tensor]
+    if bounds is None and layout != "llama3":
+        positions = torch.arange(S)
+        shard = functools.partial(shard_local, layout=layout, rank=rank, world_size=world)
+    else:
+        if layout not in ("llama3", *_VARLEN_FUNCS):
+            raise ValueError(f"dtensor_ring has no packed (varlen) form for layout={layout!r}; "
+                             "use 'llama3', 'ring' or 'zigzag'")
+        if B != 1:
+            raise ValueError(f"dtensor_ring layout='llama3' needs batch size 1, got {B}")
+        bounds = bounds or (0, S)
+        positions = _doc_positions(bounds)
+        index = varlen_token_indices(bounds, layout, rank, world).to(input_ids.device)
+        shard = functools.partial(torch.index_select, dim=1, index=index)
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(
+            bounds, dtype=torch.int32, device=input_ids.device)
+    out["input_ids"] = shard(input_ids)
+    out["position_ids"] = shard(positions.to(input_ids.device).expand(B, S))
     labels = batch.get("labels")
     if labels is not None:
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        out["shift_labels"] = out["labels"] = shard_local(shifted, layout, rank, world)
+        out["shift_labels"] = out["labels"] = shard(shifted)
         out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
     return out

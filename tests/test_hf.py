@@ -69,6 +69,54 @@ def test_matches_without_cp(dist_pool, arch, layout):
             logits_err, loss_err, grad_err)
 
 
+def _packed_vs_per_document(group, layout: str, lengths: tuple[int, ...]
+                            ) -> tuple[float, float, float]:
+    """A packed row (DataCollatorWithFlattening) with CP vs the model run on each document."""
+    from transformers import DataCollatorWithFlattening
+
+    import dtensor_ring as dr
+    import dtensor_ring.hf as drhf
+
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
+    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+
+    ref = _model("llama", "sdpa")  # flash-style varlen semantics: documents never meet
+    ref_logits = torch.cat([ref(input_ids=d[None]).logits for d in docs], dim=1)
+    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    ref_loss = torch.nn.functional.cross_entropy(ref_logits[0], shifted[0], ignore_index=-100)
+    ref_loss.backward()
+
+    drhf.setup(group=group, layout=layout)
+    model = _model("llama", "dtensor_ring")
+    inputs = drhf.shard_batch(batch, group=group, layout=layout)
+    out = model(**inputs)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    parts = [torch.empty_like(out.logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, out.logits.detach().contiguous(), group=group)
+    logits = dr.unshard_varlen(parts, inputs["cu_seq_lens_q"], layout, seq_dim=1)
+    grad_err = 0.0
+    for p, p_ref in zip(model.parameters(), ref.parameters(), strict=True):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        grad_err = max(grad_err, (grad - p_ref.grad).abs().max().item())
+    return ((logits - ref_logits.detach()).abs().max().item(),
+            abs(loss.item() - ref_loss.item()), grad_err)
+
+
+@pytest.mark.parametrize("layout, lengths", [("llama3", (5, 8, 3)), ("zigzag", (4, 8, 4)),
+                                             ("ring", (6, 8, 2))])
+def test_packed_matches_per_document(dist_pool, layout, lengths):
+    """Packed documents (straddling the rank border for llama3) vs each document alone."""
+    for logits_err, loss_err, grad_err in dist_pool.run(_packed_vs_per_document, WORLD,
+                                                        layout=layout, lengths=lengths):
+        assert logits_err < 1e-5 and loss_err < 1e-5 and grad_err < 1e-5, (
+            logits_err, loss_err, grad_err)
+
+
 def _rejects(group, what: str) -> str:
     import dtensor_ring as dr
     import dtensor_ring.hf as drhf
@@ -77,7 +125,18 @@ def _rejects(group, what: str) -> str:
     model = _model("llama", "dtensor_ring")
     input_ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     inputs = drhf.shard_batch({"input_ids": input_ids}, group=group, layout="zigzag")
-    if what == "packed":  # two documents: positions restart
+    if what == "packed_no_metadata":  # shard_batch's packed output without cu_seq_lens_q/k
+        positions = torch.cat([torch.arange(4), torch.arange(SEQ - 4)])[None]
+        inputs = drhf.shard_batch({"input_ids": input_ids[:1], "position_ids": positions},
+                                  group=group, layout="zigzag")
+        del inputs["cu_seq_lens_q"], inputs["cu_seq_lens_k"]
+    elif what == "packed_batch":  # packed rows need B == 1
+        positions = torch.cat([torch.arange(4), torch.arange(SEQ - 4)]).expand(BATCH, SEQ)
+        with pytest.raises(ValueError) as info:
+            drhf.shard_batch({"input_ids": input_ids, "position_ids": positions},
+                             group=group, layout="zigzag")
+        return str(info.value)
+    elif what == "packed":  # two documents: positions restart
         s = SEQ // 2
         inputs["position_ids"] = dr.shard_local(
             torch.cat([torch.arange(s), torch.arange(s)]).expand(BATCH, SEQ), "zigzag",
@@ -93,7 +152,8 @@ def _rejects(group, what: str) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("what", ["packed", "no_positions", "padding"])
+@pytest.mark.parametrize("what", ["packed", "packed_no_metadata", "packed_batch",
+                                  "no_positions", "padding"])
 def test_rejects_what_it_cannot_honour(dist_pool, what):
     for message in dist_pool.run(_rejects, WORLD, what=what):
         assert "dtensor_ring" in message
