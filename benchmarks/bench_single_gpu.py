@@ -129,8 +129,9 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
             sim.backward(dout_local)
 
         t_fwd, t_fwd_bwd = timed(sim.forward, a.reps), timed(sim_fwd_bwd, a.reps)
-        # the real exchanger's receive buffers: 2 K/V sets + 2 fp32 dK/dV sets
-        exchanger_bytes = 2 * kv_bytes + 2 * kv_bytes * 4 // dtype.itemsize
+        # what the real exchangers add to the simulated rank (comm.py): two K/V receive sets,
+        # and one fp32 dK/dV receive set (the step-0 accumulator, measured, is the other)
+        exchanger_bytes = 2 * kv_bytes + kv_bytes * 4 // dtype.itemsize
         rank_peak = peak_bytes(sim_fwd_bwd) + exchanger_bytes
         rows.append(dict(
             backend=backend, layout=layout, tokens_per_rank=tokens, world_size=W, rank=rank,

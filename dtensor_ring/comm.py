@@ -35,22 +35,28 @@ class PendingExchange:
 class RingExchanger:
     """Sends to rank ``(r + 1) % W`` and receives from rank ``(r - 1) % W`` of ``group``.
 
-    Each exchanger owns two sets of receive buffers shaped like the tensors it sends, used in
-    turn, so a tensor received at one step can be sent at the next while a new one arrives.
+    Receive buffers are used in turn, so a tensor received at one step can be sent at the next
+    while a new one arrives. The exchanger owns two sets of them shaped like the tensors it
+    sends; with ``recycle_first=True`` it allocates one and takes the tensors of the first
+    ``start`` as the second (the caller gives them up: e.g. the step-0 dK/dV accumulator,
+    free once sent; never the caller's K/V, which autograd keeps).
     """
 
-    def __init__(self, group: dist.ProcessGroup, tag: int = 0):
+    def __init__(self, group: dist.ProcessGroup, tag: int = 0, recycle_first: bool = False):
         self.group = group
         self.tag = tag
+        self.recycle_first = recycle_first
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self._next = dist.get_global_rank(group, (rank + 1) % world)
         self._prev = dist.get_global_rank(group, (rank - 1) % world)
         self._buffers: list[list[Tensor]] = []
         self._turn = 0
 
-    def _receive_buffers(self, like: Sequence[Tensor]) -> list[Tensor]:
+    def _receive_buffers(self, sent: list[Tensor]) -> list[Tensor]:
         if not self._buffers:
-            self._buffers = [[t.new_empty(t.shape) for t in like] for _ in range(2)]
+            fresh = [t.new_empty(t.shape) for t in sent]
+            second = sent if self.recycle_first else [t.new_empty(t.shape) for t in sent]
+            self._buffers = [second, fresh]  # the first receive goes into `fresh`
         self._turn ^= 1
         return self._buffers[self._turn]
 
@@ -65,3 +71,12 @@ class RingExchanger:
         ops = [dist.P2POp(dist.isend, t, self._next, self.group, self.tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self._prev, self.group, self.tag) for t in received]
         return PendingExchange(dist.batch_isend_irecv(ops), tensors, received)
+
+
+KV_TAG, DKV_TAG = 0, 1  # K/V and dK/dV transfers are in flight together in the backward
+
+
+def backward_exchangers(group: dist.ProcessGroup) -> tuple[RingExchanger, RingExchanger]:
+    """The backward's K/V exchanger and its dK/dV exchanger (which recycles the step-0
+    accumulator as a receive buffer; Note [Ring backward] in ``engine.py``)."""
+    return RingExchanger(group, KV_TAG), RingExchanger(group, DKV_TAG, recycle_first=True)

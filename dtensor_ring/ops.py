@@ -18,13 +18,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._compat import resolve_group
-from .comm import RingExchanger
+from .comm import KV_TAG, RingExchanger, backward_exchangers
 from .engine import ring_backward, ring_forward
 from .kernels import KernelCall, accumulation_dtype, select_kernel
 from .plan import Plan, make_plan
 from .validation import check_qkv
-
-_KV_TAG, _DKV_TAG = 0, 1
 
 make_plan_cached = functools.lru_cache(maxsize=None)(make_plan)
 
@@ -50,7 +48,7 @@ def ring_attention(
     """Ring attention of local ``q [B, S, H, D]`` and ``k, v [B, S, H_kv, D]`` -> (out, lse)."""
     plan, rank, group = _setup(q, k, v, group_name, layout, causal)
     kernel = select_kernel(KernelCall.of(q, k), backend)
-    exchanger = RingExchanger(group, _KV_TAG) if plan.world_size > 1 else None
+    exchanger = RingExchanger(group, KV_TAG) if plan.world_size > 1 else None
     return ring_forward(q, k, v, plan.steps[rank], exchanger, kernel, scale)
 
 
@@ -81,7 +79,7 @@ def ring_attention_backward(
     kernel = select_kernel(KernelCall.of(q, k), backend)
     kv_exchanger = dkv_exchanger = None
     if plan.world_size > 1:
-        kv_exchanger, dkv_exchanger = RingExchanger(group, _KV_TAG), RingExchanger(group, _DKV_TAG)
+        kv_exchanger, dkv_exchanger = backward_exchangers(group)
     return ring_backward(
         dout, q, k, v, out, lse, plan.steps[rank], kv_exchanger, dkv_exchanger, kernel, scale
     )

@@ -19,14 +19,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._compat import resolve_group
-from .comm import RingExchanger
+from .comm import KV_TAG, RingExchanger, backward_exchangers
 from .engine import ring_backward, ring_forward
 from .kernels import BlockKernel, KernelCall, accumulation_dtype, select_kernel
 from .llama3 import Llama3Meta, check_llama3_call, llama3_backward, llama3_forward
 from .ops import make_plan_cached
 from .varlen import VarlenBlocks, check_varlen_qkv, varlen_blocks
-
-_KV_TAG, _DKV_TAG = 2, 3  # distinct from ops.py's, should both be in flight on one group
 
 
 def _setup_ring(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend):
@@ -61,7 +59,7 @@ def ring_attention_varlen(
     steps, blocks, kernel, group, world_size = _setup_ring(
         q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend
     )
-    exchanger = RingExchanger(group, _KV_TAG) if world_size > 1 else None
+    exchanger = RingExchanger(group, KV_TAG) if world_size > 1 else None
     return ring_forward(
         q, k.contiguous(), v.contiguous(), steps, exchanger, kernel, scale, blocks
     )
@@ -97,7 +95,7 @@ def ring_attention_varlen_backward(
     )
     kv_exchanger = dkv_exchanger = None
     if world_size > 1:
-        kv_exchanger, dkv_exchanger = RingExchanger(group, _KV_TAG), RingExchanger(group, _DKV_TAG)
+        kv_exchanger, dkv_exchanger = backward_exchangers(group)
     return ring_backward(
         dout, q, k.contiguous(), v.contiguous(), out, lse, steps, kv_exchanger, dkv_exchanger,
         kernel, scale, blocks,
