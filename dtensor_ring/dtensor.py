@@ -137,10 +137,6 @@ class _Sharded:
     shape: tuple[int, ...]
 
 
-def _describe(x: DTensor, name: str) -> _Sharded:
-    return _Sharded(name, x.device_mesh, tuple(x.placements), tuple(x.shape))
-
-
 def _mesh_dim_label(mesh: DeviceMesh, i: int) -> str:
     names = mesh.mesh_dim_names
     return f"mesh dim {i}" + (f" ({names[i]!r})" if names else "")
