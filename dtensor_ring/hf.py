@@ -76,6 +76,12 @@ def _check_hf_layout(layout: str) -> None:
         raise ValueError(f"layout={layout!r} is not supported; choose one of {HF_LAYOUTS}")
 
 
+def _check_varlen_layout(layout: str) -> None:
+    if layout not in ("llama3", *_VARLEN_FUNCS):
+        raise ValueError(f"dtensor_ring has no packed (varlen) form for layout={layout!r}; "
+                         "use 'llama3', 'ring' or 'zigzag'")
+
+
 def setup(group: dist.ProcessGroup | None = None, layout: HFLayout = "zigzag",
           backend: str | None = None) -> None:
     """Register ``attn_implementation="dtensor_ring"`` with transformers, running over ``group``.
@@ -173,9 +179,7 @@ def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float 
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and cu_k is not cu_seqlens and not torch.equal(cu_k, cu_seqlens):
         raise ValueError("dtensor_ring attention needs cu_seq_lens_k == cu_seq_lens_q")
-    if layout not in ("llama3", *_VARLEN_FUNCS):
-        raise ValueError(f"dtensor_ring attention has no packed (varlen) form for "
-                         f"layout={layout!r}; use 'llama3', 'ring' or 'zigzag'")
+    _check_varlen_layout(layout)
     if query.shape[0] != 1:
         raise ValueError(f"dtensor_ring packed attention needs batch size 1, got {query.shape[0]}")
     bounds = host_values(cu_seqlens)
@@ -285,9 +289,7 @@ def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup | None = None
         positions = torch.arange(S)
         shard = functools.partial(shard_local, layout=layout, rank=rank, world_size=world)
     else:
-        if layout not in ("llama3", *_VARLEN_FUNCS):
-            raise ValueError(f"dtensor_ring has no packed (varlen) form for layout={layout!r}; "
-                             "use 'llama3', 'ring' or 'zigzag'")
+        _check_varlen_layout(layout)
         if B != 1:
             raise ValueError(f"dtensor_ring layout='llama3' needs batch size 1, got {B}")
         bounds = bounds or (0, S)
