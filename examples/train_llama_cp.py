@@ -1,14 +1,26 @@
 """Train a small Llama-style model with context parallelism (ring attention) and FSDP2.
 
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --verify        # 4 CPU ranks (gloo)
+    torchrun --nproc-per-node 4 examples/train_llama_cp.py --layout llama3 --verify  # packed
     torchrun --nproc-per-node 8 examples/train_llama_cp.py --cuda --cp 4   # 8 GPUs (NCCL)
 
-Parallelism: a 2-D device mesh ``(dp, cp)`` (``dp = world // cp``). Each dp row gets its own
-slice of the global batch; inside a row, the ``cp`` ranks each hold ``seq // cp`` tokens of
-every sequence under ``--layout`` (Note [Sequence layouts] in ``dtensor_ring/layouts.py``), and
-attention is ring attention over the cp process group (the functional API on local tensors).
-Everything but attention is per token, so it runs on the local shard unchanged; RoPE takes the
-*global* positions of the local tokens (``dr.token_indices``).
+The model is ``dtensor_ring.testing.TinyTransformer`` (RMSNorm, RoPE, GQA, SwiGLU; the same
+model the FSDP tests use). Parallelism: a 2-D device mesh ``(dp, cp)`` (``dp = world // cp``).
+Each dp row gets its own slice of the global batch; inside a row, the ``cp`` ranks each hold
+``seq // cp`` tokens of every sequence under ``--layout`` (Note [Sequence layouts] in
+``dtensor_ring/layouts.py``). Attention is ``F.scaled_dot_product_attention`` on DTensors
+sharded along the sequence over the cp mesh dim (``model.set_cp_mesh``); the training step
+(forward and backward) runs inside ``dr.ring_sdpa(layout=...)``, entered outside any compiled
+code (docs/composability.md), so SDPA runs ring attention. Everything but attention is per
+token, so it runs on the local shard unchanged; RoPE takes the *global* positions of the local
+tokens (``dr.token_indices``).
+
+``--layout llama3``: packed documents. Each row of the batch is random-length documents back to
+back, positions restarting at 0 in each document, the label of each document's last token
+ignored (-100). A dp row's rows form one packed stream (``[1, T]``) cut into ``cp`` contiguous
+slices; attention is ``dr.llama3_flash_attn_varlen_func`` (K/V all-gathered over the cp group)
+through the model's attention hook (``model.set_attention_fn``) with this rank's metadata from
+``dr.llama3_flash_attn_prepare_cu_seqlens``.
 
 FSDP2: ``fully_shard`` with the 2-D mesh, i.e. HSDP: parameters are sharded over the cp dim and
 replicated over the dp dim. All ``dp * cp`` ranks compute gradients of the same parameters
@@ -19,16 +31,19 @@ backpropagates ``world * (sum of its token losses) / (global token count)``, so 
 gradient is the gradient of the global mean loss, as in a single-process run.
 
 ``--verify`` trains the same model (same initial weights, same batches) in one process on
-rank 0 without context parallelism afterwards, and checks the per-step losses agree.
+rank 0 without context parallelism afterwards (llama3: attending within each document), and
+checks the per-step losses agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import itertools
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,136 +51,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.utils.checkpoint import checkpoint
 
 import dtensor_ring as dr
+from dtensor_ring.testing import TinyConfig, TinyTransformer
 
-RING_ATTENTION = {
-    "ring": dr.ring_flash_attn_func,
-    "zigzag": dr.zigzag_ring_flash_attn_func,
-    "stripe": dr.stripe_flash_attn_func,
-}
+LAYOUTS = (*dr.LAYOUTS, "llama3")
 VERIFY_TOLERANCE = 1e-4
-
-
-@dataclass
-class ModelArgs:
-    """Sizes: vocabulary V, model dim E, query heads H, key/value heads K (GQA), MLP dim F."""
-
-    vocab_size: int = 128
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-
-
-class RMSNorm(nn.Module):
-    """``x [..., E] -> x / rms(x) * weight``."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """``positions [S]`` (global token indices) -> ``cos, sin [S, D/2]``."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [B, S, H, D]`` by the angles of ``cos, sin [S, D/2]`` (half-split pairs)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-class Attention(nn.Module):
-    """Causal GQA self-attention; ring attention over ``cp_group`` when one is given."""
-
-    def __init__(self, args: ModelArgs, layout: str, cp_group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
-        self.head_dim = args.dim // args.n_heads
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.layout, self.cp_group = layout, cp_group
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``x [B, S, E]`` (S local tokens) -> ``[B, S, E]``."""
-        B, S, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(B, S, self.n_kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
-        if self.cp_group is None:  # the whole sequence is here: plain SDPA on [B, H, S, D]
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                enable_gqa=True,
-            ).transpose(1, 2)
-        else:
-            o = RING_ATTENTION[self.layout](q, k, v, causal=True, group=self.cp_group)
-        return self.wo(o.reshape(B, S, -1))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: attention and SwiGLU MLP, each with a residual."""
-
-    def __init__(self, args: ModelArgs, layout: str, cp_group: dist.ProcessGroup | None,
-                 activation_checkpointing: bool) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = Attention(args, layout, cp_group)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
-        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
-        self.activation_checkpointing = activation_checkpointing
-
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin)
-        m = self.mlp_norm(h)
-        return h + self.w2(F.silu(self.w1(m)) * self.w3(m))
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``x [B, S, E] -> [B, S, E]``; recomputed in backward with activation checkpointing."""
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
-
-
-class Transformer(nn.Module):
-    """Llama-style causal LM: embedding, blocks, final norm, untied output head."""
-
-    def __init__(self, args: ModelArgs, layout: str = "zigzag",
-                 cp_group: dist.ProcessGroup | None = None,
-                 activation_checkpointing: bool = False) -> None:
-        super().__init__()
-        self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.blocks = nn.ModuleList(
-            Block(args, layout, cp_group, activation_checkpointing) for _ in range(args.n_layers)
-        )
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-
-    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """``tokens [B, S]``, global ``positions [S]`` -> logits ``[B, S, V]``."""
-        cos, sin = rope_tables(positions, self.args.dim // self.args.n_heads,
-                               self.args.rope_theta)
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h, cos, sin)
-        return self.output(self.norm(h))
+IGNORE = -100  # label of a token that predicts nothing (a document's last token)
 
 
 def synthetic_batch(step: int, batch: int, seq: int, vocab: int) -> Tensor:
@@ -179,42 +71,97 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int) -> Tensor:
     return (starts + 7 * torch.arange(seq + 1)) % vocab
 
 
+def packed_batch(step: int, batch: int, seq: int,
+                 vocab: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """Packed documents: ``tokens, labels, positions [batch, seq]`` and document boundaries.
+
+    Each row is documents of random length in ``[8, seq // 2]`` (the last one cut to fit) back
+    to back, each ``(start + 7 t) % vocab`` with its own random start; labels are the next
+    token of the same document (``IGNORE`` at its last token), positions restart at 0. The
+    boundaries (``cu_seqlens``) are those of the ``batch * seq`` stream of the rows in order.
+    """
+    gen = torch.Generator().manual_seed(2000 + step)
+    tokens, labels, positions = (torch.empty(batch, seq, dtype=torch.long) for _ in range(3))
+    bounds = [0]
+    for b in range(batch):
+        t = 0
+        while t < seq:
+            n = min(int(torch.randint(8, seq // 2 + 1, (1,), generator=gen)), seq - t)
+            doc = (torch.randint(0, vocab, (1,), generator=gen) + 7 * torch.arange(n + 1)) % vocab
+            tokens[b, t:t + n], labels[b, t:t + n] = doc[:-1], doc[1:]
+            labels[b, t + n - 1] = IGNORE
+            positions[b, t:t + n] = torch.arange(n)
+            t += n
+            bounds.append(b * seq + t)
+    return tokens, labels, positions, bounds
+
+
+def llama3_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
+                     **meta) -> Tensor:
+    """``q [1, T_local, H, D]``, ``k, v [1, T_local, K, D]``: this rank's contiguous slice of the
+    packed stream; ``meta`` from ``dr.llama3_flash_attn_prepare_cu_seqlens`` (see ``main``)."""
+    return dr.llama3_flash_attn_varlen_func(
+        q[0], k[0], v[0], meta["cu_seqlens_q"], meta["cu_seqlens_k"], meta["max_seqlen_q"],
+        meta["max_seqlen_k"], k.shape[2], meta["local_k_slice"], causal=True, group=group,
+    ).unsqueeze(0)
+
+
+def per_document_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: list[int]) -> Tensor:
+    """The single-process reference: causal SDPA within each document of the ``[1, T]`` stream."""
+    outs = [
+        F.scaled_dot_product_attention(
+            *(t[:, a:b].transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
+        ).transpose(1, 2)
+        for a, b in itertools.pairwise(cu_seqlens)
+    ]
+    return torch.cat(outs, dim=1)
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: Tensor,
                labels: Tensor, positions: Tensor, total_tokens: int,
-               grad_average_size: int = 1) -> Tensor:
+               grad_average_size: int = 1, **attn_kwargs) -> Tensor:
     """One optimizer step on local ``tokens, labels [B, S]``; returns the local loss sum.
 
     The loss backpropagated is ``grad_average_size * local sum / total_tokens`` (the global
-    token count): averaging the gradients over ``grad_average_size`` ranks gives the gradient
-    of the global mean loss.
+    count of labels, ``IGNORE`` not counted): averaging the gradients over
+    ``grad_average_size`` ranks gives the gradient of the global mean loss.
     """
-    logits = model(tokens, positions)
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    logits = model(tokens, positions, **attn_kwargs)
+    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE)
     (loss_sum * (grad_average_size / total_tokens)).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum.detach()
 
 
-def reference_losses(args: argparse.Namespace, margs: ModelArgs) -> list[float]:
+def reference_losses(args: argparse.Namespace, cfg: TinyConfig) -> list[float]:
     """The same training in one process on the full batch (no context parallelism)."""
     torch.manual_seed(args.seed)
-    model = Transformer(margs)
+    model = TinyTransformer(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    positions = torch.arange(args.seq)
     losses = []
     for step in range(args.steps):
-        data = synthetic_batch(step, args.batch, args.seq, margs.vocab_size)
-        loss_sum = train_step(model, optimizer, data[:, :-1], data[:, 1:], positions,
-                              data[:, 1:].numel())
-        losses.append(loss_sum.item() / data[:, 1:].numel())
+        if args.layout == "llama3":  # the whole batch as one packed stream
+            tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq,
+                                                             args.vocab)
+            model.set_attention_fn(functools.partial(per_document_attention, cu_seqlens=bounds))
+            tokens, labels, positions = (t.reshape(1, -1) for t in (tokens, labels, positions))
+            positions = positions[0]
+        else:
+            data = synthetic_batch(step, args.batch, args.seq, args.vocab)
+            tokens, labels, positions = data[:, :-1], data[:, 1:], torch.arange(args.seq)
+        count = int((labels != IGNORE).sum())
+        loss_sum = train_step(model, optimizer, tokens, labels, positions, count)
+        losses.append(loss_sum.item() / count)
     return losses
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=2, help="context-parallel size (dp = world/cp)")
-    parser.add_argument("--layout", choices=dr.LAYOUTS, default="zigzag")
+    parser.add_argument("--layout", choices=LAYOUTS, default="zigzag",
+                        help="sequence layout; llama3: packed documents (varlen)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     parser.add_argument("--seq", type=int, default=128, help="global sequence length")
@@ -251,21 +198,25 @@ def main() -> int:
         raise SystemExit(f"--batch {args.batch} is not a multiple of dp = {dp}")
     mesh = init_device_mesh(device.type, (dp, args.cp), mesh_dim_names=("dp", "cp"))
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+    packed = args.layout == "llama3"
 
-    margs = ModelArgs(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
-                      n_heads=args.heads, n_kv_heads=args.kv_heads, ffn_dim=2 * args.dim)
+    cfg = TinyConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
+                     n_heads=args.heads, n_kv_heads=args.kv_heads, ffn_dim=2 * args.dim,
+                     activation_checkpointing=args.checkpoint)
     torch.manual_seed(args.seed)  # same initial weights on every rank (and in --verify)
-    model = Transformer(margs, args.layout, mesh.get_group("cp"), args.checkpoint).to(device)
-    for block in model.blocks:
+    model = TinyTransformer(cfg).to(device)
+    if packed:
+        model.set_attention_fn(functools.partial(llama3_attention, group=mesh.get_group("cp")))
+    else:
+        model.set_cp_mesh(mesh["cp"])
+    for block in model.layers:
         if args.compile:
             block.compile()
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    positions = dr.token_indices(args.layout, args.seq, cp_rank, args.cp).to(device)
     rows = slice(dp_rank * args.batch // dp, (dp_rank + 1) * args.batch // dp)
-    total_tokens = args.batch * args.seq
     if rank == 0:
         print(f"{world} ranks: dp={dp} x cp={args.cp} ({args.layout}), batch={args.batch}, "
               f"seq={args.seq}, dim={args.dim}, layers={args.layers}, heads={args.heads}/"
@@ -273,23 +224,46 @@ def main() -> int:
               f"checkpoint={args.checkpoint}", flush=True)
     losses = []
     for step in range(args.steps):
-        data = synthetic_batch(step, args.batch, args.seq, args.vocab)[rows]
-        tokens, labels = (dr.shard_local(t, args.layout, cp_rank, args.cp).to(device)
-                          for t in (data[:, :-1], data[:, 1:]))  # shift first, then shard
+        attn_kwargs = {}
+        if packed:  # this dp row's rows as one stream; this cp rank's contiguous slice of it
+            tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq,
+                                                             args.vocab)
+            total_tokens = int((labels != IGNORE).sum())
+            lo, hi = rows.start * args.seq, rows.stop * args.seq
+            cu_seqlens = torch.tensor([b - lo for b in bounds if lo <= b <= hi],
+                                      dtype=torch.int32, device=device)
+            names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                     "local_k_slice")
+            attn_kwargs = dict(zip(names, dr.llama3_flash_attn_prepare_cu_seqlens(
+                cu_seqlens, True, cp_rank, args.cp), strict=True))
+            length = (hi - lo) // args.cp
+            mine = slice(cp_rank * length, (cp_rank + 1) * length)
+            tokens, labels, positions = (t[rows].reshape(1, -1)[:, mine].to(device)
+                                         for t in (tokens, labels, positions))
+            positions = positions[0]
+            scope = contextlib.nullcontext()
+        else:
+            data = synthetic_batch(step, args.batch, args.seq, args.vocab)[rows]
+            tokens, labels = (dr.shard_local(t, args.layout, cp_rank, args.cp).to(device)
+                              for t in (data[:, :-1], data[:, 1:]))  # shift first, then shard
+            positions = dr.token_indices(args.layout, args.seq, cp_rank, args.cp).to(device)
+            total_tokens = args.batch * args.seq
+            scope = dr.ring_sdpa(layout=args.layout)  # around the step, outside compiled code
         start = time.perf_counter()
-        loss_sum = train_step(model, optimizer, tokens, labels, positions, total_tokens,
-                              grad_average_size=world)
+        with scope:
+            loss_sum = train_step(model, optimizer, tokens, labels, positions, total_tokens,
+                                  grad_average_size=world, **attn_kwargs)
         dist.all_reduce(loss_sum)
         elapsed = time.perf_counter() - start
         losses.append(loss_sum.item() / total_tokens)
         if rank == 0:
             print(f"step {step + 1:>3}/{args.steps}  loss {losses[-1]:.4f}  "
-                  f"{total_tokens / elapsed:>9.0f} tokens/s", flush=True)
+                  f"{args.batch * args.seq / elapsed:>9.0f} tokens/s", flush=True)
 
     status = 0
     if args.verify:
         if rank == 0:
-            ref = reference_losses(args, margs)
+            ref = reference_losses(args, cfg)
             diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
             ok = diff <= VERIFY_TOLERANCE
             print(f"verify: max |loss - single-process loss| over {args.steps} steps = "

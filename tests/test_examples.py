@@ -30,6 +30,12 @@ def test_train_llama_cp_verify():
     assert "verify:" in out and "OK" in out, out
 
 
+def test_train_llama_cp_llama3_verify():
+    """Packed documents (llama3 varlen attention) against per-document attention."""
+    out = _torchrun("train_llama_cp.py", "--layout", "llama3", "--verify")
+    assert "(llama3)" in out and "verify:" in out and "OK" in out, out
+
+
 def test_demo():
     out = _torchrun("demo.py")
     assert "zigzag" in out and "stripe" in out, out

@@ -11,13 +11,20 @@ block, model. Two things make it CP-ready:
 * RoPE takes **global** position ids ``positions [S_local]`` (``dtensor_ring.token_indices``
   for this rank's layout), never ``arange(S_local)``.
 
+For attention SDPA cannot express (e.g. packed documents through
+``dtensor_ring.llama3_flash_attn_varlen_func``), :meth:`TinyTransformer.set_attention_fn`
+replaces it: ``fn(q [B, S, H, D], k, v [B, S, K, D], **attn_kwargs) -> [B, S, H, D]`` on local
+tensors, where ``attn_kwargs`` are the keyword arguments given to the model's ``forward``.
+
 Shape legend: B batch, S (local) sequence, E model dim, H query heads, K key/value heads,
 D head dim, V vocabulary, F MLP hidden dim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,14 +104,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.cp_mesh: DeviceMesh | None = None  # set by TinyTransformer.set_cp_mesh
+        self.attention_fn: Callable[..., Tensor] | None = None  # TinyTransformer.set_attention_fn
 
-    def forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:
+    def forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor,
+                attn_kwargs: dict[str, Any]) -> Tensor:
         B, S, _ = x_BSE.shape
         q_BSHD = apply_rope(self.wq(x_BSE).view(B, S, self.n_heads, self.head_dim), cos_SD,
                             sin_SD)
         k_BSKD = apply_rope(self.wk(x_BSE).view(B, S, self.n_kv_heads, self.head_dim), cos_SD,
                             sin_SD)
         v_BSKD = self.wv(x_BSE).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.attention_fn is not None:  # a custom attention on the local tensors
+            o_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, **attn_kwargs)
+            return self.wo(o_BSHD.reshape(B, S, -1))
         q_BHSD, k_BKSD, v_BKSD = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
         if self.cp_mesh is not None:  # local shards -> sequence-sharded DTensors
             q_BHSD, k_BKSD, v_BKSD = (
@@ -139,14 +151,17 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.activation_checkpointing = cfg.activation_checkpointing
 
-    def _forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:
-        h_BSE = x_BSE + self.attn(self.attn_norm(x_BSE), cos_SD, sin_SD)
+    def _forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor,
+                 attn_kwargs: dict[str, Any]) -> Tensor:
+        h_BSE = x_BSE + self.attn(self.attn_norm(x_BSE), cos_SD, sin_SD, attn_kwargs)
         return h_BSE + self.mlp(self.mlp_norm(h_BSE))
 
-    def forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:
+    def forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor,
+                attn_kwargs: dict[str, Any]) -> Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_BSE, cos_SD, sin_SD, use_reentrant=False)
-        return self._forward(x_BSE, cos_SD, sin_SD)
+            return checkpoint(self._forward, x_BSE, cos_SD, sin_SD, attn_kwargs,
+                              use_reentrant=False)
+        return self._forward(x_BSE, cos_SD, sin_SD, attn_kwargs)
 
 
 class TinyTransformer(nn.Module):
@@ -172,11 +187,25 @@ class TinyTransformer(nn.Module):
             layer.attn.cp_mesh = cp_mesh
         return self
 
-    def forward(self, ids_BS: Tensor, positions_S: Tensor) -> Tensor:
-        """Logits ``[B, S, V]`` of token ids ``[B, S]`` at global positions ``[S]``."""
+    def set_attention_fn(self, fn: Callable[..., Tensor] | None) -> TinyTransformer:
+        """Attend with ``fn(q, k, v, **attn_kwargs)`` instead of SDPA (None: SDPA again).
+
+        ``q [B, S, H, D]``, ``k, v [B, S, K, D]`` (after RoPE, local tensors) -> ``[B, S, H, D]``;
+        ``attn_kwargs`` are the keyword arguments of :meth:`forward`. Takes precedence over
+        :meth:`set_cp_mesh`.
+        """
+        for layer in self.layers:
+            layer.attn.attention_fn = fn
+        return self
+
+    def forward(self, ids_BS: Tensor, positions_S: Tensor, **attn_kwargs: Any) -> Tensor:
+        """Logits ``[B, S, V]`` of token ids ``[B, S]`` at global positions ``[S]``.
+
+        ``attn_kwargs`` go to the attention function of :meth:`set_attention_fn` (if any).
+        """
         cos_SD, sin_SD = rope_cos_sin(positions_S, self.cfg.dim // self.cfg.n_heads,
                                       self.cfg.rope_theta)
         h_BSE = self.embed(ids_BS)
         for layer in self.layers:
-            h_BSE = layer(h_BSE, cos_SD, sin_SD)
+            h_BSE = layer(h_BSE, cos_SD, sin_SD, attn_kwargs)
         return self.head(self.norm(h_BSE))
