@@ -65,12 +65,17 @@ def ring_attention_varlen(
     )
 
 
-@ring_attention_varlen.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, scale, backend=None):
+def _fake_out_lse(q: Tensor) -> tuple[Tensor, Tensor]:
+    """Fake ``(out [T, H, D], lse [H, T])`` of a varlen forward for ``q [T, H, D]``."""
     T, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         (H, T), dtype=accumulation_dtype(q.dtype)
     )
+
+
+@ring_attention_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, scale, backend=None):
+    return _fake_out_lse(q)
 
 
 @torch.library.custom_op("dtensor_ring::ring_attention_varlen_backward", mutates_args=())
@@ -172,10 +177,7 @@ def llama3_attention(
 @llama3_attention.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, k_start,
       k_stop, group_name, causal, scale, backend=None):
-    T, H, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
-        (H, T), dtype=accumulation_dtype(q.dtype)
-    )
+    return _fake_out_lse(q)
 
 
 @torch.library.custom_op("dtensor_ring::llama3_attention_backward", mutates_args=())
