@@ -74,6 +74,22 @@ in eager and compiled code alike, and needs no private API.
 
 Outside the scope nothing of this is active: SDPA on DTensors behaves as PyTorch makes it.
 The sharding rules of our own ops stay registered (they concern only ``dtensor_ring::`` ops).
+
+Note [Ulysses in the DTensor path]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``ring_sdpa(..., mode="ulysses")`` and ``scaled_dot_product_ring_attention(..., mode=
+"ulysses")`` run Ulysses attention (Note [Ulysses attention] in ``ulysses.py``) instead of ring
+attention. Everything above stays as it is; only the op pair changes (:data:`_MODE_OPS`):
+``dtensor_ring::ulysses_attention`` / ``_backward`` have the schemas of ``ring_attention`` /
+``_backward`` (sequence shards in and out, lse ``[B, H, S_local]``), so the handlers, the
+sharding rules and the autograd formula are shared. The SDPA handlers get the forward and, later,
+a separate backward call with only sequence-sharded tensors, so the backward op redoes the
+all-to-alls of q, k, v (and brings dout, out and lse to head shards) rather than keeping
+head-sharded tensors between the calls: one more all-to-all of q, k, v per backward than
+:func:`dtensor_ring.ulysses_flash_attn_func`, and nothing stateful, so activation
+checkpointing's recompute and compiled graphs see the same ops. Ulysses takes every layout,
+causal or not; ``H`` must be divisible by the context-parallel size (checked on global
+metadata, on every rank, before communication).
 """
 
 from __future__ import annotations
@@ -82,6 +98,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +113,7 @@ from . import _dtensor_compat
 from ._compat import select_backend_name
 from .layouts import Layout, check_layout, local_seq_divisor, shard_local, token_indices
 from .ops import ring_attention, ring_attention_backward
+from .ulysses import _check_heads, _head_views, ulysses_attention, ulysses_attention_backward
 
 __all__ = [
     "ATEN_SDPA_OPS",
@@ -104,6 +122,11 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
 ]
+
+Mode = Literal["ring", "ulysses"]
+# mode -> (forward op, backward op); the pairs share schemas (Note [Ulysses in the DTensor path])
+_MODE_OPS = {"ring": (ring_attention, ring_attention_backward),
+             "ulysses": (ulysses_attention, ulysses_attention_backward)}
 
 SDPA_SEQ_DIM = 2  # [B, H, S, D]
 OP_SEQ_DIM = 1  # [B, S, H, D]
@@ -116,6 +139,11 @@ def _swap_seq_heads(t: Tensor) -> Tensor:
     The one place where SDPA's layout meets the op's; DTensors map ``Shard(2) <-> Shard(1)``.
     """
     return t.transpose(1, 2)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _MODE_OPS:
+        raise ValueError(f"mode={mode!r}; choose one of {tuple(_MODE_OPS)}")
 
 
 def _to_op_layout(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -226,6 +254,7 @@ def _check_sdpa_args(
     is_causal: bool,
     enable_gqa: bool,
     layout: str,
+    mode: str = "ring",
 ) -> tuple[int, str]:
     """Validate an SDPA call on DTensors ``[B, H, S, D]``.
 
@@ -239,14 +268,14 @@ def _check_sdpa_args(
 
     return _check_sdpa_metadata(
         tuple(describe(t) for t in (query, key, value)), attn_mask is not None,
-        float(dropout_p), bool(is_causal), bool(enable_gqa), layout,
+        float(dropout_p), bool(is_causal), bool(enable_gqa), layout, mode,
     )
 
 
 @torch.compiler.assume_constant_result
 def _check_sdpa_metadata(
     metadata: tuple, has_mask: bool, dropout_p: float, is_causal: bool, enable_gqa: bool,
-    layout: str,
+    layout: str, mode: str = "ring",
 ) -> tuple[int, str]:
     """The checks of :func:`_check_sdpa_args`, on metadata only.
 
@@ -256,6 +285,7 @@ def _check_sdpa_metadata(
     ``(mesh, placements, shape)`` or the type name of a non-DTensor.
     """
     check_layout(layout)
+    _check_mode(mode)
     if has_mask:
         raise ValueError(
             "attn_mask is not supported by ring attention (SDPA on sequence-sharded DTensors); "
@@ -272,7 +302,7 @@ def _check_sdpa_metadata(
                 f"{name} is a {meta}, not a DTensor, while other SDPA inputs are DTensors; "
                 "make q, k and v DTensors on one mesh (DTensor.from_local for local shards)"
             )
-    if layout != "ring" and not is_causal:
+    if mode == "ring" and layout != "ring" and not is_causal:
         raise ValueError(
             f"ring_sdpa(layout={layout!r}) is for causal attention only, got is_causal=False; "
             "use layout='ring' for non-causal attention"
@@ -295,6 +325,8 @@ def _check_sdpa_metadata(
         )
     if H % H_kv != 0:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv}")
+    if mode == "ulysses":
+        _check_heads(H, xs[0].mesh.size(cp_dim), "ring_sdpa(mode='ulysses')")
     return cp_dim, xs[0].mesh.get_group(cp_dim).group_name
 
 
@@ -313,6 +345,7 @@ def scaled_dot_product_ring_attention(
     *,
     layout: Layout = "ring",
     backend: str | None = None,
+    mode: Mode = "ring",
 ) -> DTensor:
     """Ring attention with ``F.scaled_dot_product_attention``'s signature, on DTensors.
 
@@ -332,6 +365,9 @@ def scaled_dot_product_ring_attention(
         scale: softmax scale, default ``D ** -0.5``.
         layout: how the sequence is sharded (Note [Sequence layouts]).
         backend: block-kernel backend name, or None for automatic choice.
+        mode: "ring" (ring attention) or "ulysses" (Ulysses all-to-all attention,
+            ``dtensor_ring::ulysses_attention``; needs ``H`` divisible by the context-parallel
+            size, takes every layout causal or not). Note [Ulysses in the DTensor path].
 
     Returns:
         ``[B, H, S, D]`` DTensor with ``query``'s placements.
@@ -340,18 +376,24 @@ def scaled_dot_product_ring_attention(
         ValueError: on unsupported placements or arguments, on every rank, before any
             communication.
     """
-    _, group_name = _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal,
-                                     enable_gqa, layout)
+    cp_dim, group_name = _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal,
+                                          enable_gqa, layout, mode)
     q, k, v = _to_op_layout(query, key, value)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    backend = _resolve_backend(q, k, backend)
-    out, _ = ring_attention(q, k, v, group_name, layout, bool(is_causal), scale, backend)
+    backend = _resolve_backend(q, k, backend, mode, query.device_mesh.size(cp_dim))
+    out, _ = _MODE_OPS[mode][0](q, k, v, group_name, layout, bool(is_causal), scale, backend)
     return _swap_seq_heads(out)
 
 
-def _resolve_backend(q: Tensor, k: Tensor, backend: str | None) -> str:
-    """Pick the block kernel now, so that an unsupported call fails before communication."""
+def _resolve_backend(q: Tensor, k: Tensor, backend: str | None, mode: str = "ring",
+                     world_size: int = 1) -> str:
+    """Pick the block kernel now, so that an unsupported call fails before communication.
+
+    Ulysses runs the kernel on ``H / W`` query heads (and the matching K/V heads).
+    """
     deterministic = torch.are_deterministic_algorithms_enabled()
+    if mode == "ulysses":
+        q, k = _head_views(q, k, world_size)
     return select_backend_name(q, k, backend, deterministic=deterministic)
 
 
@@ -400,13 +442,15 @@ def _check_op_group(q, k, v, group_name: str, layout: str) -> int:
     return cp_dim
 
 
-@register_sharding(torch.ops.dtensor_ring.ring_attention.default)
+@register_sharding([torch.ops.dtensor_ring.ring_attention.default,
+                    torch.ops.dtensor_ring.ulysses_attention.default])
 def _ring_attention_sharding(q, k, v, group_name, layout, causal, scale, backend=None):
     _check_op_group(q, k, v, group_name, layout)
     return _single_dim_strategies(q.placements, "tl", "ttt-----")
 
 
-@register_sharding(torch.ops.dtensor_ring.ring_attention_backward.default)
+@register_sharding([torch.ops.dtensor_ring.ring_attention_backward.default,
+                    torch.ops.dtensor_ring.ulysses_attention_backward.default])
 def _ring_attention_backward_sharding(
     dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None
 ):
@@ -457,6 +501,7 @@ ATEN_SDPA_OPS: tuple[AtenSDPAOps, ...] = (
 class _Config:
     layout: str
     backend: str | None
+    mode: str = "ring"
 
 
 def _first(bound: dict, *names: str):
@@ -480,14 +525,15 @@ def aten_sdpa_forward_handler(
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
-    _, group_name = _check_sdpa_args(query, key, value, _first(a, "attn_mask", "attn_bias"),
-                                     float(a.get("dropout_p", 0.0)), is_causal, True,
-                                     config.layout)
+    cp_dim, group_name = _check_sdpa_args(
+        query, key, value, _first(a, "attn_mask", "attn_bias"), float(a.get("dropout_p", 0.0)),
+        is_causal, True, config.layout, config.mode)
     mesh = query.device_mesh
     q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
     scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
-    backend = _resolve_backend(q, k, config.backend)
-    out, lse = ring_attention(q, k, v, group_name, config.layout, is_causal, scale, backend)
+    backend = _resolve_backend(q, k, config.backend, config.mode, mesh.size(cp_dim))
+    forward_op = _MODE_OPS[config.mode][0]
+    out, lse = forward_op(q, k, v, group_name, config.layout, is_causal, scale, backend)
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(_swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -512,9 +558,9 @@ def aten_sdpa_backward_handler(
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
-    _, group_name = _check_sdpa_args(query, key, value, _first(a, "attn_mask", "attn_bias"),
-                                     float(a.get("dropout_p", 0.0)), is_causal, True,
-                                     config.layout)
+    cp_dim, group_name = _check_sdpa_args(
+        query, key, value, _first(a, "attn_mask", "attn_bias"), float(a.get("dropout_p", 0.0)),
+        is_causal, True, config.layout, config.mode)
     mesh, placements = query.device_mesh, query.placements
     dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
     dout, out, lse = (t if t.placements == placements else t.redistribute(mesh, placements)
@@ -526,8 +572,8 @@ def aten_sdpa_backward_handler(
         lse_l = lse_l.squeeze(-1)
     lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
     scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
-    backend = _resolve_backend(q, k, config.backend)
-    dq, dk, dv = ring_attention_backward(
+    backend = _resolve_backend(q, k, config.backend, config.mode, mesh.size(cp_dim))
+    dq, dk, dv = _MODE_OPS[config.mode][1](
         dout_l.contiguous(), q, k, v, out_l, lse_l.contiguous(),
         group_name, config.layout, is_causal, scale, backend,
     )
@@ -595,12 +641,14 @@ def _check_dtensor_sdpa_call(config, query, key, value, attn_mask=None, dropout_
     if not any(isinstance(t, DTensor) for t in (query, key, value)):
         return False
     _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
-                     config.layout)
+                     config.layout, config.mode)
     return True
 
 
 @contextlib.contextmanager
-def ring_sdpa(layout: Layout = "zigzag", backend: str | None = None) -> Iterator[None]:
+def ring_sdpa(
+    layout: Layout = "zigzag", backend: str | None = None, mode: Mode = "ring"
+) -> Iterator[None]:
     """Scope in which SDPA on sequence-sharded DTensors runs ring attention.
 
     Inside it, ``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...,
@@ -617,21 +665,26 @@ def ring_sdpa(layout: Layout = "zigzag", backend: str | None = None) -> Iterator
 
     Args:
         layout: "ring", "zigzag" or "stripe": how the DTensors' sequence shards are laid out
-            (Note [Sequence layouts]); zigzag and stripe need ``is_causal=True``.
+            (Note [Sequence layouts]); zigzag and stripe need ``is_causal=True`` (except
+            with ``mode="ulysses"``).
         backend: block-kernel backend name, or None for automatic choice.
+        mode: "ring" (ring attention) or "ulysses" (all-to-all attention; needs ``H``
+            divisible by the context-parallel size, else ``ValueError`` on every rank before
+            any communication). Note [Ulysses in the DTensor path].
 
     Raises:
         RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
             when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
     """
     check_layout(layout)
+    _check_mode(mode)
     if torch.compiler.is_compiling():
         raise RuntimeError(
             "enter dtensor_ring.ring_sdpa outside the torch.compile'd function (e.g. around "
             "the training step): its SDPA handlers act while AOTAutograd traces, after Dynamo; "
             "inside compiled code call dtensor_ring.scaled_dot_product_ring_attention instead"
         )
-    config = _Config(layout, backend)
+    config = _Config(layout, backend, mode)
     with _dtensor_compat.custom_op_handlers(_aten_handlers(config)), _RingSDPAMode(config):
         yield
 

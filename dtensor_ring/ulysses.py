@@ -240,8 +240,8 @@ def _kv_repeat(num_kv_heads: int, world_size: int) -> int:
     return world_size // math.gcd(num_kv_heads, world_size)
 
 
-def _check_heads(q: Tensor, world_size: int, what: str) -> None:
-    H = q.shape[2]
+def _check_heads(H: int, world_size: int, what: str) -> None:
+    """``H % world_size == 0`` (query heads are what Ulysses shards), else ``ValueError``."""
     if H % world_size != 0:
         raise ValueError(
             f"{what} shards the {H} query heads over {world_size} ranks, which needs "
@@ -266,6 +266,94 @@ def _scale(q: Tensor, softmax_scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
+def _gathered_order_name(layout: str, causal: bool) -> str:
+    """The ``layout`` argument of the all-to-alls: non-causal attention ignores token order."""
+    return layout if causal else "ring"
+
+
+# --- sequence-sharded attention ops (the DTensor path) ---------------------------------------
+
+
+@torch.library.custom_op("dtensor_ring::ulysses_attention", mutates_args=())
+def ulysses_attention(
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, layout: str, causal: bool, scale: float,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Ulysses attention with ``dtensor_ring::ring_attention``'s signature and results.
+
+    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` (this rank's tokens under
+    ``layout``) -> ``(out [B, S_local, H, D], lse [B, H, S_local])``. With its backward op
+    :func:`ulysses_attention_backward` it serves callers that get a forward call and a separate
+    backward call (the SDPA aten-op handlers of ``ring_sdpa(mode="ulysses")``), so both take
+    sequence shards: the backward redoes the all-to-alls of q, k, v (and brings ``out``, ``lse``
+    and ``dout`` to head shards) instead of keeping head-sharded tensors between the calls.
+    :func:`ulysses_flash_attn_func` keeps them (autograd through the pieces) and does not.
+    """
+    W = dist.get_world_size(resolve_group(group_name))
+    _check_heads(q.shape[2], W, "Ulysses attention")
+    order = _gathered_order_name(layout, causal)
+    qh, kh, vh = _to_heads(q, k, v, group_name, W, order)
+    out_h, lse_h = ulysses_local_attention(qh, kh, vh, causal, scale, backend)
+    return (ulysses_all_to_all(out_h, group_name, 1, 2, False, order),
+            ulysses_all_to_all(lse_h, group_name, 2, 1, False, order))
+
+
+@ulysses_attention.register_fake
+def _(q, k, v, group_name, layout, causal, scale, backend=None):
+    B, S, H, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        (B, H, S), dtype=accumulation_dtype(q.dtype)
+    )
+
+
+@torch.library.custom_op("dtensor_ring::ulysses_attention_backward", mutates_args=())
+def ulysses_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str,
+    layout: str, causal: bool, scale: float, backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`ulysses_attention`, all on sequence shards.
+
+    dout, q, k, v, out and lse go to head shards (the same all-to-alls as the forward, so
+    ``out``/``lse`` come back bit-identical to what the kernel produced), one kernel backward,
+    and dq, dk, dv go back; the gradients of repeated K/V heads are summed.
+    """
+    W = dist.get_world_size(resolve_group(group_name))
+    _check_heads(q.shape[2], W, "Ulysses attention")
+    order = _gathered_order_name(layout, causal)
+    H_kv = k.shape[2]
+    qh, kh, vh = _to_heads(q, k, v, group_name, W, order)
+    dout_h, out_h = (ulysses_all_to_all(t, group_name, 1, 2, True, order) for t in (dout, out))
+    lse_h = ulysses_all_to_all(lse, group_name, 2, 1, True, order)
+    grads_h = ulysses_local_attention_backward(dout_h, qh, kh, vh, out_h, lse_h, causal, scale,
+                                               backend)
+    dq, dk, dv = (ulysses_all_to_all(g, group_name, 1, 2, False, order) for g in grads_h)
+    f = _kv_repeat(H_kv, W)
+    if f > 1:  # repeat_interleave put the copies of a head next to each other
+        dk, dv = (g.unflatten(2, (H_kv, f)).sum(3) for g in (dk, dv))
+    return dq, dk, dv
+
+
+@ulysses_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _seq_setup_context(ctx, inputs, output):
+    q, k, v, *ctx.args = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _seq_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ulysses_attention_backward(dout, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+ulysses_attention.register_autograd(_seq_backward, setup_context=_seq_setup_context)
+
+
 # --- Ulysses front door --------------------------------------------------------------------
 
 
@@ -276,7 +364,7 @@ def _ulysses(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slope
     check_qkv_tensors(q, k, v)
     name = _group_name(group)
     W = dist.get_world_size(group)
-    _check_heads(q, W, "Ulysses attention")
+    _check_heads(q.shape[2], W, "Ulysses attention")
     if causal and (q.shape[1] * W) % local_seq_divisor(layout, W) != 0:
         raise ValueError(
             f"layout={layout!r} on {W} ranks needs a global sequence length divisible by "
@@ -287,7 +375,7 @@ def _ulysses(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slope
     if W == 1:
         out, lse = ulysses_local_attention(q, k, v, causal, scale, backend)
         return (out, lse, None) if return_attn_probs else out
-    order = layout if causal else "ring"  # non-causal attention ignores the token order
+    order = _gathered_order_name(layout, causal)
     qh, kh, vh = _to_heads(q, k, v, name, W, order)
     out_h, lse_h = ulysses_local_attention(qh, kh, vh, causal, scale, backend)
     out = ulysses_all_to_all(out_h, name, 1, 2, False, order)
@@ -445,7 +533,7 @@ def hybrid_flash_attn_func(
     check_qkv_tensors(q, k, v)
     u_name, r_name = _group_name(ulysses_group), _group_name(ring_group)
     U = dist.get_world_size(ulysses_group)
-    _check_heads(q, U, "hybrid attention (Ulysses dim)")
+    _check_heads(q.shape[2], U, "hybrid attention (Ulysses dim)")
     if layout == "zigzag" and (q.shape[1] * U) % 2 != 0:
         raise ValueError(
             f"zigzag needs an even ring-shard length S_local * U, got {q.shape[1]} * {U}; pad "

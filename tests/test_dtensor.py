@@ -138,8 +138,10 @@ def _scope_install_and_remove(group):
         checks["inside works"] = isinstance(F.scaled_dot_product_attention(q, q, q,
                                                                            is_causal=True),
                                             DTensor)
-        with dtensor_ring.ring_sdpa(layout="ring"):
+        with dtensor_ring.ring_sdpa(layout="ring", mode="ulysses"):
             checks["nested"] = _mode_stack_len() == before[1] + 2
+            checks["nested ulysses works"] = isinstance(
+                F.scaled_dot_product_attention(q, q, q, is_causal=True), DTensor)
         checks["nested restored"] = _scope_state() == (handlers, depth)
     checks["removed"] = _scope_state() == before
     try:
@@ -239,6 +241,123 @@ def _sdpa_numerics(group, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sdpa_numerics(dist_pool, layout, world_size):
     for rank, errors in enumerate(dist_pool.run(_sdpa_numerics, world_size, layout=layout)):
+        for name, (err, tol) in errors.items():
+            assert err < tol, f"rank {rank} {name}: max error {err:.3g} >= {tol}"
+
+
+def _sdpa_ulysses_numerics(group, layout):
+    """``mode="ulysses"``: SDPA in the scope, the aten op, and the scope-free function."""
+    mesh = _mesh(group)
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    errors = {}
+
+    def run(name, call, *, causal=True, H_kv=4, dtype=torch.float64):
+        q, k, v, dout, leaves, dout_dt = _sdpa_inputs(mesh, layout, H_kv=H_kv, dtype=dtype)
+        ref, grads = _reference(q, k, v, dout, causal)
+        out = call(*leaves, dout_dt, causal)
+        assert isinstance(out, DTensor) and out.placements == leaves[0].placements, out
+        errs = [_local_err(out, ref, layout, rank, W)]
+        errs += [_local_err(t.grad, g, layout, rank, W)
+                 for t, g in zip(leaves, grads, strict=True)]
+        errors[name] = (max(errs), TOL[dtype])
+
+    def sdpa(q, k, v, dout, causal):
+        with dtensor_ring.ring_sdpa(layout=layout, mode="ulysses"):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            out.backward(dout)
+        return out
+
+    def aten_cpu(q, k, v, dout, causal):
+        with dtensor_ring.ring_sdpa(layout=layout, mode="ulysses"):
+            out = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[0]
+            out.backward(dout)
+        return out
+
+    def direct(q, k, v, dout, causal):
+        out = dtensor_ring.scaled_dot_product_ring_attention(
+            q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], layout=layout,
+            mode="ulysses")
+        out.backward(dout)
+        return out
+
+    run("sdpa", sdpa, causal=layout != "ring")
+    run("sdpa_gqa", sdpa, causal=layout != "ring", H_kv=2)
+    run("sdpa_mqa_fp32", sdpa, H_kv=1, dtype=torch.float32)
+    run("sdpa_noncausal", sdpa, causal=False, H_kv=2)
+    run("aten_cpu", aten_cpu, H_kv=2)
+    run("direct", direct, causal=layout != "ring", H_kv=2)
+    return errors
+
+
+def _sdpa_ulysses_checkpointed(group):
+    """``mode="ulysses"`` under activation checkpointing: the recompute runs in backward()."""
+    from torch.utils.checkpoint import checkpoint
+
+    mesh = _mesh(group)
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v, dout, leaves, dout_dt = _sdpa_inputs(mesh, "zigzag", H_kv=2)
+    ref, grads = _reference(q, k, v, dout, causal=True)
+
+    def block(q, k, v):
+        return F.scaled_dot_product_attention(q * 1.0, k, v, is_causal=True, enable_gqa=True)
+
+    with dtensor_ring.ring_sdpa(layout="zigzag", mode="ulysses"):
+        out = checkpoint(block, *leaves, use_reentrant=False)
+        out.backward(dout_dt)
+    errs = [_local_err(out, ref, "zigzag", rank, W)]
+    errs += [_local_err(t.grad, g, "zigzag", rank, W) for t, g in zip(leaves, grads, strict=True)]
+    return max(errs)
+
+
+def test_sdpa_ulysses_activation_checkpointing(dist_pool):
+    for err in dist_pool.run(_sdpa_ulysses_checkpointed, 2):
+        assert err < 1e-10, err
+
+
+def _ulysses_ops_opcheck_and_compile(group):
+    """opcheck of the Ulysses op pair; ``mode="ulysses"`` in a fullgraph-compiled function."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v = (dtensor_ring.shard_local(t, "zigzag", rank, W).requires_grad_()
+               for t in random_qkv(1, 4 * W, 4, 2, 8, dtype=torch.float32, seed=2))
+    ops = torch.ops.dtensor_ring
+    results = {}
+    for op in (ops.ulysses_attention.default,):
+        results[str(op)] = torch.library.opcheck(
+            op, (q, k, v, group.group_name, "zigzag", True, 0.3, None))
+    mesh = _mesh(group)
+    qf, kf, vf, dout, leaves, dout_dt = _sdpa_inputs(mesh, "zigzag", H_kv=2)
+    ref, grads = _reference(qf, kf, vf, dout, causal=True)
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return dtensor_ring.scaled_dot_product_ring_attention(
+            q, k, v, is_causal=True, enable_gqa=True, layout="zigzag", mode="ulysses")
+
+    counter = CompileCounterWithBackend("aot_eager")
+    out = torch.compile(f, backend=counter, fullgraph=True)(*leaves)
+    out.backward(dout_dt)
+    errs = [_local_err(out, ref, "zigzag", rank, W)]
+    errs += [_local_err(t.grad, g, "zigzag", rank, W) for t, g in zip(leaves, grads, strict=True)]
+    return ({name: all(r == "SUCCESS" for r in res.values()) for name, res in results.items()},
+            counter.frame_count, max(errs))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ulysses_ops_opcheck_and_compile(dist_pool, world_size):
+    for opchecks, frames, err in dist_pool.run(_ulysses_ops_opcheck_and_compile, world_size):
+        assert all(opchecks.values()) and opchecks, opchecks
+        assert frames == 1 and err < 1e-10, (frames, err)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["ring", "zigzag"])
+def test_sdpa_ulysses_numerics(dist_pool, layout, world_size):
+    for rank, errors in enumerate(dist_pool.run(_sdpa_ulysses_numerics, world_size,
+                                                layout=layout)):
         for name, (err, tol) in errors.items():
             assert err < tol, f"rank {rank} {name}: max error {err:.3g} >= {tol}"
 
@@ -402,6 +521,20 @@ def _errors(group):
                 messages[f"{name}/{way}"] = "no error"
             except (ValueError, TypeError) as e:
                 messages[f"{name}/{way}"] = f"{type(e).__name__}: {e}"
+    # Ulysses shards the heads: H = 3 on 2 ranks; and an unknown mode
+    q3 = dt([Shard(2)], torch.randn(1, 3, 8, 8))
+    for name, mode in (("ulysses_heads", "ulysses"), ("mode", "spiral")):
+        for way in ("scope", "direct"):
+            try:
+                if way == "scope":
+                    with dtensor_ring.ring_sdpa(layout="zigzag", mode=mode):
+                        F.scaled_dot_product_attention(q3, q3, q3, is_causal=True)
+                else:
+                    dtensor_ring.scaled_dot_product_ring_attention(
+                        q3, q3, q3, is_causal=True, layout="zigzag", mode=mode)
+                messages[f"{name}/{way}"] = "no error"
+            except ValueError as e:
+                messages[f"{name}/{way}"] = f"ValueError: {e}"
     # only SDPA's math backend enabled: no fused op to route, SDPA says so (no silent math)
     try:
         with dtensor_ring.ring_sdpa(layout="zigzag"), sdpa_kernel([SDPBackend.MATH]):
@@ -433,6 +566,8 @@ EXPECTED_ERRORS = {
     "noncausal_zigzag": "causal attention only",
     "gqa_flag": "enable_gqa=True",
     "mixed_types": "not a DTensor",
+    "ulysses_heads": "shards the 3 query heads over 2 ranks",
+    "mode": "mode='spiral'",
 }
 
 
