@@ -85,22 +85,33 @@ def ring_attention_backward(
     )
 
 
-@ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None):
+def fake_grads(dout, q, k, v, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
+    """The fake of every attention backward op: ``(dq, dk, dv)`` shaped like ``(q, k, v)``."""
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, *ctx.args = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
+def register_attention_autograd(forward_op, backward_op, saved_inputs: int = 0) -> None:
+    """Autograd of an attention op pair of the shape every ``dtensor_ring::`` op has.
+
+    ``forward_op(q, k, v, *meta, *args) -> (out, lse)`` and
+    ``backward_op(dout, q, k, v, out, lse, *meta, *args) -> (dq, dk, dv)``, where ``meta`` are
+    the ``saved_inputs`` tensor inputs the backward needs too (e.g. ``cu_seqlens``) and ``args``
+    are non-tensor inputs. ``lse`` is marked non-differentiable.
+    """
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, *rest = inputs
+        meta, ctx.args = rest[:saved_inputs], rest[saved_inputs:]
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse, *meta)
+
+    def backward(ctx, dout, _dlse):
+        grads = backward_op(dout, *ctx.saved_tensors, *ctx.args)
+        return (*grads, *(None,) * (saved_inputs + len(ctx.args)))
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
-
-
-ring_attention.register_autograd(_backward, setup_context=_setup_context)
+ring_attention_backward.register_fake(fake_grads)
+register_attention_autograd(ring_attention, ring_attention_backward)

@@ -23,7 +23,7 @@ from .comm import KV_TAG, RingExchanger, backward_exchangers
 from .engine import ring_backward, ring_forward
 from .kernels import BlockKernel, KernelCall, accumulation_dtype, select_kernel
 from .llama3 import Llama3Meta, check_llama3_call, llama3_backward, llama3_forward
-from .ops import make_plan_cached
+from .ops import fake_grads, make_plan_cached, register_attention_autograd
 from .varlen import VarlenBlocks, check_varlen_qkv, varlen_blocks
 
 
@@ -107,26 +107,8 @@ def ring_attention_varlen_backward(
     )
 
 
-@ring_attention_varlen_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, group_name, layout, causal, scale,
-      backend=None):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-
-
-def _ring_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, *ctx.args = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-
-
-def _ring_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = ring_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, *ctx.args)
-    return (dq, dk, dv) + (None,) * 7
-
-
-ring_attention_varlen.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+ring_attention_varlen_backward.register_fake(fake_grads)
+register_attention_autograd(ring_attention_varlen, ring_attention_varlen_backward, saved_inputs=1)
 
 
 # --- llama3 ---------------------------------------------------------------------------------
@@ -208,23 +190,5 @@ def llama3_attention_backward(
     return llama3_backward(dout, q, k, v, out, lse, meta, heads_k_stride, group, kernel, scale)
 
 
-@llama3_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      heads_k_stride, k_start, k_stop, group_name, causal, scale, backend=None):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-
-
-def _llama3_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.args = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-
-
-def _llama3_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = llama3_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 11
-
-
-llama3_attention.register_autograd(_llama3_backward, setup_context=_llama3_setup_context)
+llama3_attention_backward.register_fake(fake_grads)
+register_attention_autograd(llama3_attention, llama3_attention_backward, saved_inputs=2)

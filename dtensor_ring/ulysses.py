@@ -84,7 +84,7 @@ from ._compat import resolve_group, select_backend_name
 from .functional import _check_packed
 from .kernels import KernelCall, accumulation_dtype, select_kernel
 from .layouts import Layout, check_layout, local_seq_divisor, token_indices
-from .ops import ring_attention
+from .ops import fake_grads, register_attention_autograd, ring_attention
 from .validation import check_layout_causal, check_qkv_tensors, check_unsupported
 
 __all__ = [
@@ -211,25 +211,8 @@ def ulysses_local_attention_backward(
     return tuple(g.contiguous() for g in grads)
 
 
-@ulysses_local_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, backend=None):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-
-
-def _local_setup_context(ctx, inputs, output):
-    q, k, v, *ctx.args = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
-
-
-def _local_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ulysses_local_attention_backward(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None
-
-
-ulysses_local_attention.register_autograd(_local_backward, setup_context=_local_setup_context)
+ulysses_local_attention_backward.register_fake(fake_grads)
+register_attention_autograd(ulysses_local_attention, ulysses_local_attention_backward)
 
 
 # --- shared pieces -------------------------------------------------------------------------
@@ -333,25 +316,8 @@ def ulysses_attention_backward(
     return dq, dk, dv
 
 
-@ulysses_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-
-
-def _seq_setup_context(ctx, inputs, output):
-    q, k, v, *ctx.args = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
-
-
-def _seq_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ulysses_attention_backward(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
-
-
-ulysses_attention.register_autograd(_seq_backward, setup_context=_seq_setup_context)
+ulysses_attention_backward.register_fake(fake_grads)
+register_attention_autograd(ulysses_attention, ulysses_attention_backward)
 
 
 # --- Ulysses front door --------------------------------------------------------------------
