@@ -98,7 +98,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -517,23 +517,42 @@ def _replicated_like(like: DTensor, local: Tensor) -> DTensor:
                               run_check=False)
 
 
-def aten_sdpa_forward_handler(
-    config: _Config, op: torch._ops.OpOverload, args: tuple, kwargs: dict
-) -> tuple:
-    """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
-    family = _FAMILY_OF[op]
+class _SDPACall(NamedTuple):
+    """What both SDPA handlers derive from the aten op's arguments."""
+
+    qkv: tuple[Tensor, Tensor, Tensor]  # local shards in the op layout [B, S, H, D]
+    is_causal: bool
+    scale: float
+    group_name: str
+    backend: str
+
+
+def _bind_sdpa_call(config: _Config, op: torch._ops.OpOverload, args: tuple,
+                    kwargs: dict) -> tuple[dict, _SDPACall]:
+    """Bind an SDPA aten op's arguments by name, check them, and derive the ring call."""
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
     cp_dim, group_name = _check_sdpa_args(
         query, key, value, _first(a, "attn_mask", "attn_bias"), float(a.get("dropout_p", 0.0)),
         is_causal, True, config.layout, config.mode)
-    mesh = query.device_mesh
     q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
     scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
-    backend = _resolve_backend(q, k, config.backend, config.mode, mesh.size(cp_dim))
+    backend = _resolve_backend(q, k, config.backend, config.mode,
+                               query.device_mesh.size(cp_dim))
+    return a, _SDPACall((q, k, v), is_causal, scale, group_name, backend)
+
+
+def aten_sdpa_forward_handler(
+    config: _Config, op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple:
+    """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
+    family = _FAMILY_OF[op]
+    a, call = _bind_sdpa_call(config, op, args, kwargs)
+    query, mesh, (q, k, v) = a["query"], a["query"].device_mesh, call.qkv
     forward_op = _MODE_OPS[config.mode][0]
-    out, lse = forward_op(q, k, v, group_name, config.layout, is_causal, scale, backend)
+    out, lse = forward_op(q, k, v, call.group_name, config.layout, call.is_causal, call.scale,
+                          call.backend)
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(_swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -555,27 +574,20 @@ def aten_sdpa_backward_handler(
 ) -> tuple:
     """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
     family = _FAMILY_OF[op]
-    a = _dtensor_compat.bind_args(op, args, kwargs)
-    query, key, value = a["query"], a["key"], a["value"]
-    is_causal = bool(a.get("is_causal", False))
-    cp_dim, group_name = _check_sdpa_args(
-        query, key, value, _first(a, "attn_mask", "attn_bias"), float(a.get("dropout_p", 0.0)),
-        is_causal, True, config.layout, config.mode)
-    mesh, placements = query.device_mesh, query.placements
+    a, call = _bind_sdpa_call(config, op, args, kwargs)
+    q, k, v = call.qkv
+    mesh, placements = a["query"].device_mesh, a["query"].placements
     dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
     dout, out, lse = (t if t.placements == placements else t.redistribute(mesh, placements)
                       for t in (dout, out, lse))
-    q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
     dout_l, out_l = _swap_seq_heads(dout.to_local()), _swap_seq_heads(out.to_local())
     lse_l = lse.to_local()
     if family.lse_trailing_one:
         lse_l = lse_l.squeeze(-1)
     lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
-    scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
-    backend = _resolve_backend(q, k, config.backend, config.mode, mesh.size(cp_dim))
     dq, dk, dv = _MODE_OPS[config.mode][1](
         dout_l.contiguous(), q, k, v, out_l, lse_l.contiguous(),
-        group_name, config.layout, is_causal, scale, backend,
+        call.group_name, config.layout, call.is_causal, call.scale, call.backend,
     )
     grads = [DTensor.from_local(_swap_seq_heads(g), mesh, placements, run_check=False)
              for g in (dq, dk, dv)]
