@@ -1,12 +1,26 @@
-"""Point-to-point ring exchange: send tensors to the next rank, receive from the previous one.
+"""Point-to-point exchange of K/V and dK/dV between the ranks of a ring.
 
-The engine only ever asks "send these tensors one hop right and give me what arrives from the
-left", so the communicator is small, and :mod:`dtensor_ring.simulate` can stand in for it on one
+The engine only ever asks "send these tensors on and give me what arrives for the next step",
+so the communicator is small, and :mod:`dtensor_ring.simulate` can stand in for it on one
 device. Receive buffers are allocated once per exchanger and reused (double buffering: the
 buffers being sent are never the ones being received into).
 
 On CUDA with NCCL, ``batch_isend_irecv`` runs the transfers on NCCL's own stream, so they overlap
 the block kernels the engine launches on the compute stream between ``start`` and ``wait``.
+
+Note [Direct exchange]
+~~~~~~~~~~~~~~~~~~~~~~
+A windowed plan may skip steps (Note [Windowed schedules] in ``plan.py``): zigzag under a small
+window needs only offsets {0, 1, W-1}. K/V passed hop by hop would still have to visit every
+rank in between, so a sparse plan sends them straight to where they are needed, and the
+gradients straight back:
+
+    step with offset o, rank r:   K/V:   own K/V  -> r + o        K/V of r - o   <- r - o
+                                  dK/dV: grads for r - o -> r - o  own share <- r + o
+
+Each step moves one K/V chunk per rank, as a ring hop does (the volume is the same; the peers
+are farther apart). The owner sums the dK/dV shares it receives; full plans keep the ring and
+its travelling accumulators (Note [Ring backward] in ``engine.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +29,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 from torch import Tensor
+
+from .plan import Plan
 
 
 class PendingExchange:
@@ -32,8 +48,8 @@ class PendingExchange:
         return self._received
 
 
-class RingExchanger:
-    """Sends to rank ``(r + 1) % W`` and receives from rank ``(r - 1) % W`` of ``group``.
+class _PeerExchanger:
+    """Transfers to/from peers of ``group`` with reused, double-buffered receive buffers.
 
     Receive buffers are used in turn, so a tensor received at one step can be sent at the next
     while a new one arrives. The exchanger owns two sets of them shaped like the tensors it
@@ -42,15 +58,17 @@ class RingExchanger:
     free once sent; never the caller's K/V, which autograd keeps).
     """
 
-    def __init__(self, group: dist.ProcessGroup, tag: int = 0, recycle_first: bool = False):
+    def __init__(self, group: dist.ProcessGroup, tag: int, recycle_first: bool = False):
         self.group = group
         self.tag = tag
         self.recycle_first = recycle_first
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        self._next = dist.get_global_rank(group, (rank + 1) % world)
-        self._prev = dist.get_global_rank(group, (rank - 1) % world)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._buffers: list[list[Tensor]] = []
         self._turn = 0
+
+    def _global(self, hops: int) -> int:
+        """Global rank of the group rank ``hops`` to the right of this one."""
+        return dist.get_global_rank(self.group, (self.rank + hops) % self.world_size)
 
     def _receive_buffers(self, sent: list[Tensor]) -> list[Tensor]:
         if not self._buffers:
@@ -60,23 +78,83 @@ class RingExchanger:
         self._turn ^= 1
         return self._buffers[self._turn]
 
-    def start(self, tensors: Sequence[Tensor]) -> PendingExchange:
-        """Start sending ``tensors`` right and receiving their like from the left.
+    def _transfer(self, tensors: Sequence[Tensor], send_to: int, recv_from: int):
+        """Send ``tensors`` to global rank ``send_to``, receive their like from ``recv_from``.
 
         Non-contiguous tensors (e.g. the k/v views of a packed kv) are sent as contiguous
         copies; the received tensors are always contiguous.
         """
         tensors = [t.contiguous() for t in tensors]
         received = self._receive_buffers(tensors)
-        ops = [dist.P2POp(dist.isend, t, self._next, self.group, self.tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, self._prev, self.group, self.tag) for t in received]
+        ops = [dist.P2POp(dist.isend, t, send_to, self.group, self.tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, recv_from, self.group, self.tag) for t in received]
         return PendingExchange(dist.batch_isend_irecv(ops), tensors, received)
+
+
+class RingExchanger(_PeerExchanger):
+    """Sends to rank ``(r + 1) % W`` and receives from rank ``(r - 1) % W`` of ``group``."""
+
+    direct = False
+
+    def __init__(self, group: dist.ProcessGroup, tag: int = 0, recycle_first: bool = False):
+        super().__init__(group, tag, recycle_first)
+        self._next, self._prev = self._global(1), self._global(-1)
+
+    def start(self, tensors: Sequence[Tensor]) -> PendingExchange:
+        """Start sending ``tensors`` right and receiving their like from the left."""
+        return self._transfer(tensors, self._next, self._prev)
+
+
+class DirectExchanger(_PeerExchanger):
+    """Exchanges with the rank each step of a plan needs (Note [Direct exchange]).
+
+    K/V (``to_source=False``): the i-th ``start`` sends the tensors of the *first* ``start``
+    (this rank's own K/V) to rank ``r + offsets[i + 1]`` and receives those of rank
+    ``r - offsets[i + 1]``. dK/dV (``to_source=True``): the i-th ``start`` sends the given
+    tensors (the gradient for the K/V of step i + 1) back to their owner ``r - offsets[i + 1]``
+    and receives this rank's share from rank ``r + offsets[i + 1]``.
+    """
+
+    direct = True
+
+    def __init__(self, group: dist.ProcessGroup, offsets: Sequence[int], tag: int = 0, *,
+                 to_source: bool = False):
+        super().__init__(group, tag)
+        sign = -1 if to_source else 1
+        self._peers = [(self._global(sign * o), self._global(-sign * o)) for o in offsets[1:]]
+        self._to_source = to_source
+        self._own: list[Tensor] | None = None
+        self._count = 0
+
+    def start(self, tensors: Sequence[Tensor]) -> PendingExchange:
+        """Start the exchange of the next step (see the class doc)."""
+        if not self._to_source:
+            if self._own is None:
+                self._own = [t.contiguous() for t in tensors]
+            tensors = self._own
+        send_to, recv_from = self._peers[self._count]
+        self._count += 1
+        return self._transfer(tensors, send_to, recv_from)
 
 
 KV_TAG, DKV_TAG = 0, 1  # K/V and dK/dV transfers are in flight together in the backward
 
 
-def backward_exchangers(group: dist.ProcessGroup) -> tuple[RingExchanger, RingExchanger]:
-    """The backward's K/V exchanger and its dK/dV exchanger (which recycles the step-0
-    accumulator as a receive buffer; Note [Ring backward] in ``engine.py``)."""
-    return RingExchanger(group, KV_TAG), RingExchanger(group, DKV_TAG, recycle_first=True)
+def forward_exchanger(group: dist.ProcessGroup, plan: Plan) -> RingExchanger | DirectExchanger:
+    """The forward's K/V exchanger for ``plan`` (ring hops, or direct for a sparse plan)."""
+    if plan.full_ring:
+        return RingExchanger(group, KV_TAG)
+    return DirectExchanger(group, plan.offsets, KV_TAG)
+
+
+def backward_exchangers(group: dist.ProcessGroup, plan: Plan):
+    """The backward's K/V exchanger and its dK/dV exchanger for ``plan``.
+
+    Full ring: the dK/dV accumulators travel with their K/V, and the step-0 accumulator is
+    recycled as a receive buffer (Note [Ring backward] in ``engine.py``). Sparse plan: each
+    step's dK/dV go straight back to their owner (Note [Direct exchange]).
+    """
+    if plan.full_ring:
+        return RingExchanger(group, KV_TAG), RingExchanger(group, DKV_TAG, recycle_first=True)
+    return (DirectExchanger(group, plan.offsets, KV_TAG),
+            DirectExchanger(group, plan.offsets, DKV_TAG, to_source=True))

@@ -114,6 +114,7 @@ from ._compat import select_backend_name
 from .layouts import Layout, check_layout, local_seq_divisor, shard_local, token_indices
 from .ops import ring_attention, ring_attention_backward
 from .ulysses import _check_heads, _head_views, ulysses_attention, ulysses_attention_backward
+from .validation import check_window_size, normalize_window
 
 __all__ = [
     "ATEN_SDPA_OPS",
@@ -346,6 +347,7 @@ def scaled_dot_product_ring_attention(
     layout: Layout = "ring",
     backend: str | None = None,
     mode: Mode = "ring",
+    window_size: tuple[int, int] = (-1, -1),
 ) -> DTensor:
     """Ring attention with ``F.scaled_dot_product_attention``'s signature, on DTensors.
 
@@ -368,6 +370,9 @@ def scaled_dot_product_ring_attention(
         mode: "ring" (ring attention) or "ulysses" (Ulysses all-to-all attention,
             ``dtensor_ring::ulysses_attention``; needs ``H`` divisible by the context-parallel
             size, takes every layout causal or not). Note [Ulysses in the DTensor path].
+        window_size: flash-attn sliding window ``(left, right)`` over global positions (query
+            p sees keys ``[p - left, p + right]``, -1 unbounded, ``is_causal`` sets
+            ``right = 0``); docs/window.md.
 
     Returns:
         ``[B, H, S, D]`` DTensor with ``query``'s placements.
@@ -380,13 +385,20 @@ def scaled_dot_product_ring_attention(
                                           enable_gqa, layout, mode)
     q, k, v = _to_op_layout(query, key, value)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    backend = _resolve_backend(q, k, backend, mode, query.device_mesh.size(cp_dim))
-    out, _ = _MODE_OPS[mode][0](q, k, v, group_name, layout, bool(is_causal), scale, backend)
+    window_size = check_window_size(window_size)
+    backend = _resolve_backend(q, k, backend, mode, query.device_mesh.size(cp_dim),
+                               _windowed(window_size, is_causal, query.shape[2]))
+    out, _ = _MODE_OPS[mode][0](q, k, v, group_name, layout, bool(is_causal), scale, backend,
+                                *window_size)
     return _swap_seq_heads(out)
 
 
+def _windowed(window_size: tuple[int, int], is_causal: bool, seq_len: int) -> bool:
+    return normalize_window(window_size, bool(is_causal), int(seq_len))[1] is not None
+
+
 def _resolve_backend(q: Tensor, k: Tensor, backend: str | None, mode: str = "ring",
-                     world_size: int = 1) -> str:
+                     world_size: int = 1, window: bool = False) -> str:
     """Pick the block kernel now, so that an unsupported call fails before communication.
 
     Ulysses runs the kernel on ``H / W`` query heads (and the matching K/V heads).
@@ -394,7 +406,7 @@ def _resolve_backend(q: Tensor, k: Tensor, backend: str | None, mode: str = "rin
     deterministic = torch.are_deterministic_algorithms_enabled()
     if mode == "ulysses":
         q, k = _head_views(q, k, world_size)
-    return select_backend_name(q, k, backend, deterministic=deterministic)
+    return select_backend_name(q, k, backend, deterministic=deterministic, window=window)
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,19 +456,21 @@ def _check_op_group(q, k, v, group_name: str, layout: str) -> int:
 
 @register_sharding([torch.ops.dtensor_ring.ring_attention.default,
                     torch.ops.dtensor_ring.ulysses_attention.default])
-def _ring_attention_sharding(q, k, v, group_name, layout, causal, scale, backend=None):
+def _ring_attention_sharding(q, k, v, group_name, layout, causal, scale, backend=None,
+                             window_left=-1, window_right=-1):
     _check_op_group(q, k, v, group_name, layout)
-    return _single_dim_strategies(q.placements, "tl", "ttt-----")
+    return _single_dim_strategies(q.placements, "tl", "ttt-------")
 
 
 @register_sharding([torch.ops.dtensor_ring.ring_attention_backward.default,
                     torch.ops.dtensor_ring.ulysses_attention_backward.default])
 def _ring_attention_backward_sharding(
-    dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None
+    dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None, window_left=-1,
+    window_right=-1,
 ):
     _check_op_group(q, k, v, group_name, layout)
     # dout may arrive placed otherwise (e.g. Partial): DTensor redistributes it to match.
-    return _single_dim_strategies(q.placements, "ttt", "tttttl-----")
+    return _single_dim_strategies(q.placements, "ttt", "tttttl-------")
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,6 +516,7 @@ class _Config:
     layout: str
     backend: str | None
     mode: str = "ring"
+    window_size: tuple[int, int] = (-1, -1)
 
 
 def _first(bound: dict, *names: str):
@@ -539,7 +554,8 @@ def _bind_sdpa_call(config: _Config, op: torch._ops.OpOverload, args: tuple,
     q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
     scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
     backend = _resolve_backend(q, k, config.backend, config.mode,
-                               query.device_mesh.size(cp_dim))
+                               query.device_mesh.size(cp_dim),
+                               _windowed(config.window_size, is_causal, query.shape[2]))
     return a, _SDPACall((q, k, v), is_causal, scale, group_name, backend)
 
 
@@ -552,7 +568,7 @@ def aten_sdpa_forward_handler(
     query, mesh, (q, k, v) = a["query"], a["query"].device_mesh, call.qkv
     forward_op = _MODE_OPS[config.mode][0]
     out, lse = forward_op(q, k, v, call.group_name, config.layout, call.is_causal, call.scale,
-                          call.backend)
+                          call.backend, *config.window_size)
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(_swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -588,6 +604,7 @@ def aten_sdpa_backward_handler(
     dq, dk, dv = _MODE_OPS[config.mode][1](
         dout_l.contiguous(), q, k, v, out_l, lse_l.contiguous(),
         call.group_name, config.layout, call.is_causal, call.scale, call.backend,
+        *config.window_size,
     )
     grads = [DTensor.from_local(_swap_seq_heads(g), mesh, placements, run_check=False)
              for g in (dq, dk, dv)]
@@ -659,7 +676,8 @@ def _check_dtensor_sdpa_call(config, query, key, value, attn_mask=None, dropout_
 
 @contextlib.contextmanager
 def ring_sdpa(
-    layout: Layout = "zigzag", backend: str | None = None, mode: Mode = "ring"
+    layout: Layout = "zigzag", backend: str | None = None, mode: Mode = "ring",
+    window_size: tuple[int, int] = (-1, -1),
 ) -> Iterator[None]:
     """Scope in which SDPA on sequence-sharded DTensors runs ring attention.
 
@@ -683,8 +701,12 @@ def ring_sdpa(
         mode: "ring" (ring attention) or "ulysses" (all-to-all attention; needs ``H``
             divisible by the context-parallel size, else ``ValueError`` on every rank before
             any communication). Note [Ulysses in the DTensor path].
+        window_size: flash-attn sliding window ``(left, right)`` over global positions for
+            every SDPA call in the scope (-1: unbounded; ``is_causal`` sets ``right = 0``);
+            docs/window.md. SDPA has no window argument, hence this option.
 
     Raises:
+        ValueError: on a malformed ``window_size``.
         RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
             when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
     """
@@ -696,7 +718,7 @@ def ring_sdpa(
             "the training step): its SDPA handlers act while AOTAutograd traces, after Dynamo; "
             "inside compiled code call dtensor_ring.scaled_dot_product_ring_attention instead"
         )
-    config = _Config(layout, backend, mode)
+    config = _Config(layout, backend, mode, check_window_size(window_size))
     with _dtensor_compat.custom_op_handlers(_aten_handlers(config)), _RingSDPAMode(config):
         yield
 

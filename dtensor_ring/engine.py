@@ -83,8 +83,8 @@ class Blocks(Protocol):
         """An uninitialised lse accumulator for the local queries ``q``."""
         ...
 
-    def is_empty(self, block: Block | None) -> bool:
-        """Whether ``block`` computes nothing (no block, or an empty query/key part)."""
+    def is_empty(self, block: Block) -> bool:
+        """Whether ``block`` computes nothing (an empty query/key part)."""
         ...
 
     def take(self, x: Tensor, part: Part) -> Tensor:
@@ -97,6 +97,12 @@ class Blocks(Protocol):
 
     def add_(self, acc: Tensor, part: Part, x: Tensor) -> None:
         """``acc[part] += x`` in place."""
+        ...
+
+    def init_(
+        self, out_acc: Tensor, lse_acc: Tensor, part: Part, out_b: Tensor, lse_b: Tensor
+    ) -> None:
+        """Set the accumulator rows of ``part`` to a block result (its first)."""
         ...
 
     def merge_(
@@ -171,9 +177,9 @@ class DenseBlocks:
         B, S, H, _ = q_BSHD.shape
         return torch.empty(B, H, S, dtype=dtype, device=q_BSHD.device)
 
-    def is_empty(self, block: Block | None) -> bool:
+    def is_empty(self, block: Block) -> bool:
         n = self.seq_local
-        return block is None or min(block.q.size(n), block.kv.size(n)) == 0
+        return min(block.q.size(n), block.kv.size(n)) == 0
 
     def take(self, x_BSHD: Tensor, part: Part) -> Tensor:
         return _part(x_BSHD, part, 1)
@@ -184,14 +190,20 @@ class DenseBlocks:
     def add_(self, acc_BSHD: Tensor, part: Part, x_BSHD: Tensor) -> None:
         _part(acc_BSHD, part, 1).add_(x_BSHD)
 
+    def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        _part(out_acc, part, 1).copy_(out_b)
+        _part(lse_acc, part, 2).copy_(lse_b)
+
     def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         merge_(_part(out_acc, part, 1), _part(lse_acc, part, 2), out_b, lse_b)
 
     def forward(self, kernel, q, k, v, block, scale):
-        return kernel.forward(q, k, v, causal=block.causal, scale=scale)
+        return kernel.forward(q, k, v, causal=block.causal, scale=scale, window=block.window)
 
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
-        return kernel.backward(dout, q, k, v, out, lse, causal=block.causal, scale=scale)
+        return kernel.backward(
+            dout, q, k, v, out, lse, causal=block.causal, scale=scale, window=block.window
+        )
 
 
 def ring_forward(
@@ -209,9 +221,10 @@ def ring_forward(
     Args:
         q_BSHD: local queries ``[B, S, H, D]``; k_BSHD, v_BSHD: local ``[B, S, H_kv, D]``.
             (With varlen ``blocks``: packed ``[T, H, D]`` and ``[T, H_kv, D]``.)
-        steps: this rank's row of the plan (``plan.steps[rank]``); ``steps[0]`` is the
-            diagonal ``all/all`` block.
-        exchanger: ring communicator; may be None when ``len(steps) == 1``.
+        steps: this rank's row of the plan (``plan.steps[rank]``); the ``init`` blocks of
+            ``steps[0]`` cover every local query.
+        exchanger: K/V communicator for the plan (:func:`~dtensor_ring.comm.forward_exchanger`);
+            may be None when ``len(steps) == 1``.
         blocks: how parts are taken and blocks computed (:class:`Blocks`); default
             :class:`DenseBlocks`.
 
@@ -227,8 +240,9 @@ def ring_forward(
     kv = [k_BSHD, v_BSHD]
     for s, step in enumerate(steps):
         pending = exchanger.start(kv) if s + 1 < len(steps) else None
-        if not blocks.is_empty(step.block):
-            blk = step.block
+        for blk in step.blocks:
+            if blocks.is_empty(blk):
+                continue
             out_b, lse_b = blocks.forward(
                 kernel,
                 blocks.take(q_BSHD, blk.q),
@@ -237,9 +251,8 @@ def ring_forward(
                 blk,
                 scale,
             )
-            if s == 0:
-                out_acc.copy_(out_b)
-                lse_acc.copy_(lse_b)
+            if blk.init:
+                blocks.init_(out_acc, lse_acc, blk.q, out_b, lse_b)
             else:
                 side.run(
                     functools.partial(blocks.merge_, out_acc, lse_acc, blk.q, out_b, lse_b),
@@ -249,6 +262,10 @@ def ring_forward(
             kv = pending.wait()
     side.join()
     return out_acc.to(q_BSHD.dtype), lse_acc
+
+
+def _zeros_like(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    return [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in tensors]
 
 
 def ring_backward(
@@ -268,22 +285,27 @@ def ring_backward(
     """Backward of one rank (Note [Ring backward]); returns ``(dq, dk, dv)`` in input dtypes.
 
     ``out_BSHD``/``lse_BHS`` are the forward's global results for the local queries. The two
-    exchangers must use different tags (K/V and dK/dV transfers are in flight together).
-    ``blocks`` as in :func:`ring_forward`.
+    exchangers (:func:`~dtensor_ring.comm.backward_exchangers`) must use different tags (K/V
+    and dK/dV transfers are in flight together); with ``dkv_exchanger.direct`` each step's
+    dK/dV go back to their owner instead of travelling on (Note [Direct exchange] in
+    ``comm.py``). ``blocks`` as in :func:`ring_forward`.
     """
     blocks = DenseBlocks(q_BSHD.shape[1]) if blocks is None else blocks
     acc = accumulation_dtype(q_BSHD.dtype)
+    direct = getattr(dkv_exchanger, "direct", False)
     dq_acc = torch.zeros(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     side = _SideStream(q_BSHD.device)
     kv = [k_BSHD, v_BSHD]
+    dkv_own = _zeros_like(kv, acc)  # step 0's accumulator: our own K/V
     pending_dkv = None
     for s, step in enumerate(steps):
         last = s + 1 == len(steps)
         pending_kv = None if last else kv_exchanger.start(kv)
-        grads = None
-        if not blocks.is_empty(step.block):
-            blk = step.block
-            grads = blocks.backward(
+        grads = []
+        for blk in step.blocks:
+            if blocks.is_empty(blk):
+                continue
+            dq_b, dk_b, dv_b = blocks.backward(
                 kernel,
                 blocks.take(dout_BSHD, blk.q),
                 blocks.take(q_BSHD, blk.q),
@@ -294,19 +316,33 @@ def ring_backward(
                 blk,
                 scale,
             )
-            side.run(functools.partial(blocks.add_, dq_acc, blk.q, grads[0]), grads[0])
-        if pending_dkv is None:  # step 0: a fresh accumulator for our own K/V
-            dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
+            side.run(functools.partial(blocks.add_, dq_acc, blk.q, dq_b), dq_b)
+            grads.append((blk.kv, dk_b, dv_b))
+        if s == 0:
+            dkv = dkv_own
+        elif direct:  # a fresh share for the visiting K/V; ours may have arrived meanwhile
+            dkv = _zeros_like(kv, acc)
         else:  # the accumulator of the visiting K/V, with the shares of the ranks before us
             dkv = pending_dkv.wait()
-        if grads is not None:
-            blocks.add_(dkv[0], blk.kv, grads[1])
-            blocks.add_(dkv[1], blk.kv, grads[2])
-        if len(steps) > 1:
+        for part, dk_b, dv_b in grads:
+            blocks.add_(dkv[0], part, dk_b)
+            blocks.add_(dkv[1], part, dv_b)
+        if direct and s > 0:
+            if pending_dkv is not None:
+                _add_all_(dkv_own, pending_dkv.wait())
+            pending_dkv = dkv_exchanger.start(dkv)
+        elif not direct and len(steps) > 1:
             pending_dkv = dkv_exchanger.start(dkv)
         if pending_kv is not None:
             kv = pending_kv.wait()
-    if pending_dkv is not None:
-        dkv = pending_dkv.wait()
+    if pending_dkv is not None:  # ring: our complete accumulator; direct: the last share
+        received = pending_dkv.wait()
+        dkv_own = _add_all_(dkv_own, received) if direct else received
     side.join()
-    return dq_acc.to(q_BSHD.dtype), dkv[0].to(k_BSHD.dtype), dkv[1].to(v_BSHD.dtype)
+    return dq_acc.to(q_BSHD.dtype), dkv_own[0].to(k_BSHD.dtype), dkv_own[1].to(v_BSHD.dtype)
+
+
+def _add_all_(acc: list[Tensor], shares: Sequence[Tensor]) -> list[Tensor]:
+    for a, x in zip(acc, shares, strict=True):
+        a.add_(x)
+    return acc

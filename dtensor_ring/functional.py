@@ -9,9 +9,11 @@ Layout of every tensor (flash-attn convention), per rank:
 
 Which tokens a rank holds depends on the function's layout (Note [Sequence layouts] in
 ``layouts.py``): ``ring_*`` contiguous, ``zigzag_ring_*`` zigzag, ``stripe_*`` stripe; shard with
-:func:`dtensor_ring.shard_local`. Non-default ``dropout_p``, ``window_size`` and ``alibi_slopes``
-raise ``ValueError``; ``deterministic=True`` restricts the choice of block kernel to those with a
-deterministic backward. ``backend`` (keyword only) names a block kernel; None picks the fastest.
+:func:`dtensor_ring.shard_local`. ``window_size=(left, right)`` is flash-attn's sliding window over
+*global* positions (Note [Windowed schedules]; docs/window.md). Non-default ``dropout_p`` and
+``alibi_slopes`` raise ``ValueError``; ``deterministic=True`` restricts the choice of block kernel
+to those with a deterministic backward. ``backend`` (keyword only) names a block kernel; None
+picks the fastest.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from ._compat import group_name, select_backend_name
 from .ops import ring_attention
-from .validation import check_qkv, check_unsupported
+from .validation import check_qkv, check_unsupported, normalize_window
 
 
 def _attention(
@@ -41,12 +43,16 @@ def _attention(
     group: dist.ProcessGroup | None,
     backend: str | None,
 ):
-    check_unsupported(dropout_p=dropout_p, window_size=window_size, alibi_slopes=alibi_slopes)
+    check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     check_qkv(q, k, v, layout=layout, causal=causal)
+    name = group_name(group)
+    seq_len = q.shape[1] * dist.get_world_size(group)
+    _, window = normalize_window(window_size, causal, seq_len)
     # Resolve the kernel here too, so that an unsupported call fails before any communication.
-    backend = select_backend_name(q, k, backend, deterministic=deterministic)
+    backend = select_backend_name(q, k, backend, deterministic=deterministic,
+                                  window=window is not None)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = ring_attention(q, k, v, group_name(group), layout, causal, scale, backend)
+    out, lse = ring_attention(q, k, v, name, layout, causal, scale, backend, *window_size)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -56,7 +62,9 @@ Args:
     {tensors}
     dropout_p: must be 0.0.  softmax_scale: defaults to ``D ** -0.5``.
     causal: causal mask over the *global* sequence{causal_note}.
-    window_size: must be (-1, -1).  alibi_slopes: must be None.
+    window_size: ``(left, right)``: query at global position p sees keys in
+        ``[p - left, p + right]`` (-1: unbounded; ``causal`` sets ``right = 0``), as flash-attn.
+    alibi_slopes: must be None.
     deterministic: require a block kernel with a deterministic backward.
     return_attn_probs: also return ``lse [B, H, S_local]`` (as ``(out, lse, None)``).
     group: the context-parallel process group (default: the default group).

@@ -18,7 +18,8 @@ Which tokens a rank holds (Note [Varlen layouts] in ``varlen.py``; shard with
 * ``llama3_flash_attn_varlen_*``: the packed stream cut into W contiguous slices; the metadata
   comes from :func:`dtensor_ring.llama3_flash_attn_prepare_cu_seqlens`.
 
-Non-default ``dropout_p``, ``window_size`` and ``alibi_slopes`` raise ``ValueError``;
+Non-default ``dropout_p``, ``window_size`` (sliding windows are dense-only; docs/window.md) and
+``alibi_slopes`` raise ``ValueError``;
 ``deterministic=True`` restricts the block kernel to those with a deterministic backward;
 ``backend`` (keyword only) names a block kernel that supports varlen (on CPU: "math").
 """
@@ -35,7 +36,12 @@ from ._compat import group_name
 from .kernels import KernelCall, select_kernel
 from .llama3 import check_heads_k_stride, check_llama3_call
 from .ops_varlen import llama3_attention, ring_attention_varlen
-from .validation import check_layout_causal, check_qkv_tensors, check_unsupported
+from .validation import (
+    check_layout_causal,
+    check_no_window,
+    check_qkv_tensors,
+    check_unsupported,
+)
 from .varlen import check_varlen_qkv
 
 
@@ -88,7 +94,8 @@ def _ring_varlen(
     group: dist.ProcessGroup | None,
     backend: str | None,
 ):
-    check_unsupported(dropout_p=dropout_p, window_size=window_size, alibi_slopes=alibi_slopes)
+    check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    check_no_window(window_size, f"{layout} varlen attention")
     name = group_name(group)
     max_seqlen = _max_seqlen(max_seqlen, "max_seqlen")
     if torch.compiler.is_compiling():  # the op checks the cu_seqlens values when it runs
@@ -201,7 +208,8 @@ def _llama3(
     local_k_slice, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
     return_attn_probs, group, backend,
 ):
-    check_unsupported(dropout_p=dropout_p, window_size=window_size, alibi_slopes=alibi_slopes)
+    check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    check_no_window(window_size, "llama3 varlen attention")
     name = group_name(group)
     if not isinstance(local_k_slice, slice) or local_k_slice.step not in (None, 1) or not (
         isinstance(local_k_slice.start, int) and isinstance(local_k_slice.stop, int)

@@ -18,20 +18,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._compat import resolve_group
-from .comm import KV_TAG, RingExchanger, backward_exchangers
+from .comm import backward_exchangers, forward_exchanger
 from .engine import ring_backward, ring_forward
 from .kernels import KernelCall, accumulation_dtype, select_kernel
 from .plan import Plan, make_plan
-from .validation import check_qkv
+from .validation import check_qkv, normalize_window
 
 make_plan_cached = functools.lru_cache(maxsize=None)(make_plan)
 
 
-def _setup(q, k, v, group_name, layout, causal) -> tuple[Plan, int, dist.ProcessGroup]:
+def _setup(
+    q, k, v, group_name, layout, causal, window_left, window_right
+) -> tuple[Plan, int, dist.ProcessGroup, bool]:
     check_qkv(q, k, v, layout=layout, causal=causal)
     group = resolve_group(group_name)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    return make_plan_cached(layout, world_size, causal), rank, group
+    seq_local = q.shape[1]
+    causal, window = normalize_window((window_left, window_right), causal, seq_local * world_size)
+    plan = make_plan_cached(layout, world_size, causal, window, seq_local if window else None)
+    return plan, rank, group, window is not None
 
 
 @torch.library.custom_op("dtensor_ring::ring_attention", mutates_args=())
@@ -44,16 +49,23 @@ def ring_attention(
     causal: bool,
     scale: float,
     backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
-    """Ring attention of local ``q [B, S, H, D]`` and ``k, v [B, S, H_kv, D]`` -> (out, lse)."""
-    plan, rank, group = _setup(q, k, v, group_name, layout, causal)
-    kernel = select_kernel(KernelCall.of(q, k), backend)
-    exchanger = RingExchanger(group, KV_TAG) if plan.world_size > 1 else None
+    """Ring attention of local ``q [B, S, H, D]`` and ``k, v [B, S, H_kv, D]`` -> (out, lse).
+
+    ``window_left/right``: flash-attn sliding window over global positions (-1: unbounded).
+    """
+    plan, rank, group, windowed = _setup(
+        q, k, v, group_name, layout, causal, window_left, window_right
+    )
+    kernel = select_kernel(KernelCall.of(q, k, window=windowed), backend)
+    exchanger = forward_exchanger(group, plan) if plan.world_size > 1 else None
     return ring_forward(q, k, v, plan.steps[rank], exchanger, kernel, scale)
 
 
 @ring_attention.register_fake
-def _(q, k, v, group_name, layout, causal, scale, backend=None):
+def _(q, k, v, group_name, layout, causal, scale, backend=None, window_left=-1, window_right=-1):
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         (B, H, S), dtype=accumulation_dtype(q.dtype)
@@ -73,13 +85,17 @@ def ring_attention_backward(
     causal: bool,
     scale: float,
     backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`ring_attention` given ``dout`` and its outputs."""
-    plan, rank, group = _setup(q, k, v, group_name, layout, causal)
-    kernel = select_kernel(KernelCall.of(q, k), backend)
+    plan, rank, group, windowed = _setup(
+        q, k, v, group_name, layout, causal, window_left, window_right
+    )
+    kernel = select_kernel(KernelCall.of(q, k, window=windowed), backend)
     kv_exchanger = dkv_exchanger = None
     if plan.world_size > 1:
-        kv_exchanger, dkv_exchanger = backward_exchangers(group)
+        kv_exchanger, dkv_exchanger = backward_exchangers(group, plan)
     return ring_backward(
         dout, q, k, v, out, lse, plan.steps[rank], kv_exchanger, dkv_exchanger, kernel, scale
     )

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._compat import resolve_group
-from .comm import KV_TAG, RingExchanger, backward_exchangers
+from .comm import backward_exchangers, forward_exchanger
 from .engine import ring_backward, ring_forward
 from .kernels import BlockKernel, KernelCall, accumulation_dtype, select_kernel
 from .llama3 import Llama3Meta, check_llama3_call, llama3_backward, llama3_forward
@@ -35,8 +35,8 @@ def _setup_ring(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, bac
     )
     kernel = select_kernel(KernelCall.of(q, k, varlen=True), backend)
     blocks: VarlenBlocks = varlen_blocks(bounds, layout, world_size, causal, q.device)
-    steps = make_plan_cached(layout, world_size, causal).steps[rank]
-    return steps, blocks, kernel, group, world_size
+    plan = make_plan_cached(layout, world_size, causal)
+    return plan, plan.steps[rank], blocks, kernel, group
 
 
 @torch.library.custom_op("dtensor_ring::ring_attention_varlen", mutates_args=())
@@ -56,10 +56,10 @@ def ring_attention_varlen(
 
     ``cu_seqlens``: int32 local document boundaries (Note [Varlen layouts]). -> (out, lse).
     """
-    steps, blocks, kernel, group, world_size = _setup_ring(
+    plan, steps, blocks, kernel, group = _setup_ring(
         q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend
     )
-    exchanger = RingExchanger(group, KV_TAG) if world_size > 1 else None
+    exchanger = forward_exchanger(group, plan) if plan.world_size > 1 else None
     return ring_forward(
         q, k.contiguous(), v.contiguous(), steps, exchanger, kernel, scale, blocks
     )
@@ -95,12 +95,12 @@ def ring_attention_varlen_backward(
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`ring_attention_varlen`."""
-    steps, blocks, kernel, group, world_size = _setup_ring(
+    plan, steps, blocks, kernel, group = _setup_ring(
         q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend
     )
     kv_exchanger = dkv_exchanger = None
-    if world_size > 1:
-        kv_exchanger, dkv_exchanger = backward_exchangers(group)
+    if plan.world_size > 1:
+        kv_exchanger, dkv_exchanger = backward_exchangers(group, plan)
     return ring_backward(
         dout, q, k.contiguous(), v.contiguous(), out, lse, steps, kv_exchanger, dkv_exchanger,
         kernel, scale, blocks,

@@ -34,6 +34,39 @@ j <= i (causal diagonal); keys of src > r iff j < i, i.e. queries [1, n) against
 with a causal diagonal (``tail/head c``).
 
 Non-causal attention (ring only) is ``all/all`` at every step.
+
+Note [Windowed schedules]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A sliding window ``(left, right)`` (flash-attn semantics over *global* positions: query p sees
+keys ``[p - left, p + right]``, -1 = unbounded, ``causal`` forces ``right = 0``) keeps a band of
+every (rank, src) block. A rank's tokens are one or two runs of global positions (ring: one
+contiguous run; zigzag: two; stripe: one with stride W), and between a query run and a key run
+the band is again a band of local indices: ``A <= j - i <= B``. Each pair of runs gives one
+block, trimmed to the rows and columns that see anything, so no row of a block is fully masked
+and every band maps onto flash's bottom-right ``window_size`` arguments:
+
+    keys j ->            trimmed block (rows i0..i1, cols j0..j1)
+    q  . x x . . .          x x .  .        left  = (S_k - S_q) - A'
+    i  . . x x . .   -->    . x x  .        right = B' - (S_k - S_q)      (both >= 0)
+       . . . x x .          . . x  x
+                            (A', B': the band in trimmed coordinates)
+
+A (rank, src) pair whose band keeps every pair the unwindowed block computes uses that block
+unchanged; a pair whose band keeps nothing computes nothing. Steps where no rank computes are
+dropped from the plan (``Plan.offsets``): the K/V of such a step never travel, so compute and
+communication grow with the window, not the sequence. E.g. ring, causal, W = 4, 8 tokens a
+rank, ``window_size = (5, 0)``:
+
+    rank | step 0           step 1
+       0 | all/all c        -
+       1 | all/all c        0:5/3:8 w(5,0)
+       2 | all/all c        0:5/3:8 w(5,0)
+       3 | all/all c        0:5/3:8 w(5,0)
+
+Zigzag under a small window needs offsets {0, 1, W-1} (a rank's late chunk borders the late
+chunk of rank r+1): a plan whose offsets are not all of 0..W-1 exchanges K/V *directly* with
+the rank ``offset`` hops away instead of passing them along the ring (Note [Direct exchange]
+in ``comm.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +75,8 @@ import enum
 from dataclasses import dataclass
 
 from .validation import check_layout_causal
+
+_UNBOUNDED = 1 << 62  # a band edge that never bites (exact integer arithmetic throughout)
 
 
 class Part(enum.Enum):
@@ -70,54 +105,118 @@ class Part(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Block:
-    """Local queries ``q`` attend to visiting keys/values ``kv``; ``causal``: square causal mask."""
+class Span:
+    """Local tokens ``[start, stop)``: a part of a windowed plan (built for one local length)."""
 
-    q: Part
-    kv: Part
+    start: int
+    stop: int
+
+    @property
+    def value(self) -> str:
+        return f"{self.start}:{self.stop}"
+
+    def bounds(self, n: int) -> tuple[int, int]:
+        """``(start, stop)``; ``n`` is ignored (a Span is absolute)."""
+        return self.start, self.stop
+
+    def size(self, n: int) -> int:
+        """Number of tokens of the span."""
+        return self.stop - self.start
+
+
+def band_pairs(s_q: int, s_k: int, lo: int, hi: int) -> int:
+    """Number of (i, j) in ``[0, s_q) x [0, s_k)`` with ``lo <= j - i <= hi``."""
+
+    def at_most(c: int) -> int:  # pairs with j - i <= c: row i has clamp(i + c + 1, 0, s_k)
+        i0 = min(max(0, -c), s_q)  # first row with a visible key
+        i1 = min(max(s_k - c - 1, i0), s_q)  # first row that sees all s_k keys
+        return (i1 - i0) * (i0 + i1 - 1 + 2 * (c + 1)) // 2 + (s_q - i1) * s_k
+
+    return max(0, at_most(hi) - at_most(lo - 1))
+
+
+@dataclass(frozen=True)
+class Block:
+    """Local queries ``q`` attend to visiting keys/values ``kv``.
+
+    ``causal``: square top-left causal mask. ``window``: flash-attn ``(left, right)`` window,
+    bottom-right aligned (key j visible to query i iff ``-left <= j - i - (S_k - S_q) <= right``,
+    -1 unbounded); never together with ``causal``. ``init``: the block's result initialises the
+    accumulator rows of ``q`` instead of merging into them (the diagonal blocks of step 0).
+    """
+
+    q: Part | Span
+    kv: Part | Span
     causal: bool
+    window: tuple[int, int] | None = None
+    init: bool = False
 
     def __str__(self) -> str:
-        return f"{self.q.value}/{self.kv.value}{' c' if self.causal else ''}"
+        mask = " c" if self.causal else f" w({self.window[0]},{self.window[1]})" if self.window \
+            else ""
+        return f"{self.q.value}/{self.kv.value}{mask}"
+
+    def band(self, n: int) -> tuple[int, int]:
+        """The mask as ``lo <= j - i <= hi`` in block coordinates (local length ``n``)."""
+        s_q, s_k = self.q.size(n), self.kv.size(n)
+        if self.causal:
+            return -_UNBOUNDED, 0
+        if self.window is None:
+            return -_UNBOUNDED, _UNBOUNDED
+        left, right = self.window
+        return (
+            -_UNBOUNDED if left < 0 else s_k - s_q - left,
+            _UNBOUNDED if right < 0 else s_k - s_q + right,
+        )
 
     def score_pairs(self, n: int) -> int:
         """Number of (query, key) pairs computed, for local sequences of ``n`` tokens."""
-        s_q, s_k = self.q.size(n), self.kv.size(n)
-        return s_q * (s_q + 1) // 2 if self.causal else s_q * s_k
+        return band_pairs(self.q.size(n), self.kv.size(n), *self.band(n))
 
 
 @dataclass(frozen=True)
 class Step:
-    """One ring step of one rank: keys/values of rank ``src`` visit; ``block`` may be None."""
+    """One ring step of one rank: keys/values of rank ``src`` visit; ``blocks`` may be empty."""
 
     src: int
-    block: Block | None
+    blocks: tuple[Block, ...]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The schedule of a layout on ``world_size`` ranks: ``steps[rank][step]``."""
+    """The schedule of a layout on ``world_size`` ranks: ``steps[rank][i]``.
+
+    At step i every rank r holds the K/V of rank ``(r - offsets[i]) % world_size``;
+    ``offsets`` is ``0..W-1`` unless a window lets steps be dropped (Note [Windowed schedules]).
+    ``window`` and ``seq_local`` are set for windowed plans (their blocks depend on them).
+    """
 
     layout: str
     world_size: int
     causal: bool
     steps: tuple[tuple[Step, ...], ...]
+    offsets: tuple[int, ...]
+    window: tuple[int, int] | None = None
+    seq_local: int | None = None
+
+    @property
+    def full_ring(self) -> bool:
+        """Whether every step runs, so K/V can travel one hop at a time around the ring."""
+        return self.offsets == tuple(range(self.world_size))
 
     def table(self) -> str:
         """The schedule as an ASCII table (one row per rank), as in Note [Ring schedules]."""
-        head = "rank | " + "  ".join(f"step {s:<7}" for s in range(self.world_size))
-        rows = [
-            f"{r:>4} | " + "  ".join(f"{str(st.block) if st.block else '-':<12}" for st in row)
-            for r, row in enumerate(self.steps)
-        ]
+        cells = [["+".join(map(str, st.blocks)) or "-" for st in row] for row in self.steps]
+        width = max(12, *(len(c) for row in cells for c in row))
+        head = "rank | " + "  ".join(f"{f'step {s}':<{width}}" for s in self.offsets)
+        rows = [f"{r:>4} | " + "  ".join(f"{c:<{width}}" for c in row)
+                for r, row in enumerate(cells)]
         return "\n".join(line.rstrip() for line in [head, *rows])
 
     def score_pairs(self, seq_local: int) -> list[list[int]]:
         """Per rank and step, the (query, key) pairs computed for ``seq_local`` tokens a rank."""
-        return [
-            [st.block.score_pairs(seq_local) if st.block else 0 for st in row]
-            for row in self.steps
-        ]
+        return [[sum(b.score_pairs(seq_local) for b in st.blocks) for st in row]
+                for row in self.steps]
 
     def flops(
         self, seq_local: int, batch: int = 1, heads: int = 1, head_dim: int = 128
@@ -133,13 +232,18 @@ class Plan:
         per_rank = self.flops(seq_local)
         return max(per_rank) / (sum(per_rank) / len(per_rank))
 
+    def kv_transfers(self) -> int:
+        """K/V chunks each rank receives in a forward (the backward moves as many K/V chunks
+        and as many dK/dV chunks): ``len(offsets) - 1``."""
+        return len(self.offsets) - 1
+
 
 def _block(layout: str, causal: bool, rank: int, src: int) -> Block | None:
     A, LO, HI, TAIL, HEAD = Part.ALL, Part.LO, Part.HI, Part.TAIL, Part.HEAD
+    if src == rank:
+        return Block(A, A, causal, init=True)
     if not causal:
         return Block(A, A, False)
-    if src == rank:
-        return Block(A, A, True)
     if layout == "ring":
         return Block(A, A, False) if src < rank else None
     if layout == "zigzag":
@@ -147,19 +251,110 @@ def _block(layout: str, causal: bool, rank: int, src: int) -> Block | None:
     return Block(A, A, True) if src < rank else Block(TAIL, HEAD, True)  # stripe
 
 
-def make_plan(layout: str, world_size: int, causal: bool) -> Plan:
+def _runs(layout: str, world_size: int, rank: int, n: int) -> tuple[tuple[int, int, int], ...]:
+    """A rank's local tokens as runs ``(local start, length, global start)``; stride
+    :func:`_stride` (Note [Sequence layouts])."""
+    if layout == "ring":
+        return ((0, n, rank * n),)
+    if layout == "zigzag":
+        c = n // 2
+        return ((0, c, rank * c), (c, c, (2 * world_size - 1 - rank) * c))
+    return ((0, n, rank),)  # stripe
+
+
+def _stride(layout: str, world_size: int) -> int:
+    return world_size if layout == "stripe" else 1
+
+
+def _window_bounds(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+    """The global mask ``lo <= key - query <= hi`` of ``causal`` and a window."""
+    left, right = window
+    lo = -_UNBOUNDED if left < 0 else -left
+    hi = 0 if causal else _UNBOUNDED if right < 0 else right
+    return lo, hi
+
+
+def _run_block(q_run, kv_run, stride: int, lo: int, hi: int, init: bool) -> Block | None:
+    """The trimmed block of query run vs key run under ``lo <= key - query <= hi`` (global)."""
+    (q_start, s_q, q_pos), (k_start, s_k, k_pos) = q_run, kv_run
+    d = k_pos - q_pos  # global key - query position at i = j = 0
+    band_lo, band_hi = -((d - lo) // stride), (hi - d) // stride  # ceil / floor
+    if band_lo > band_hi:  # no multiple of the stride in the window (stripe)
+        return None
+    i0, i1 = max(0, -band_hi), min(s_q, s_k - band_lo)  # rows that see a key
+    if i0 >= i1:
+        return None
+    j0, j1 = max(0, band_lo + i0), min(s_k, i1 + band_hi)  # keys seen by those rows
+    if j0 >= j1:
+        return None
+    s_q, s_k = i1 - i0, j1 - j0
+    band_lo, band_hi = band_lo - (j0 - i0), band_hi - (j0 - i0)
+    lower_open, upper_open = band_lo <= 1 - s_q, band_hi >= s_k - 1
+    q, kv = Span(q_start + i0, q_start + i1), Span(k_start + j0, k_start + j1)
+    if lower_open and upper_open:
+        return Block(q, kv, False, init=init)
+    if lower_open and band_hi == 0 and s_q == s_k:
+        return Block(q, kv, True, init=init)
+    window = (-1 if lower_open else s_k - s_q - band_lo,
+              -1 if upper_open else band_hi - (s_k - s_q))
+    return Block(q, kv, False, window, init=init)
+
+
+def _windowed_blocks(layout: str, world_size: int, causal: bool, window: tuple[int, int],
+                     n: int, rank: int, src: int) -> tuple[Block, ...]:
+    plain = _block(layout, causal, rank, src)
+    lo, hi = _window_bounds(causal, window)
+    stride = _stride(layout, world_size)
+    q_runs, kv_runs = _runs(layout, world_size, rank, n), _runs(layout, world_size, src, n)
+    # Diagonal runs first: at step 0 they cover every query row (a token sees itself), so they
+    # initialise the accumulators and the other blocks merge into them.
+    pairs = sorted(((a, b) for a in range(len(q_runs)) for b in range(len(kv_runs))),
+                   key=lambda ab: ab[0] != ab[1] or src != rank)
+    blocks = [_run_block(q_runs[a], kv_runs[b], stride, lo, hi, src == rank and a == b)
+              for a, b in pairs]
+    blocks = tuple(b for b in blocks if b is not None)
+    if plain is not None and sum(b.score_pairs(n) for b in blocks) == plain.score_pairs(n):
+        return (plain,)  # the window keeps the whole block
+    return blocks
+
+
+def make_plan(
+    layout: str,
+    world_size: int,
+    causal: bool,
+    window: tuple[int, int] | None = None,
+    seq_local: int | None = None,
+) -> Plan:
     """Build the schedule of ``layout`` on ``world_size`` ranks (see Note [Ring schedules]).
 
-    Raises ``ValueError`` for an unknown layout, a non-causal zigzag/stripe, or world_size < 1.
+    Args:
+        window: a normalised sliding window ``(left, right)`` (:func:`normalize_window`), or
+            None; windowed plans need ``seq_local`` (tokens per rank) and drop the steps no
+            rank needs (Note [Windowed schedules]).
+
+    Raises ``ValueError`` for an unknown layout, a non-causal zigzag/stripe, world_size < 1, or
+    a window without ``seq_local``.
     """
     check_layout_causal(layout, causal)
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    steps = tuple(
-        tuple(
-            Step(src, _block(layout, causal, r, src))
+    if window is not None and seq_local is None:
+        raise ValueError("a windowed plan depends on the local length: pass seq_local")
+    table = [
+        [
+            (_block(layout, causal, r, src),) if window is None
+            else _windowed_blocks(layout, world_size, causal, window, seq_local, r, src)
             for src in ((r - s) % world_size for s in range(world_size))
-        )
+        ]
         for r in range(world_size)
+    ]
+    offsets = tuple(
+        s for s in range(world_size) if s == 0 or any(any(row[s]) for row in table)
     )
-    return Plan(layout, world_size, causal, steps)
+    steps = tuple(
+        tuple(Step((r - s) % world_size, tuple(b for b in row[s] if b is not None))
+              for s in offsets)
+        for r, row in enumerate(table)
+    )
+    return Plan(layout, world_size, causal, steps, offsets, window,
+                None if window is None else seq_local)

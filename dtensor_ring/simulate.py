@@ -24,6 +24,7 @@ from .engine import ring_backward, ring_forward
 from .kernels import KernelCall, accumulation_dtype, select_kernel
 from .layouts import shard_local, unshard_local
 from .plan import make_plan
+from .validation import normalize_window
 from .varlen import shard_varlen, unshard_varlen, varlen_blocks, varlen_local_cu_seqlens
 
 
@@ -42,12 +43,14 @@ class SimulatedExchanger:
     """Hands out ``deliveries[i]`` at the i-th exchange; optionally records clones of sends.
 
     ``zero=True`` zeroes a delivery when it is waited for (for dK/dV accumulators, which the
-    engine adds to in place).
+    engine adds to in place); ``direct`` mirrors the real exchanger of the plan
+    (:func:`~dtensor_ring.comm.backward_exchangers`).
     """
 
     def __init__(self, deliveries: Sequence[list[Tensor]], record: bool = False,
-                 zero: bool = False):
+                 zero: bool = False, direct: bool = False):
         self.deliveries = deliveries
+        self.direct = direct  # as DirectExchanger: dK/dV shares go back to their owner
         self.sent: list[list[Tensor]] | None = [] if record else None
         self._zero = zero
         self._count = 0
@@ -98,6 +101,7 @@ class RankSimulator:
         backend: block kernel (None: automatic), scale: default ``D ** -0.5``.
         cu_seqlens: global document boundaries of packed inputs (ring / zigzag varlen,
             docs/varlen.md); None for dense inputs.
+        window_size: flash-attn sliding window ``(left, right)`` (dense inputs).
 
     ``forward()`` and ``backward(dout_local)`` run the engine exactly as a real rank would;
     the dK/dV that arrive from the "previous rank" are zeros, so ``backward`` returns this
@@ -106,13 +110,20 @@ class RankSimulator:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, *, layout: str, world_size: int,
                  rank: int, causal: bool = True, backend: str | None = None,
-                 scale: float | None = None, cu_seqlens: Sequence[int] | None = None):
-        self.plan = make_plan(layout, world_size, causal)
+                 scale: float | None = None, cu_seqlens: Sequence[int] | None = None,
+                 window_size: tuple[int, int] = (-1, -1)):
+        seq_local = q.shape[1] // world_size
+        causal, window = normalize_window(window_size, causal, q.shape[1])
+        if window is not None and cu_seqlens is not None:
+            raise ValueError("window_size is for dense inputs; pass window_size=(-1, -1)")
+        self.plan = make_plan(layout, world_size, causal, window, seq_local if window else None)
         self.rank, self.world_size = rank, world_size
         self.sequence = _Sequence(layout, world_size, cu_seqlens)
         self.blocks = self.sequence.blocks(causal, q.device)
         varlen = cu_seqlens is not None
-        self.kernel = select_kernel(KernelCall.of(q, k, varlen=varlen), backend)
+        self.kernel = select_kernel(
+            KernelCall.of(q, k, varlen=varlen, window=window is not None), backend
+        )
         self.scale = q.shape[-1] ** -0.5 if scale is None else scale
         local = [[self.sequence.shard(t, r) for t in (k, v)] for r in range(world_size)]
         self.q = self.sequence.shard(q, rank)
@@ -144,9 +155,12 @@ class RankSimulator:
         """Run the backward of this rank (after :meth:`forward`).
 
         Returns ``(dq, dk_own, dv_own, sent)`` where ``sent`` lists the recorded dK/dV sends
-        (``record=True``), i.e. this rank's contributions to the K/V visiting at each step.
+        (``record=True``), i.e. this rank's contributions to the K/V visiting at each step
+        (a sparse plan sends none at step 0: that share stays in ``dk_own, dv_own``).
         """
-        dkv_exchanger = SimulatedExchanger([self.dkv_buffers], record=record, zero=True)
+        dkv_exchanger = SimulatedExchanger(
+            [self.dkv_buffers], record=record, zero=True, direct=not self.plan.full_ring
+        )
         dq, dk, dv = ring_backward(
             dout, self.q, self.k, self.v, self.out, self.lse, self.steps,
             SimulatedExchanger(self.kv_deliveries), dkv_exchanger, self.kernel, self.scale,
@@ -158,7 +172,8 @@ class RankSimulator:
 def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *,
                   layout: str, world_size: int, causal: bool = True,
                   backend: str | None = None, scale: float | None = None,
-                  cu_seqlens: Sequence[int] | None = None):
+                  cu_seqlens: Sequence[int] | None = None,
+                  window_size: tuple[int, int] = (-1, -1)):
     """Every rank of the ring in turn on one device; full-sequence results in token order.
 
     Args:
@@ -170,7 +185,8 @@ def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *
         ``[B, H, S]`` (varlen: ``[H, T]``).
     """
     sims = [RankSimulator(q, k, v, layout=layout, world_size=world_size, rank=r, causal=causal,
-                          backend=backend, scale=scale, cu_seqlens=cu_seqlens)
+                          backend=backend, scale=scale, cu_seqlens=cu_seqlens,
+                          window_size=window_size)
             for r in range(world_size)]
     seq = sims[0].sequence
     results = [sim.forward() for sim in sims]
@@ -185,11 +201,10 @@ def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *
     for r, sim in enumerate(sims):
         dq, dk, dv, sent = sim.backward(seq.shard(dout, r), record=True)
         dq_parts.append(dq)
-        if world_size == 1:
-            dk_parts[0] += dk
-            dv_parts[0] += dv
-            continue
-        for step, (dk_s, dv_s) in zip(sim.steps, sent, strict=True):
+        dk_parts[r] += dk  # zeros when the own accumulator travelled the whole ring
+        dv_parts[r] += dv
+        sent_steps = sim.steps[len(sim.steps) - len(sent):]  # all, or all but step 0 (direct)
+        for step, (dk_s, dv_s) in zip(sent_steps, sent, strict=True):
             dk_parts[step.src] += dk_s
             dv_parts[step.src] += dv_s
     dq = seq.unshard(dq_parts, seq.seq_dim)

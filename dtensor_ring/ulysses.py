@@ -85,7 +85,12 @@ from .functional import _check_packed
 from .kernels import KernelCall, accumulation_dtype, select_kernel
 from .layouts import Layout, check_layout, local_seq_divisor, token_indices
 from .ops import fake_grads, register_attention_autograd, ring_attention
-from .validation import check_layout_causal, check_qkv_tensors, check_unsupported
+from .validation import (
+    check_layout_causal,
+    check_qkv_tensors,
+    check_unsupported,
+    normalize_window,
+)
 
 __all__ = [
     "CommVolume",
@@ -181,19 +186,30 @@ ulysses_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup_con
 # --- local (single-rank) attention op ------------------------------------------------------
 
 
+def _local_kernel(q: Tensor, k: Tensor, causal: bool, backend: str | None, window_left: int,
+                  window_right: int):
+    """``(kernel, causal, window)`` of a full-sequence call (the block is the whole square, so
+    the kernel's bottom-right window is the window over global positions)."""
+    causal, window = normalize_window((window_left, window_right), causal, q.shape[1])
+    kernel = select_kernel(KernelCall.of(q, k, window=window is not None), backend)
+    return kernel, causal, window
+
+
 @torch.library.custom_op("dtensor_ring::ulysses_local_attention", mutates_args=())
 def ulysses_local_attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, backend: str | None = None
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, backend: str | None = None,
+    window_left: int = -1, window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """One block kernel on full sequences: ``q [B, S, h, D]``, ``k, v [B, S, h_kv, D]`` ->
-    ``(out [B, S, h, D], lse [B, h, S])`` (lse in the accumulation dtype)."""
-    kernel = select_kernel(KernelCall.of(q, k), backend)
-    out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+    ``(out [B, S, h, D], lse [B, h, S])`` (lse in the accumulation dtype); an optional
+    flash-attn sliding window ``window_left/right`` over the sequence."""
+    kernel, causal, window = _local_kernel(q, k, causal, backend, window_left, window_right)
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, window=window)
     return out.contiguous(), lse.to(accumulation_dtype(q.dtype)).contiguous()
 
 
 @ulysses_local_attention.register_fake
-def _(q, k, v, causal, scale, backend=None):
+def _(q, k, v, causal, scale, backend=None, window_left=-1, window_right=-1):
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         (B, H, S), dtype=accumulation_dtype(q.dtype)
@@ -203,11 +219,11 @@ def _(q, k, v, causal, scale, backend=None):
 @torch.library.custom_op("dtensor_ring::ulysses_local_attention_backward", mutates_args=())
 def ulysses_local_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-    scale: float, backend: str | None = None,
+    scale: float, backend: str | None = None, window_left: int = -1, window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`ulysses_local_attention`."""
-    kernel = select_kernel(KernelCall.of(q, k), backend)
-    grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    kernel, causal, window = _local_kernel(q, k, causal, backend, window_left, window_right)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale, window=window)
     return tuple(g.contiguous() for g in grads)
 
 
@@ -249,9 +265,10 @@ def _scale(q: Tensor, softmax_scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def _gathered_order_name(layout: str, causal: bool) -> str:
-    """The ``layout`` argument of the all-to-alls: non-causal attention ignores token order."""
-    return layout if causal else "ring"
+def _gathered_order_name(layout: str, causal: bool, window: tuple[int, int]) -> str:
+    """The ``layout`` argument of the all-to-alls: attention without a causal mask or window
+    ignores token order."""
+    return layout if causal or tuple(window) != (-1, -1) else "ring"
 
 
 # --- sequence-sharded attention ops (the DTensor path) ---------------------------------------
@@ -260,7 +277,7 @@ def _gathered_order_name(layout: str, causal: bool) -> str:
 @torch.library.custom_op("dtensor_ring::ulysses_attention", mutates_args=())
 def ulysses_attention(
     q: Tensor, k: Tensor, v: Tensor, group_name: str, layout: str, causal: bool, scale: float,
-    backend: str | None = None,
+    backend: str | None = None, window_left: int = -1, window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """Ulysses attention with ``dtensor_ring::ring_attention``'s signature and results.
 
@@ -274,15 +291,16 @@ def ulysses_attention(
     """
     W = dist.get_world_size(resolve_group(group_name))
     _check_heads(q.shape[2], W, "Ulysses attention")
-    order = _gathered_order_name(layout, causal)
+    order = _gathered_order_name(layout, causal, (window_left, window_right))
     qh, kh, vh = _to_heads(q, k, v, group_name, W, order)
-    out_h, lse_h = ulysses_local_attention(qh, kh, vh, causal, scale, backend)
+    out_h, lse_h = ulysses_local_attention(qh, kh, vh, causal, scale, backend, window_left,
+                                           window_right)
     return (ulysses_all_to_all(out_h, group_name, 1, 2, False, order),
             ulysses_all_to_all(lse_h, group_name, 2, 1, False, order))
 
 
 @ulysses_attention.register_fake
-def _(q, k, v, group_name, layout, causal, scale, backend=None):
+def _(q, k, v, group_name, layout, causal, scale, backend=None, window_left=-1, window_right=-1):
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         (B, H, S), dtype=accumulation_dtype(q.dtype)
@@ -292,7 +310,8 @@ def _(q, k, v, group_name, layout, causal, scale, backend=None):
 @torch.library.custom_op("dtensor_ring::ulysses_attention_backward", mutates_args=())
 def ulysses_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str,
-    layout: str, causal: bool, scale: float, backend: str | None = None,
+    layout: str, causal: bool, scale: float, backend: str | None = None, window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`ulysses_attention`, all on sequence shards.
 
@@ -302,13 +321,13 @@ def ulysses_attention_backward(
     """
     W = dist.get_world_size(resolve_group(group_name))
     _check_heads(q.shape[2], W, "Ulysses attention")
-    order = _gathered_order_name(layout, causal)
+    order = _gathered_order_name(layout, causal, (window_left, window_right))
     H_kv = k.shape[2]
     qh, kh, vh = _to_heads(q, k, v, group_name, W, order)
     dout_h, out_h = (ulysses_all_to_all(t, group_name, 1, 2, True, order) for t in (dout, out))
     lse_h = ulysses_all_to_all(lse, group_name, 2, 1, True, order)
     grads_h = ulysses_local_attention_backward(dout_h, qh, kh, vh, out_h, lse_h, causal, scale,
-                                               backend)
+                                               backend, window_left, window_right)
     dq, dk, dv = (ulysses_all_to_all(g, group_name, 1, 2, False, order) for g in grads_h)
     f = _kv_repeat(H_kv, W)
     if f > 1:  # repeat_interleave put the copies of a head next to each other
@@ -325,25 +344,27 @@ register_attention_autograd(ulysses_attention, ulysses_attention_backward)
 
 def _ulysses(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
              deterministic, return_attn_probs, group, layout, backend):
-    check_unsupported(dropout_p=dropout_p, window_size=window_size, alibi_slopes=alibi_slopes)
+    check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     check_layout(layout)
     check_qkv_tensors(q, k, v)
     name = _group_name(group)
     W = dist.get_world_size(group)
     _check_heads(q.shape[2], W, "Ulysses attention")
-    if causal and (q.shape[1] * W) % local_seq_divisor(layout, W) != 0:
+    _, window = normalize_window(window_size, causal, q.shape[1] * W)
+    order = _gathered_order_name(layout, causal, window_size)
+    if order != "ring" and (q.shape[1] * W) % local_seq_divisor(layout, W) != 0:
         raise ValueError(
             f"layout={layout!r} on {W} ranks needs a global sequence length divisible by "
             f"{local_seq_divisor(layout, W)}, got S_local={q.shape[1]} x {W}"
         )
-    backend = select_backend_name(*_head_views(q, k, W), backend, deterministic=deterministic)
+    backend = select_backend_name(*_head_views(q, k, W), backend, deterministic=deterministic,
+                                  window=window is not None)
     scale = _scale(q, softmax_scale)
     if W == 1:
-        out, lse = ulysses_local_attention(q, k, v, causal, scale, backend)
+        out, lse = ulysses_local_attention(q, k, v, causal, scale, backend, *window_size)
         return (out, lse, None) if return_attn_probs else out
-    order = _gathered_order_name(layout, causal)
     qh, kh, vh = _to_heads(q, k, v, name, W, order)
-    out_h, lse_h = ulysses_local_attention(qh, kh, vh, causal, scale, backend)
+    out_h, lse_h = ulysses_local_attention(qh, kh, vh, causal, scale, backend, *window_size)
     out = ulysses_all_to_all(out_h, name, 1, 2, False, order)
     if not return_attn_probs:
         return out
@@ -375,7 +396,8 @@ def ulysses_flash_attn_func(
             when ``H_kv % W != 0``.
         dropout_p: must be 0.0.  softmax_scale: defaults to ``D ** -0.5``.
         causal: causal mask over the *global* sequence.
-        window_size: must be (-1, -1).  alibi_slopes: must be None.
+        window_size: flash-attn sliding window ``(left, right)`` over global positions
+            (-1: unbounded).  alibi_slopes: must be None.
         deterministic: require a block kernel with a deterministic backward.
         return_attn_probs: also return ``lse [B, H, S_local]`` (as ``(out, lse, None)``).
         group: the context-parallel process group (default: the default group).
@@ -494,21 +516,25 @@ def hybrid_flash_attn_func(
 
         [B, S_local, H, D] --a2a(U)--> [B, S_local*U, H/U, D] --ring(R)--> same --a2a(U)--> back
     """
-    check_unsupported(dropout_p=dropout_p, window_size=window_size, alibi_slopes=alibi_slopes)
+    check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     check_layout_causal(layout, causal, ring_func='hybrid_flash_attn_func(layout="ring")')
     check_qkv_tensors(q, k, v)
     u_name, r_name = _group_name(ulysses_group), _group_name(ring_group)
     U = dist.get_world_size(ulysses_group)
+    seq_len = q.shape[1] * U * dist.get_world_size(ring_group)
+    _, window = normalize_window(window_size, causal, seq_len)
     _check_heads(q.shape[2], U, "hybrid attention (Ulysses dim)")
     if layout == "zigzag" and (q.shape[1] * U) % 2 != 0:
         raise ValueError(
             f"zigzag needs an even ring-shard length S_local * U, got {q.shape[1]} * {U}; pad "
             "the global sequence to a multiple of 2 * ring_size * ulysses_size"
         )
-    backend = select_backend_name(*_head_views(q, k, U), backend, deterministic=deterministic)
+    backend = select_backend_name(*_head_views(q, k, U), backend, deterministic=deterministic,
+                                  window=window is not None)
     scale = _scale(q, softmax_scale)
     qh, kh, vh = _to_heads(q, k, v, u_name, U, "ring")  # plain concatenation: no reordering
-    out_h, lse_h = ring_attention(qh, kh, vh, r_name, layout, causal, scale, backend)
+    out_h, lse_h = ring_attention(qh, kh, vh, r_name, layout, causal, scale, backend,
+                                  *window_size)
     out = ulysses_all_to_all(out_h, u_name, 1, 2, False, "ring")
     if not return_attn_probs:
         return out

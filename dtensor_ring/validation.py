@@ -12,21 +12,57 @@ from torch import Tensor
 from .layouts import check_layout
 
 
-def check_unsupported(
-    *, dropout_p: float, window_size: tuple[int, int], alibi_slopes: object
-) -> None:
-    """Reject flash-attn arguments whose non-default values are not implemented yet."""
+def check_unsupported(*, dropout_p: float, alibi_slopes: object) -> None:
+    """Reject flash-attn arguments whose non-default values are not implemented."""
     if dropout_p != 0.0:
         raise ValueError(
             f"dropout_p={dropout_p} is not supported by ring attention; pass dropout_p=0.0 "
             "(apply dropout outside attention if you need it)"
         )
-    if tuple(window_size) != (-1, -1):
-        raise ValueError(
-            f"window_size={tuple(window_size)} is not supported yet; pass window_size=(-1, -1)"
-        )
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes is not supported by ring attention; pass alibi_slopes=None")
+
+
+def check_window_size(window_size: object) -> tuple[int, int]:
+    """``window_size`` as a tuple of two ints >= -1 (flash-attn's ``(left, right)``)."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size
+    )
+    if not ok:
+        raise ValueError(
+            f"window_size={window_size!r} must be two ints (left, right), each >= 0, or -1 for "
+            "unbounded (flash-attn semantics: query i sees keys [i - left, i + right])"
+        )
+    return int(window_size[0]), int(window_size[1])
+
+
+def normalize_window(
+    window_size: tuple[int, int], causal: bool, seq_len: int
+) -> tuple[bool, tuple[int, int] | None]:
+    """``(causal, window)`` for flash-attn style ``window_size`` on a ``seq_len``-token sequence.
+
+    As flash-attn: ``causal`` sets ``right = 0``; a side >= ``seq_len - 1`` is unbounded (-1);
+    ``(-1, 0)`` is plain causal attention. ``window`` is None when nothing is masked beyond
+    ``causal``. Raises ``ValueError`` (:func:`check_window_size`) on a malformed window.
+    """
+    left, right = (-1 if w >= seq_len - 1 else w for w in check_window_size(window_size))
+    if causal:
+        right = 0
+    if left == -1 and right == 0:
+        return True, None
+    if left == -1 and right == -1:
+        return causal, None
+    return causal, (left, right)
+
+
+def check_no_window(window_size: object, what: str) -> None:
+    """Reject a sliding window for ``what`` (a front door without window support)."""
+    if check_window_size(window_size) != (-1, -1):
+        raise ValueError(
+            f"window_size={tuple(window_size)} is not supported by {what}; pass "
+            "window_size=(-1, -1), or use the dense functions (ring/zigzag/stripe_flash_attn_"
+            "func), which support sliding windows"
+        )
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, layout: str, causal: bool) -> None:

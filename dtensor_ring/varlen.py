@@ -431,8 +431,8 @@ class VarlenBlocks:
         T, H, _ = q_THD.shape
         return torch.empty(H, T, dtype=dtype, device=q_THD.device)
 
-    def is_empty(self, block: Block | None) -> bool:
-        return block is None or min(self.rows[block.q].total, self.rows[block.kv].total) == 0
+    def is_empty(self, block: Block) -> bool:
+        return min(self.rows[block.q].total, self.rows[block.kv].total) == 0
 
     def take(self, x_THD: Tensor, part: Part) -> Tensor:
         return self.rows[part].take(x_THD, 0)
@@ -446,6 +446,15 @@ class VarlenBlocks:
             rows.take(acc_THD, 0).add_(x_THD)
         else:
             acc_THD.index_add_(0, rows.index, x_THD.to(acc_THD.dtype))
+
+    def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        rows = self.rows[part]
+        if rows.index is None:
+            rows.take(out_acc, 0).copy_(out_b)
+            rows.take(lse_acc, 1).copy_(lse_b)
+        else:
+            out_acc.index_copy_(0, rows.index, out_b.to(out_acc.dtype))
+            lse_acc.index_copy_(1, rows.index, lse_b)
 
     def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         rows = self.rows[part]
@@ -496,7 +505,7 @@ def _varlen_blocks_cached(
     bounds: tuple[int, ...], layout: str, world_size: int, causal: bool, device: torch.device
 ) -> VarlenBlocks:
     plan = make_plan(layout, world_size, causal)
-    parts = {p for row in plan.steps for st in row if st.block for p in (st.block.q, st.block.kv)}
+    parts = {p for row in plan.steps for st in row for b in st.blocks for p in (b.q, b.kv)}
     return VarlenBlocks({p: _rows(bounds, p, device) for p in parts | {Part.ALL}})
 
 

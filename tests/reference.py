@@ -26,7 +26,13 @@ def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> int:
 
 
 def reference_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor]:
     """Exact softmax attention of full sequences, in float64.
 
@@ -36,6 +42,8 @@ def reference_attention(
             ``repeat_interleave``, as in flash-attn).
         causal: query ``i`` sees keys ``j <= i``.
         scale: softmax scale, default ``D ** -0.5``.
+        window_size: ``(left, right)``: query ``i`` sees keys ``i - left <= j <= i + right``
+            (-1: unbounded), as flash-attn; with ``causal`` ``right`` is 0.
 
     Returns:
         ``(out, lse)``: ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` (natural log), both
@@ -48,9 +56,18 @@ def reference_attention(
     k64 = k64.repeat_interleave(group, dim=2)
     v64 = v64.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
-    if causal:
-        assert S_q == S_k, "causal reference is for self-attention (S_q == S_k)"
-        visible = torch.ones(S_q, S_k, dtype=torch.bool, device=q.device).tril()
+    left, right = window_size
+    if causal or (left, right) != (-1, -1):
+        assert S_q == S_k, "masked reference is for self-attention (S_q == S_k)"
+        i = torch.arange(S_q, device=q.device)[:, None]
+        j = torch.arange(S_k, device=q.device)[None, :]
+        visible = torch.ones(S_q, S_k, dtype=torch.bool, device=q.device)
+        if causal:
+            visible &= j <= i
+        if left >= 0:
+            visible &= j >= i - left
+        if right >= 0:
+            visible &= j <= i + right
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, S_q]
     probs = torch.exp(scores - lse.unsqueeze(-1))

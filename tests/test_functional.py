@@ -56,6 +56,7 @@ class Case:
     softmax_scale: float | None = None
     backend: str | None = None  # None: not passed (the default, auto selection)
     default_group: bool = False  # pass group=None (only meaningful for the full pool)
+    window_size: tuple[int, int] = (-1, -1)
     seed: int = 0
 
     @property
@@ -88,6 +89,8 @@ class Case:
             parts.append(self.backend)
         if self.default_group:
             parts.append("defaultgroup")
+        if self.window_size != (-1, -1):
+            parts.append("window{}_{}".format(*self.window_size))
         return "-".join(parts)
 
 
@@ -112,7 +115,8 @@ def check_attention(group: dist.ProcessGroup, case: Case) -> dict[str, float]:
 
     # fp64 reference on the full sequence, and its gradients.
     full = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
-    out_ref, lse_ref = reference_attention(*full, causal=case.causal, scale=case.softmax_scale)
+    out_ref, lse_ref = reference_attention(*full, causal=case.causal, scale=case.softmax_scale,
+                                           window_size=case.window_size)
     grads_ref = torch.autograd.grad(out_ref, full, dout.to(torch.float64))
 
     def local(x: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
@@ -125,6 +129,8 @@ def check_attention(group: dist.ProcessGroup, case: Case) -> dict[str, float]:
         kwargs["group"] = group
     if case.backend is not None:
         kwargs["backend"] = case.backend
+    if case.window_size != (-1, -1):
+        kwargs["window_size"] = case.window_size
     if case.form == "plain":
         leaves = [x.detach().clone().requires_grad_() for x in (ql, kl, vl)]
         result = case.func()(*leaves, **kwargs)
@@ -206,6 +212,20 @@ OPTIONS = _params(
     *[(w, Case(variant=v, heads="gqa", softmax_scale=0.37)) for w in (1, 3) for v in VARIANTS],
     *[(4, Case(variant=v, heads="gqa", default_group=True)) for v in VARIANTS],
 )
+# Sliding windows (S_local = 6: a zigzag chunk is 3 tokens): smaller than a chunk, equal to a
+# zigzag chunk, equal to a rank's tokens, larger, and one-sided (left unbounded: non-causal).
+WINDOWS = ((1, 1), (3, 3), (6, 6), (9, 2), (-1, 4))
+WINDOWED = (
+    _params(*[(w, Case(variant=v, heads="gqa", window_size=win))
+              for w, v, win in itertools.product(WORLD_SIZES, VARIANTS, WINDOWS)
+])
+    + _cases((3,), VARIANTS, ("mqa",), window_size=(4, 0), dtype=torch.float32)
+    + _cases((4,), VARIANTS, ("mha",), window_size=(2, 5), backend="math")
+    + _cases((2,), VARIANTS, ("mha",), window_size=(5, 1), form="qkvpacked")
+    + _cases((3,), VARIANTS, ("gqa",), window_size=(2, 2), form="kvpacked")
+    + _params((4, Case(variant="zigzag", S_local=16, window_size=(11, 0), B=2)),
+              (3, Case(variant="stripe", S_local=1, window_size=(1, 0))))
+)
 
 
 @pytest.mark.parametrize("world_size, case", FP64_PLAIN)
@@ -232,6 +252,12 @@ def test_attention_odd_sizes(dist_pool, world_size, case):
 @pytest.mark.parametrize("world_size, case", OPTIONS)
 def test_attention_options(dist_pool, world_size, case):
     """The ``math`` backend, an explicit ``cpu_flash``, ``softmax_scale`` and ``group=None``."""
+    dist_pool.run(check_attention, world_size, case=case)
+
+
+@pytest.mark.parametrize("world_size, case", WINDOWED)
+def test_attention_window(dist_pool, world_size, case):
+    """Sliding windows over global positions (Note [Windowed schedules])."""
     dist_pool.run(check_attention, world_size, case=case)
 
 

@@ -70,7 +70,7 @@ BAD_CALLS = {
     "alibi_slopes": (lambda g: dr.zigzag_ring_flash_attn_func(
         *_qkv(), causal=True, alibi_slopes=torch.ones(4), group=g), r"alibi_slopes"),
     "window_size": (lambda g: dr.ring_flash_attn_kvpacked_func(
-        *_kv_packed(), causal=True, window_size=(2, 0), group=g), r"window_size"),
+        *_kv_packed(), causal=True, window_size=(-2, 0), group=g), r"window_size=\(-2, 0\)"),
     "unknown_backend": (lambda g: dr.ring_flash_attn_func(
         *_qkv(), group=g, backend="no_such_kernel"), r"backend"),
     "kv_not_packed_in_2": (lambda g: dr.ring_flash_attn_kvpacked_func(

@@ -17,6 +17,11 @@ for causal blocks with ``S_q == S_k``). Contract:
 * ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA, ``H % H_kv == 0``); ``dk``/``dv`` have
   ``H_kv`` heads.
 * Inputs may be non-contiguous views (e.g. halves of a buffer); outputs are fresh tensors.
+* ``window=(left, right)`` (dense blocks, ``supports_window`` backends, never with ``causal``):
+  flash-attn's sliding window, aligned bottom-right: key ``j`` is visible to query ``i`` iff
+  ``-left <= j - i - (S_k - S_q) <= right``, -1 unbounded. The engine trims its blocks so that
+  no row or column is fully masked (Note [Windowed schedules] in ``plan.py``);
+  :func:`window_mask` is the mask as a tensor.
 
 Varlen kernels (``supports_varlen``) take packed ``[T, H, D]`` tensors with int32
 ``cu_seqlens`` and return ``lse_HT``.
@@ -47,14 +52,17 @@ class KernelCall:
     num_kv_heads: int
     varlen: bool = False
     deterministic: bool = False
+    window: bool = False
 
     @classmethod
     def of(
-        cls, q: Tensor, k: Tensor, *, varlen: bool = False, deterministic: bool = False
+        cls, q: Tensor, k: Tensor, *, varlen: bool = False, deterministic: bool = False,
+        window: bool = False,
     ) -> KernelCall:
         """Describe a call from ``q`` and ``k`` (``[..., H, D]`` layouts)."""
         return cls(
-            q.device.type, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], varlen, deterministic
+            q.device.type, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], varlen, deterministic,
+            window,
         )
 
 
@@ -71,6 +79,7 @@ class BlockKernel:
     max_head_dim: ClassVar[int] = 256
     supports_gqa: ClassVar[bool] = True
     supports_varlen: ClassVar[bool] = False
+    supports_window: ClassVar[bool] = False
     deterministic_backward: ClassVar[bool] = True
 
     def is_available(self) -> str | None:
@@ -96,13 +105,16 @@ class BlockKernel:
             return "GQA/MQA (H != H_kv) not supported"
         if call.varlen and not self.supports_varlen:
             return "varlen (cu_seqlens) not supported"
+        if call.window and not self.supports_window:
+            return "sliding windows (window_size) not supported"
         if call.deterministic and not self.deterministic_backward:
             return "deterministic=True not supported (its backward is not deterministic)"
         return self.extra_reason(call)
 
     # --- dense blocks, [B, S, H, D] -------------------------------------------------------
     def forward(
-        self, q_BSHD: Tensor, k_BSHD: Tensor, v_BSHD: Tensor, *, causal: bool, scale: float
+        self, q_BSHD: Tensor, k_BSHD: Tensor, v_BSHD: Tensor, *, causal: bool, scale: float,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Return ``(out_BSHD, lse_BHS)`` of one block."""
         raise NotImplementedError
@@ -118,6 +130,7 @@ class BlockKernel:
         *,
         causal: bool,
         scale: float,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(dq_BSHD, dk_BSHD, dv_BSHD)`` of one block, given the global out/lse."""
         raise NotImplementedError
@@ -157,3 +170,16 @@ class BlockKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(dq_THD, dk_THD, dv_THD)`` given the global out/lse."""
         raise NotImplementedError
+
+
+def window_mask(s_q: int, s_k: int, window: tuple[int, int], device: torch.device) -> Tensor:
+    """``[S_q, S_k]`` bool mask (True = visible) of a bottom-right aligned ``window``."""
+    left, right = window
+    d = (torch.arange(s_k, device=device)[None, :] - torch.arange(s_q, device=device)[:, None]
+         - (s_k - s_q))
+    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= d >= -left
+    if right >= 0:
+        visible &= d <= right
+    return visible

@@ -4,7 +4,9 @@ The op works in the SDPA layout ``[B, H, S, D]``; we hand it transposed views of
 ``[B, S, H, D]`` tensors (no copies) and transpose its outputs back. It handles GQA natively.
 Two behaviours to know (neither reaches it from the engine, which only asks for square causal
 blocks without fully masked rows): it aligns the causal mask top-left when ``S_q != S_k``, and
-it returns ``lse = 0`` for a fully masked row.
+it returns ``lse = 0`` for a fully masked row. A sliding window is passed as an additive mask
+(``-inf`` outside the window) in the query's dtype, the only mask dtype the op accepts besides
+none.
 """
 
 from __future__ import annotations
@@ -12,8 +14,18 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
-from .base import BlockKernel, accumulation_dtype
+from .base import BlockKernel, accumulation_dtype, window_mask
+
+
+def _window_bias(q_BSHD: Tensor, k_BSHD: Tensor, window: tuple[int, int] | None) -> Tensor | None:
+    """Additive ``[S_q, S_k]`` mask of ``window`` in the query's dtype (None: no window)."""
+    if window is None:
+        return None
+    visible = window_mask(q_BSHD.shape[1], k_BSHD.shape[1], window, q_BSHD.device)
+    bias = torch.zeros(visible.shape, dtype=q_BSHD.dtype, device=q_BSHD.device)
+    return bias.masked_fill_(~visible, float("-inf"))
 
 
 class CpuFlashKernel(BlockKernel):
@@ -27,19 +39,22 @@ class CpuFlashKernel(BlockKernel):
         torch.float16,
         torch.bfloat16,
     )
+    supports_window: ClassVar[bool] = True
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale):
+    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
         out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_BSHD.transpose(1, 2),
             k_BSHD.transpose(1, 2),
             v_BSHD.transpose(1, 2),
             0.0,
             causal,
+            attn_mask=_window_bias(q_BSHD, k_BSHD, window),
             scale=scale,
         )
         return out_BHSD.transpose(1, 2), lse_BHS.to(accumulation_dtype(q_BSHD.dtype))
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale):
+    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
+                 window=None):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout_BSHD.transpose(1, 2),
             q_BSHD.transpose(1, 2),
@@ -49,6 +64,7 @@ class CpuFlashKernel(BlockKernel):
             lse_BHS.to(accumulation_dtype(q_BSHD.dtype)),
             0.0,
             causal,
+            attn_mask=_window_bias(q_BSHD, k_BSHD, window),
             scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -20,6 +20,8 @@ torch 2.11.0+cu130 by ``tests/gpu/check_kernels.py``, dense and varlen, GQA 32:8
 * ``causal`` is aligned bottom-right when ``S_q != S_k`` (per document for varlen): key ``j``
   is visible to query ``i`` iff ``j <= i + S_k - S_q``. For the square causal blocks the engine
   sends this is the top-left mask of the interface.
+* ``window_size_left/right`` (keyword, ``None`` = -1 = unbounded) are flash-attn's sliding
+  window, aligned bottom-right like ``causal``: exactly the interface's ``window``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ import torch
 from torch import Tensor
 
 from .base import BlockKernel, KernelCall
+
+
+def _window_args(window: tuple[int, int] | None) -> dict[str, int]:
+    """The ops' window keywords for the interface's ``window`` (none for no window)."""
+    if window is None:
+        return {}
+    return {"window_size_left": window[0], "window_size_right": window[1]}
 
 
 def unit_last_stride(x: Tensor) -> Tensor:
@@ -81,6 +90,7 @@ class TorchFlashKernel(BlockKernel):
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     max_head_dim: ClassVar[int] = 256
     supports_varlen: ClassVar[bool] = True
+    supports_window: ClassVar[bool] = True
 
     def is_available(self) -> str | None:
         if not torch.backends.cuda.is_flash_attention_available():
@@ -90,7 +100,7 @@ class TorchFlashKernel(BlockKernel):
     def extra_reason(self, call: KernelCall) -> str | None:
         return head_dim_reason(call) or deterministic_reason(call)
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale):
+    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
         out_BSHD, lse_BHS, *_ = torch.ops.aten._flash_attention_forward(
             unit_last_stride(q_BSHD),
             unit_last_stride(k_BSHD),
@@ -103,10 +113,12 @@ class TorchFlashKernel(BlockKernel):
             causal,
             False,
             scale=scale,
+            **_window_args(window),
         )
         return out_BSHD, lse_BHS
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale):
+    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
+                 window=None):
         rng_state, unused = _no_dropout_rng(q_BSHD.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout_BSHD,
@@ -124,6 +136,7 @@ class TorchFlashKernel(BlockKernel):
             rng_state,
             unused,
             scale=scale,
+            **_window_args(window),
         )
         return dq, dk, dv
 

@@ -20,7 +20,8 @@ cuDNN 9.19 (``tests/gpu/check_kernels.py``: out/lse/dq/dk/dv against fp64, bf16 
 * Head dim: a multiple of 8, at most 128, or 256 on sm90 (H100/H200) with cuDNN >= 9.10.
   ``S_k == 1`` is not supported (not checked here: the engine never sends such blocks).
 * The backward is not deterministic (PyTorch warns so under deterministic mode).
-* ``causal`` is the top-left mask, as in the interface. Dropout is never used, so the philox
+* ``causal`` is the top-left mask, as in the interface. The op has no sliding-window
+  arguments, so windowed calls go to another backend. Dropout is never used, so the philox
   seed/offset the backward takes are unread placeholders.
 """
 
@@ -35,6 +36,11 @@ from .cuda_flash import cuda_sm80_reason, head_dim_reason, unit_last_stride
 
 _MIN_CUDNN = 90000  # cuDNN 9.0: the first version PyTorch's SDPA uses for attention
 _HOPPER_D256_CUDNN = 91000  # cuDNN 9.10: head dims up to 256 on sm90
+
+
+def _no_window(window: tuple[int, int] | None) -> None:
+    if window is not None:  # selection never routes a windowed call here (supports_window)
+        raise ValueError("the cudnn backend has no sliding-window mask; use backend='cuda_flash'")
 
 
 class CudnnKernel(BlockKernel):
@@ -64,7 +70,8 @@ class CudnnKernel(BlockKernel):
             return f"head dim {call.head_dim} > {limit} on this GPU and cuDNN version"
         return None
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale):
+    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
+        _no_window(window)
         B, S_q, H, _ = q_BSHD.shape
         out_BHSD, lse_BHS1, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             unit_last_stride(q_BSHD).transpose(1, 2),
@@ -79,7 +86,9 @@ class CudnnKernel(BlockKernel):
         )
         return out_BHSD.transpose(1, 2), lse_BHS1.view(B, H, S_q)
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale):
+    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
+                 window=None):
+        _no_window(window)
         philox = torch.empty((), dtype=torch.long, device=q_BSHD.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout_BSHD.transpose(1, 2),

@@ -89,14 +89,18 @@ def _is_2_6(fn: Callable[..., Any]) -> bool:
     return "window_size" in _param_names(fn)
 
 
-def _options(fn: Callable[..., Any], *, causal: bool, scale: float) -> dict[str, Any]:
-    """Keyword arguments for the options of ``fn`` (no dropout, window, softcap or alibi)."""
+def _options(
+    fn: Callable[..., Any], *, causal: bool, scale: float, window: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for the options of ``fn`` (no dropout, softcap or alibi)."""
+    left, right = (-1, -1) if window is None else window
     if _is_2_6(fn):
-        window: dict[str, Any] = {"window_size": (-1, -1)}
+        window_args: dict[str, Any] = {"window_size": (left, right)}
     else:
-        window = {"window_size_left": -1, "window_size_right": -1}
+        window_args = {"window_size_left": left, "window_size_right": right}
     return dict(
-        dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None, **window
+        dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
+        **window_args,
     )
 
 
@@ -118,6 +122,7 @@ class FlashAttnKernel(BlockKernel):
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     max_head_dim: ClassVar[int] = 256
     supports_varlen: ClassVar[bool] = True
+    supports_window: ClassVar[bool] = True
 
     def is_available(self) -> str | None:
         fa = sys.modules.get(_INTERFACE)
@@ -135,22 +140,23 @@ class FlashAttnKernel(BlockKernel):
     def extra_reason(self, call: KernelCall) -> str | None:
         return head_dim_reason(call) or deterministic_reason(call)
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale):
+    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
         fn = _interface()._flash_attn_forward
         result = fn(
             q_BSHD, k_BSHD, v_BSHD, return_softmax=False,
-            **_options(fn, causal=causal, scale=scale),
+            **_options(fn, causal=causal, scale=scale, window=window),
         )
         return _out_and_lse(fn, result)
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale):
+    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
+                 window=None):
         fn = _interface()._flash_attn_backward
         dq, dk, dv = _grad_buffers(q_BSHD, k_BSHD, v_BSHD)
         fn(
             dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD,
             softmax_lse=lse_BHS.contiguous(), dq=dq, dk=dk, dv=dv,
             deterministic=torch.are_deterministic_algorithms_enabled(),
-            **_options(fn, causal=causal, scale=scale),
+            **_options(fn, causal=causal, scale=scale, window=window),
         )
         return dq, dk, dv
 

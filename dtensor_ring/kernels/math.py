@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .base import BlockKernel, accumulation_dtype
+from .base import BlockKernel, accumulation_dtype, window_mask
 
 
 def _grouped(x_BSHD: Tensor, num_kv_heads: int) -> Tensor:
@@ -34,8 +34,13 @@ def _kv(x_BSHD: Tensor) -> Tensor:
     return x_BSHD.to(accumulation_dtype(x_BSHD.dtype)).permute(0, 2, 1, 3).unsqueeze(2)
 
 
-def _causal_mask(s_q: int, s_k: int, device: torch.device) -> Tensor:
-    return torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril()
+def _dense_mask(
+    s_q: int, s_k: int, causal: bool, window: tuple[int, int] | None, device: torch.device
+) -> Tensor | None:
+    """The visible-pairs mask of a dense block (None: everything visible)."""
+    if causal:
+        return torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril()
+    return None if window is None else window_mask(s_q, s_k, window, device)
 
 
 def _varlen_mask(
@@ -106,15 +111,15 @@ class MathKernel(BlockKernel):
     )
     max_head_dim: ClassVar[int] = 1 << 30
     supports_varlen: ClassVar[bool] = True
+    supports_window: ClassVar[bool] = True
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale):
-        s_q, s_k = q_BSHD.shape[1], k_BSHD.shape[1]
-        mask = _causal_mask(s_q, s_k, q_BSHD.device) if causal else None
+    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
+        mask = _dense_mask(q_BSHD.shape[1], k_BSHD.shape[1], causal, window, q_BSHD.device)
         return _forward(q_BSHD, k_BSHD, v_BSHD, scale, mask)
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale):
-        s_q, s_k = q_BSHD.shape[1], k_BSHD.shape[1]
-        mask = _causal_mask(s_q, s_k, q_BSHD.device) if causal else None
+    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
+                 window=None):
+        mask = _dense_mask(q_BSHD.shape[1], k_BSHD.shape[1], causal, window, q_BSHD.device)
         return _backward(dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, scale, mask)
 
     def forward_varlen(
