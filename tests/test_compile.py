@@ -9,9 +9,10 @@ compiles, so the compiled cases are few and tiny: CPU inductor compiles are slow
    the op once per attention call, and the same forward and gradients as eager, for
    * the functional API on plain tensors (``zigzag_ring_flash_attn_func``),
    * ``F.scaled_dot_product_attention`` on DTensors with ``ring_sdpa`` entered outside the
-     compiled function (aot_eager and inductor),
+     compiled function (aot_eager and inductor; ``mode="ring"`` and ``mode="ulysses"``), also
+     checked against an fp64 reference, with no graph break recorded,
    * ``scaled_dot_product_ring_attention`` called inside a compiled, activation-checkpointed
-     function.
+     function (both modes).
 3. Scope and compile interplay: entering ``ring_sdpa`` inside a compiled function raises;
    a function compiled inside the scope is recompiled (not reused) outside it.
 """
@@ -24,9 +25,10 @@ import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from functorch.compile import make_boxed_func
-from reference import random_qkv
+from reference import random_qkv, reference_attention
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
@@ -34,6 +36,10 @@ import dtensor_ring
 
 OPS = (torch.ops.dtensor_ring.ring_attention.default,
        torch.ops.dtensor_ring.ring_attention_backward.default)
+# ring_sdpa's mode -> the (forward, backward) op pair its SDPA handlers call
+MODE_OPS = {"ring": OPS,
+            "ulysses": (torch.ops.dtensor_ring.ulysses_attention.default,
+                        torch.ops.dtensor_ring.ulysses_attention_backward.default)}
 
 
 def _count(graphs, op) -> int:
@@ -98,19 +104,34 @@ def _functional(group, backend):
             "diff": _max_diff(*results)}
 
 
-def _dtensor_sdpa(group, backend):
-    """F.sdpa on DTensors, ``ring_sdpa`` entered outside the compiled function."""
+def _two_attentions(attend, q, k, v):
+    o = attend(q, k, v)
+    o = attend(o.sin(), k, v)
+    return o * 2
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _reference_sdpa(q, k, v):
+    """fp64 ``reference_attention`` on ``[B, H, S, D]`` tensors."""
+    out, _ = reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+    return out.transpose(1, 2)
+
+
+def _dtensor_sdpa(group, backend, mode):
+    """F.sdpa on DTensors, ``ring_sdpa(mode=mode)`` entered outside the compiled function."""
     torch._dynamo.reset()
+    counters.clear()
     mesh = DeviceMesh.from_group(group, "cpu")
     W = mesh.size()
-    q, k, v = random_qkv(1, 8 * W, 4, 2, 8, dtype=torch.float32, seed=3)
-    q, k, v = (dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="zigzag")
-               for t in (q, k, v))
+    full = [t.transpose(1, 2) for t in random_qkv(1, 8 * W, 4, 2, 8, dtype=torch.float32,
+                                                   seed=3)]  # H = 4: divisible by W for Ulysses
+    q, k, v = (dtensor_ring.shard_sequence(t, mesh, seq_dim=2, layout="zigzag") for t in full)
 
     def f(q, k, v):
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        o = F.scaled_dot_product_attention(o.sin(), k, v, is_causal=True, enable_gqa=True)
-        return o * 2
+        return _two_attentions(_sdpa, q, k, v)
 
     graphs = {"forward": [], "backward": []}
 
@@ -125,18 +146,26 @@ def _dtensor_sdpa(group, backend):
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(f, backend=counter, fullgraph=True)
     results = []
-    with dtensor_ring.ring_sdpa(layout="zigzag"):
+    with dtensor_ring.ring_sdpa(layout="zigzag", mode=mode):
         for fn in (f, compiled):
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             out = fn(*leaves)
             out.sum().backward()
-            results.append([_full(t) for t in (out, *(t.grad for t in leaves))])
+            results.append([dtensor_ring.unshard_sequence(t, seq_dim=2, layout="zigzag")
+                            for t in (out, *(t.grad for t in leaves))])
+    leaves = [t.detach().double().requires_grad_() for t in full]
+    out = _two_attentions(_reference_sdpa, *leaves)
+    out.sum().backward()
+    reference = [out, *(t.grad for t in leaves)]
+    fwd_op, bwd_op = MODE_OPS[mode]
     return {"frames": counter.frame_count, "diff": _max_diff(*results),
-            "forward_ops": _count(graphs["forward"], OPS[0]),
-            "backward_ops": _count(graphs["backward"], OPS[1])}
+            "reference_diff": _max_diff(results[1], reference),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "forward_ops": _count(graphs["forward"], fwd_op),
+            "backward_ops": _count(graphs["backward"], bwd_op)}
 
 
-def _direct_checkpointed(group, backend):
+def _direct_checkpointed(group, backend, mode):
     """``scaled_dot_product_ring_attention`` in a compiled, checkpointed function."""
     torch._dynamo.reset()
     mesh = DeviceMesh.from_group(group, "cpu")
@@ -147,7 +176,7 @@ def _direct_checkpointed(group, backend):
 
     def block(q, k, v):
         o = dtensor_ring.scaled_dot_product_ring_attention(q.cos(), k, v, is_causal=True,
-                                                           layout="stripe")
+                                                           layout="stripe", mode=mode)
         return o.sin()
 
     def f(q, k, v):
@@ -171,16 +200,19 @@ def test_functional_api_compiles_fullgraph(dist_pool, backend):
         assert r["diff"] < 1e-5, r
 
 
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_dtensor_sdpa_compiles_fullgraph(dist_pool, backend):
-    for r in dist_pool.run(_dtensor_sdpa, 2, timeout_s=400, backend=backend):
-        assert r["frames"] == 1 and r["diff"] < 1e-5, r
+def test_dtensor_sdpa_compiles_fullgraph(dist_pool, backend, mode):
+    for r in dist_pool.run(_dtensor_sdpa, 2, timeout_s=400, backend=backend, mode=mode):
+        assert r["frames"] == 1 and r["graph_breaks"] == 0, r
+        assert r["diff"] < 1e-5 and r["reference_diff"] < 1e-5, r
         if backend == "aot_eager":  # the op once per attention call, forward and backward
             assert r["forward_ops"] == 2 and r["backward_ops"] == 2, r
 
 
-def test_direct_call_compiles_with_activation_checkpointing(dist_pool):
-    for r in dist_pool.run(_direct_checkpointed, 2, backend="aot_eager"):
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_direct_call_compiles_with_activation_checkpointing(dist_pool, mode):
+    for r in dist_pool.run(_direct_checkpointed, 2, backend="aot_eager", mode=mode):
         assert r["frames"] == 1 and r["diff"] < 1e-5, r
 
 

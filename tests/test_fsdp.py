@@ -1,6 +1,6 @@
 """FSDP2 + context parallelism on a 2 x 2 (dp, cp) mesh matches a single-process run.
 
-One case runs on the session's gloo worker pool (4 ranks): the tiny transformer of
+Each case runs on the session's gloo worker pool (4 ranks): the tiny transformer of
 ``dtensor_ring.testing`` (2 layers, causal, GQA, RoPE with global positions from the layout),
 with
 
@@ -11,7 +11,8 @@ with
 * per-block ``torch.compile(fullgraph=True)`` applied before ``fully_shard`` (or eager),
   optionally with activation checkpointing inside the blocks;
 * inputs, labels and positions sharded with ``shard_sequence`` (zigzag), attention through
-  ``F.scaled_dot_product_attention`` on DTensors inside ``ring_sdpa``.
+  ``F.scaled_dot_product_attention`` on DTensors inside ``ring_sdpa``, each case in both modes:
+  ``mode="ring"`` and ``mode="ulysses"`` (the model's 4 query heads are divisible by cp = 2).
 
 Every rank also runs the same model unsharded on the whole batch (the reference). Two SGD
 steps: the loss of each step and the parameter gradients of the first must match to fp32
@@ -36,7 +37,7 @@ from dtensor_ring.testing import TinyConfig, TinyTransformer
 DP, CP, B_LOCAL, S, STEPS, LR = 2, 2, 2, 16, 2, 0.5
 
 
-def _fsdp_parity(group, layout, compile_backend, activation_checkpointing, fsdp):
+def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing, fsdp):
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
     if fsdp == "flat":  # shard over the flattened (dp, cp) dims
@@ -75,7 +76,7 @@ def _fsdp_parity(group, layout, compile_backend, activation_checkpointing, fsdp)
                                         mesh_dim="cp", batch_dim=0).to_local()
             for t in (ids, labels)
         )
-        with dtensor_ring.ring_sdpa(layout=layout):
+        with dtensor_ring.ring_sdpa(layout=layout, mode=mode):
             logits = model(ids_l, positions)
             # mean over this rank's tokens; FSDP averages gradients over the 4 ranks, which
             # hold equally many tokens: the gradient of the global mean
@@ -95,6 +96,7 @@ def _fsdp_parity(group, layout, compile_backend, activation_checkpointing, fsdp)
     return losses, grad_errors
 
 
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
 @pytest.mark.parametrize(
     "compile_backend,activation_checkpointing,fsdp",
     [(None, True, "flat"), ("aot_eager", False, "flat"), ("aot_eager", True, "flat"),
@@ -102,8 +104,8 @@ def _fsdp_parity(group, layout, compile_backend, activation_checkpointing, fsdp)
     ids=["eager-ac", "compiled", "compiled-ac", "compiled-hsdp"],
 )
 def test_fsdp2_cp_matches_single_process(dist_pool, compile_backend, activation_checkpointing,
-                                         fsdp):
-    results = dist_pool.run(_fsdp_parity, 4, timeout_s=400, layout="zigzag",
+                                         fsdp, mode):
+    results = dist_pool.run(_fsdp_parity, 4, timeout_s=400, layout="zigzag", mode=mode,
                             compile_backend=compile_backend,
                             activation_checkpointing=activation_checkpointing, fsdp=fsdp)
     for rank, (losses, grad_errors) in enumerate(results):
