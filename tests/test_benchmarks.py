@@ -19,3 +19,17 @@ def test_bench_single_gpu_smoke(tmp_path):
     assert {r["layout"] for r in results["rings"]} == {"ring", "zigzag", "stripe"}
     # the simulated ring is as precise as the single-device kernel (fp32 on CPU)
     assert all(r["ratio_max"] < 4 for r in results["precision"])
+
+
+def test_bench_window_smoke(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_window.py"), "--smoke", "--out",
+         str(tmp_path)],
+        check=True, timeout=300, capture_output=True,
+    )
+    results = json.loads((tmp_path / "bench_window.json").read_text())
+    rows = {(r["layout"], r["window"]): r for r in results["rows"]}
+    # the cost model: a 2-token window needs one K/V transfer on the ring, the full plan two
+    assert rows["ring", 2]["kv_transfers"] == 1 and rows["ring", -1]["kv_transfers"] == 2
+    assert rows["ring", 2]["rank_tflop"] < rows["ring", -1]["rank_tflop"]
+    assert all(r["ratio_max"] < 4 for r in results["precision"])

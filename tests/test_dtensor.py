@@ -64,9 +64,9 @@ def _sdpa_inputs(mesh, layout, *, B=2, S_local=4, H=4, H_kv=4, D=8, dtype=torch.
                                    mesh_dim=mesh_dim, batch_dim=batch_dim)
 
 
-def _reference(q, k, v, dout, causal):
+def _reference(q, k, v, dout, causal, window_size=(-1, -1)):
     leaves = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
-    out, _ = reference_attention(*leaves, causal=causal)
+    out, _ = reference_attention(*leaves, causal=causal, window_size=window_size)
     out.backward(dout.to(torch.float64))
     return out, [t.grad for t in leaves]
 
@@ -288,6 +288,47 @@ def _sdpa_ulysses_numerics(group, layout):
     run("aten_cpu", aten_cpu, H_kv=2)
     run("direct", direct, causal=layout != "ring", H_kv=2)
     return errors
+
+
+def _sdpa_window_numerics(group, layout, mode):
+    """Sliding windows on DTensors: ``ring_sdpa(window_size=...)`` around F.sdpa, and the
+    scope-free function's ``window_size``, against the fp64 reference."""
+    mesh = _mesh(group)
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    errors = {}
+    windows = [((1, 0), True), ((6, 0), True), ((3, 2), layout != "ring" and mode == "ring")]
+    for window, causal in windows:
+        q, k, v, dout, leaves, dout_dt = _sdpa_inputs(mesh, layout, H_kv=2)
+        ref, grads = _reference(q, k, v, dout, causal, window)
+        if window == (1, 0):
+            out = dtensor_ring.scaled_dot_product_ring_attention(
+                *leaves, is_causal=causal, enable_gqa=True, layout=layout, mode=mode,
+                window_size=window)
+            out.backward(dout_dt)
+        else:
+            with dtensor_ring.ring_sdpa(layout=layout, mode=mode, window_size=window):
+                out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+                out.backward(dout_dt)
+        errs = [_local_err(out, ref, layout, rank, W)]
+        errs += [_local_err(t.grad, g, layout, rank, W)
+                 for t, g in zip(leaves, grads, strict=True)]
+        errors[f"{window} causal={causal}"] = max(errs)
+    with pytest.raises(ValueError, match="window_size"):
+        with dtensor_ring.ring_sdpa(layout=layout, window_size=(1, -2)):
+            pass
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_sdpa_window_numerics(dist_pool, layout, world_size, mode):
+    if mode == "ulysses" and world_size == 3:
+        pytest.skip("Ulysses shards the 4 heads: world sizes dividing 4")
+    for rank, errors in enumerate(dist_pool.run(_sdpa_window_numerics, world_size,
+                                                layout=layout, mode=mode)):
+        for name, err in errors.items():
+            assert err < TOL[torch.float64], f"rank {rank} {name}: max error {err:.3g}"
 
 
 def _sdpa_ulysses_checkpointed(group):

@@ -34,10 +34,10 @@ def _close(name, actual, expected):
     torch.testing.assert_close(actual.double(), expected, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def _run_and_check(call, idx, q, k, v, dout, causal, form="plain"):
+def _run_and_check(call, idx, q, k, v, dout, causal, form="plain", window_size=(-1, -1)):
     """Shard by ``idx``, run ``call`` and compare out/lse/grads with the fp64 reference."""
     full = [x.clone().requires_grad_() for x in (q, k, v)]
-    out_ref, lse_ref = reference_attention(*full, causal=causal)
+    out_ref, lse_ref = reference_attention(*full, causal=causal, window_size=window_size)
     grads_ref = torch.autograd.grad(out_ref, full, dout)
     loc = [x.index_select(1, idx) for x in (q, k, v)]
     exp_grads = [g.index_select(1, idx) for g in grads_ref]
@@ -59,7 +59,8 @@ def _run_and_check(call, idx, q, k, v, dout, causal, form="plain"):
         _close(f"grad{i}", leaf.grad, expected)
 
 
-def check_ulysses(group, layout, causal, H, H_kv, form="plain", S_local=4, B=2, D=8):
+def check_ulysses(group, layout, causal, H, H_kv, form="plain", S_local=4, B=2, D=8,
+                  window_size=(-1, -1)):
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     S = S_local * W
     q, k, v = random_qkv(B, S, H, H_kv, D, seed=W)
@@ -68,10 +69,11 @@ def check_ulysses(group, layout, causal, H, H_kv, form="plain", S_local=4, B=2, 
           "qkvpacked": ulysses_flash_attn_qkvpacked_func}[form]
 
     def call(*args):
-        return fn(*args, causal=causal, return_attn_probs=True, group=group, layout=layout)
+        return fn(*args, causal=causal, return_attn_probs=True, group=group, layout=layout,
+                  window_size=window_size)
 
     idx = layout_indices(layout, rank, W, S)
-    _run_and_check(call, idx, q, k, v, dout, causal, form)
+    _run_and_check(call, idx, q, k, v, dout, causal, form, window_size)
     # return_attn_probs=False: out alone, same values
     loc = [dtensor_ring.shard_local(x, layout, rank, W) for x in (q, k, v)]
     out = ulysses_flash_attn_func(*loc, causal=causal, group=group, layout=layout)
@@ -93,6 +95,20 @@ ULYSSES = [
                               for w, lay, c, h, hk in ULYSSES])
 def test_ulysses(dist_pool, world_size, layout, causal, H, H_kv):
     dist_pool.run(check_ulysses, world_size, layout=layout, causal=causal, H=H, H_kv=H_kv)
+
+
+ULYSSES_WINDOWS = [
+    # (world_size, layout, causal, window_size)
+    (1, "ring", True, (2, 0)), (2, "zigzag", True, (1, 0)), (4, "stripe", True, (5, 0)),
+    (4, "zigzag", False, (3, 1)),  # a non-causal window needs token order too
+    (2, "ring", False, (-1, 2)),
+]
+
+
+@pytest.mark.parametrize("world_size, layout, causal, window_size", ULYSSES_WINDOWS)
+def test_ulysses_window(dist_pool, world_size, layout, causal, window_size):
+    dist_pool.run(check_ulysses, world_size, layout=layout, causal=causal, H=4, H_kv=2,
+                  window_size=window_size)
 
 
 @pytest.mark.parametrize("form", ["kvpacked", "qkvpacked"])
@@ -127,7 +143,7 @@ def _hybrid_groups():
     return _GROUPS["2x2"]
 
 
-def check_hybrid(group, layout, causal, H, H_kv, S_local=4, B=1, D=8):
+def check_hybrid(group, layout, causal, H, H_kv, S_local=4, B=1, D=8, window_size=(-1, -1)):
     ulysses_group, ring_group = _hybrid_groups()
     u, U = dist.get_rank(ulysses_group), dist.get_world_size(ulysses_group)
     r, R = dist.get_rank(ring_group), dist.get_world_size(ring_group)
@@ -142,9 +158,9 @@ def check_hybrid(group, layout, causal, H, H_kv, S_local=4, B=1, D=8):
     def call(*args):
         return hybrid_flash_attn_func(*args, causal=causal, return_attn_probs=True,
                                       ulysses_group=ulysses_group, ring_group=ring_group,
-                                      layout=layout)
+                                      layout=layout, window_size=window_size)
 
-    _run_and_check(call, idx, q, k, v, dout, causal)
+    _run_and_check(call, idx, q, k, v, dout, causal, window_size=window_size)
 
 
 HYBRID = [("zigzag", True, 4, 4), ("zigzag", True, 4, 2), ("zigzag", True, 4, 1),
@@ -156,6 +172,13 @@ HYBRID = [("zigzag", True, 4, 4), ("zigzag", True, 4, 2), ("zigzag", True, 4, 1)
                               for lay, c, h, hk in HYBRID])
 def test_hybrid_2x2(dist_pool, layout, causal, H, H_kv):
     dist_pool.run(check_hybrid, 4, layout=layout, causal=causal, H=H, H_kv=H_kv)
+
+
+@pytest.mark.parametrize("layout, causal, window_size", [("zigzag", True, (3, 0)),
+                                                         ("ring", False, (2, 5))])
+def test_hybrid_2x2_window(dist_pool, layout, causal, window_size):
+    dist_pool.run(check_hybrid, 4, layout=layout, causal=causal, H=4, H_kv=2,
+                  window_size=window_size)
 
 
 def check_hybrid_errors(group):
