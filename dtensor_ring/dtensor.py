@@ -163,7 +163,7 @@ class _Sharded:
     name: str
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
-    shape: tuple[int, ...]
+    ndim: int
 
 
 def _mesh_dim_label(mesh: DeviceMesh, i: int) -> str:
@@ -172,19 +172,22 @@ def _mesh_dim_label(mesh: DeviceMesh, i: int) -> str:
 
 
 def _cp_mesh_dim(
-    xs: Sequence[_Sharded], *, seq_dim: int, layout: str, layout_names: str
-) -> int:
-    """Check q/k/v-like tensors for ring attention; return the context-parallel mesh dim.
+    xs: Sequence[_Sharded], *, seq_dim: int, layout_names: str
+) -> tuple[int, int]:
+    """Check the placements of q/k/v-like tensors for ring attention.
 
     Accepted: one mesh; identical placements; ``Shard(seq_dim)`` on exactly one mesh dim (the
-    context-parallel dim); ``Replicate()`` or ``Shard(0)`` (batch) on the others; even shards.
+    context-parallel dim); ``Replicate()`` or ``Shard(0)`` (batch) on the others. Sizes are
+    checked by :func:`_check_even_shards` (apart, as they may be symbolic under compile).
+
+    Returns:
+        ``(cp_dim, batch_ways)``: the context-parallel mesh dim, and over how many ranks the
+        batch is sharded.
     """
     first = xs[0]
     for x in xs:
-        if len(x.shape) != 4:
-            raise ValueError(
-                f"{x.name} must be a 4-D {layout_names} DTensor, got shape {tuple(x.shape)}"
-            )
+        if x.ndim != 4:
+            raise ValueError(f"{x.name} must be a 4-D {layout_names} DTensor, got {x.ndim}-D")
     for x in xs[1:]:
         if x.mesh is not first.mesh and x.mesh != first.mesh:
             raise ValueError(
@@ -228,22 +231,29 @@ def _cp_mesh_dim(
             f"{seq_dim} of {layout_names}; shard it Shard({seq_dim}) over the context-parallel "
             "mesh dim (e.g. with dtensor_ring.shard_sequence)"
         )
-    world = mesh.size(cp_dim)
+    return cp_dim, batch_ways
+
+
+def _check_even_shards(
+    shapes: Sequence[tuple[str, Sequence[int]]], *, seq_dim: int, layout: str, world: int,
+    batch_ways: int,
+) -> None:
+    """``(name, shape)`` pairs split evenly: sequence by the layout's divisor, batch by
+    ``batch_ways``. Plain comparisons, so symbolic sizes (dynamic shapes) only add guards."""
     divisor = local_seq_divisor(layout, world)
-    for x in xs:
-        S, B = x.shape[seq_dim], x.shape[BATCH_DIM]
+    for name, shape in shapes:
+        S, B = shape[seq_dim], shape[BATCH_DIM]
         if S % divisor != 0:
             raise ValueError(
-                f"{x.name}: sequence length {S} is not divisible by {divisor}, as layout="
+                f"{name}: sequence length {S} is not divisible by {divisor}, as layout="
                 f"{layout!r} needs on {world} ranks (uneven shards); pad the sequence to a "
                 f"multiple of {divisor}"
             )
         if B % batch_ways != 0:
             raise ValueError(
-                f"{x.name}: batch {B} is not divisible by the {batch_ways} ranks it is "
+                f"{name}: batch {B} is not divisible by the {batch_ways} ranks it is "
                 "sharded over (uneven shards)"
             )
-    return cp_dim
 
 
 def _check_sdpa_args(
@@ -265,25 +275,33 @@ def _check_sdpa_args(
     def describe(t):
         if not isinstance(t, DTensor):
             return type(t).__name__
-        return t.device_mesh, tuple(t.placements), tuple(int(n) for n in t.shape)
+        return t.device_mesh, tuple(t.placements), t.dim()
 
-    return _check_sdpa_metadata(
+    cp_dim, group_name, world, batch_ways = _check_sdpa_metadata(
         tuple(describe(t) for t in (query, key, value)), attn_mask is not None,
-        float(dropout_p), bool(is_causal), bool(enable_gqa), layout, mode,
+        float(dropout_p), bool(is_causal), layout, mode,
     )
+    _check_sdpa_shapes(query.shape, key.shape, value.shape, bool(enable_gqa), layout, mode,
+                       world, batch_ways)
+    return cp_dim, group_name
 
 
 @torch.compiler.assume_constant_result
 def _check_sdpa_metadata(
-    metadata: tuple, has_mask: bool, dropout_p: float, is_causal: bool, enable_gqa: bool,
-    layout: str, mode: str = "ring",
-) -> tuple[int, str]:
-    """The checks of :func:`_check_sdpa_args`, on metadata only.
+    metadata: tuple, has_mask: bool, dropout_p: float, is_causal: bool, layout: str,
+    mode: str = "ring",
+) -> tuple[int, str, int, int]:
+    """The checks of :func:`_check_sdpa_args` that need no sizes.
 
     A Dynamo constant: under ``torch.compile`` it runs as plain Python at trace time (its
     result is baked into the graph), so it may use anything (``type()``, process groups) that
-    Dynamo versions trace differently or not at all. ``metadata``: per q, k, v either
-    ``(mesh, placements, shape)`` or the type name of a non-DTensor.
+    Dynamo versions trace differently or not at all. It takes no sizes: those may be symbolic
+    (dynamic shapes), which a constant function cannot take; :func:`_check_sdpa_shapes` checks
+    them. ``metadata``: per q, k, v either ``(mesh, placements, ndim)`` or the type name of a
+    non-DTensor.
+
+    Returns:
+        ``(cp_dim, group_name, world, batch_ways)``.
     """
     check_layout(layout)
     _check_mode(mode)
@@ -309,8 +327,17 @@ def _check_sdpa_metadata(
             "use layout='ring' for non-causal attention"
         )
     xs = [_Sharded(n, *meta) for n, meta in zip(names, metadata, strict=True)]
-    cp_dim = _cp_mesh_dim(xs, seq_dim=SDPA_SEQ_DIM, layout=layout, layout_names="[B, H, S, D]")
-    q_shape, k_shape, v_shape = (x.shape for x in xs)
+    cp_dim, batch_ways = _cp_mesh_dim(xs, seq_dim=SDPA_SEQ_DIM, layout_names="[B, H, S, D]")
+    mesh = xs[0].mesh
+    return cp_dim, mesh.get_group(cp_dim).group_name, mesh.size(cp_dim), batch_ways
+
+
+def _check_sdpa_shapes(q_shape, k_shape, v_shape, enable_gqa: bool, layout: str, mode: str,
+                       world: int, batch_ways: int) -> None:
+    """The size checks of :func:`_check_sdpa_args` (plain Python: sizes may be symbolic)."""
+    _check_even_shards([("query", q_shape), ("key", k_shape), ("value", v_shape)],
+                       seq_dim=SDPA_SEQ_DIM, layout=layout, world=world, batch_ways=batch_ways)
+    q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
     (B, H, S, D), (Bk, H_kv, Sk, Dk) = q_shape, k_shape
     if k_shape != v_shape:
         raise ValueError(f"key and value shapes differ: {k_shape} vs {v_shape}")
@@ -327,8 +354,7 @@ def _check_sdpa_metadata(
     if H % H_kv != 0:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv}")
     if mode == "ulysses":
-        _check_heads(H, xs[0].mesh.size(cp_dim), "ring_sdpa(mode='ulysses')")
-    return cp_dim, xs[0].mesh.get_group(cp_dim).group_name
+        _check_heads(H, world, "ring_sdpa(mode='ulysses')")
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,7 +420,7 @@ def scaled_dot_product_ring_attention(
 
 
 def _windowed(window_size: tuple[int, int], is_causal: bool, seq_len: int) -> bool:
-    return normalize_window(window_size, bool(is_causal), int(seq_len))[1] is not None
+    return normalize_window(window_size, bool(is_causal), seq_len)[1] is not None
 
 
 def _resolve_backend(q: Tensor, k: Tensor, backend: str | None, mode: str = "ring",
@@ -442,9 +468,11 @@ def _single_dim_strategies(
 
 
 def _check_op_group(q, k, v, group_name: str, layout: str) -> int:
-    xs = [_Sharded(n, s.mesh, tuple(s.placements), tuple(s.shape))
-          for n, s in (("q", q), ("k", k), ("v", v))]
-    cp_dim = _cp_mesh_dim(xs, seq_dim=OP_SEQ_DIM, layout=layout, layout_names="[B, S, H, D]")
+    named = (("q", q), ("k", k), ("v", v))
+    xs = [_Sharded(n, s.mesh, tuple(s.placements), len(s.shape)) for n, s in named]
+    cp_dim, batch_ways = _cp_mesh_dim(xs, seq_dim=OP_SEQ_DIM, layout_names="[B, S, H, D]")
+    _check_even_shards([(n, s.shape) for n, s in named], seq_dim=OP_SEQ_DIM, layout=layout,
+                       world=q.mesh.size(cp_dim), batch_ways=batch_ways)
     expected = q.mesh.get_group(cp_dim).group_name
     if group_name != expected:
         raise ValueError(

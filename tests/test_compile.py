@@ -216,6 +216,50 @@ def test_direct_call_compiles_with_activation_checkpointing(dist_pool, mode):
         assert r["frames"] == 1 and r["diff"] < 1e-5, r
 
 
+def _dynamic_sequence_length(group, direct):
+    """Two sequence lengths through one ``fullgraph`` function: the second call recompiles
+    with a symbolic sequence length (Dynamo's automatic dynamic shapes)."""
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    W = mesh.size()
+
+    def attend(q, k, v):
+        if direct:
+            return dtensor_ring.scaled_dot_product_ring_attention(
+                q, k, v, is_causal=True, enable_gqa=True, layout="zigzag", window_size=(5, 0))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    compiled = torch.compile(lambda q, k, v: attend(q, k, v).sin(), backend="aot_eager",
+                             fullgraph=True)
+    diffs = []
+    for S in (8 * W, 16 * W):
+        full = [t.transpose(1, 2) for t in random_qkv(1, S, 4, 2, 8, dtype=torch.float64,
+                                                        seed=S)]
+        leaves = [dtensor_ring.shard_sequence(t, mesh, seq_dim=2, layout="zigzag")
+                  .detach().requires_grad_() for t in full]
+        with dtensor_ring.ring_sdpa(layout="zigzag", window_size=(5, 0)):
+            out = compiled(*leaves)
+            out.sum().backward()
+        got = [dtensor_ring.unshard_sequence(t, seq_dim=2, layout="zigzag")
+               for t in (out, *(t.grad for t in leaves))]
+        ref_leaves = [t.detach().requires_grad_() for t in full]
+        ref, _ = reference_attention(*(t.transpose(1, 2) for t in ref_leaves), causal=True,
+                                     window_size=(5, 0))
+        ref = ref.transpose(1, 2).sin()
+        ref.sum().backward()
+        diffs.append(_max_diff(got, [ref, *(t.grad for t in ref_leaves)]))
+    return {"diff": max(diffs), "graph_breaks": sum(counters["graph_break"].values()),
+            "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["sdpa_in_scope", "direct_call"])
+def test_dynamic_sequence_length(dist_pool, direct):
+    """A new sequence length recompiles with symbolic sizes, still one graph, no break."""
+    for r in dist_pool.run(_dynamic_sequence_length, 2, direct=direct):
+        assert r["graph_breaks"] == 0 and r["diff"] < 1e-10, r
+
+
 # --------------------------------------------------------------------------------------------
 # 3. Scope and compile
 # --------------------------------------------------------------------------------------------
