@@ -18,8 +18,8 @@ Which tokens a rank holds (Note [Varlen layouts] in ``varlen.py``; shard with
 * ``llama3_flash_attn_varlen_*``: the packed stream cut into W contiguous slices; the metadata
   comes from :func:`dtensor_ring.llama3_flash_attn_prepare_cu_seqlens`.
 
-Non-default ``dropout_p``, ``window_size`` (sliding windows are dense-only; docs/window.md) and
-``alibi_slopes`` raise ``ValueError``;
+Non-default ``dropout_p`` and ``alibi_slopes`` raise ``ValueError``, and so does ``window_size``
+except for causal llama3 (docs/window.md);
 ``deterministic=True`` restricts the block kernel to those with a deterministic backward;
 ``backend`` (keyword only) names a block kernel that supports varlen (on CPU: "math").
 """
@@ -41,6 +41,7 @@ from .validation import (
     check_no_window,
     check_qkv_tensors,
     check_unsupported,
+    normalize_window,
 )
 from .varlen import check_varlen_qkv
 
@@ -48,18 +49,19 @@ from .varlen import check_varlen_qkv
 @torch.compiler.assume_constant_result
 def _select_varlen_backend(
     device_type: str, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
-    deterministic: bool, backend: str | None,
+    deterministic: bool, backend: str | None, window: bool = False,
 ) -> str:
     call = KernelCall(device_type, dtype, head_dim, num_heads, num_kv_heads, varlen=True,
-                      deterministic=deterministic)
+                      deterministic=deterministic, window=window)
     return select_kernel(call, backend).name
 
 
-def _backend_name(q: Tensor, k: Tensor, backend: str | None, deterministic: bool) -> str:
+def _backend_name(q: Tensor, k: Tensor, backend: str | None, deterministic: bool,
+                  window: bool = False) -> str:
     """The varlen block kernel's name; a constant under torch.compile (as the dense API's
     ``_compat.select_backend_name``: backend availability probes are not traceable)."""
     return _select_varlen_backend(q.device.type, q.dtype, int(q.shape[-1]), int(q.shape[-2]),
-                                  int(k.shape[-2]), bool(deterministic), backend)
+                                  int(k.shape[-2]), bool(deterministic), backend, bool(window))
 
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
@@ -125,7 +127,7 @@ Args:
     {meta}
     dropout_p: must be 0.0.  softmax_scale: defaults to ``D ** -0.5``.
     causal: causal mask within each document{causal_note}.
-    window_size: must be (-1, -1).  alibi_slopes: must be None.
+    window_size: {window_note}  alibi_slopes: must be None.
     deterministic: require a block kernel with a deterministic backward.
     return_attn_probs: also return ``lse [H, T_local]`` (as ``(out, lse, None)``).
     group: the context-parallel process group (default: the default group).
@@ -198,6 +200,7 @@ def _make_varlen_api(prefix: str, layout: str) -> tuple[Callable, Callable, Call
              f"cut into {pieces} pieces; see Note [Varlen layouts])",
         meta=_RING_META,
         causal_note="" if layout == "ring" else "; must be True for this layout",
+        window_note="must be (-1, -1) (docs/window.md: use llama3 or dense inputs).",
         raises="" if layout == "ring" else ", a local document of odd length",
     ))
     return fns
@@ -209,8 +212,9 @@ def _llama3(
     return_attn_probs, group, backend,
 ):
     check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
-    check_no_window(window_size, "llama3 varlen attention")
     name = group_name(group)
+    world_size = dist.get_world_size(group)
+    causal, window = normalize_window(window_size, causal, q.shape[0] * world_size)
     if not isinstance(local_k_slice, slice) or local_k_slice.step not in (None, 1) or not (
         isinstance(local_k_slice.start, int) and isinstance(local_k_slice.stop, int)
     ):
@@ -227,11 +231,11 @@ def _llama3(
     else:
         check_llama3_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, heads_k_stride,
                           k_start, k_stop, causal=causal, rank=dist.get_rank(group),
-                          world_size=dist.get_world_size(group))
-    backend = _backend_name(q, k, backend, deterministic)
+                          world_size=world_size, window=window)
+    backend = _backend_name(q, k, backend, deterministic, window=window is not None)
     out, lse = llama3_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                 heads_k_stride, k_start, k_stop, name, causal,
-                                _scale(q, softmax_scale), backend)
+                                _scale(q, softmax_scale), backend, *window_size)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -294,6 +298,8 @@ def _make_llama3_api() -> tuple[Callable, Callable, Callable]:
              "[llama3 all-gather attention])",
         meta=_LLAMA3_META,
         causal_note="",
+        window_note="flash-attn sliding window ``(left, 0)`` within each document, over\n"
+                    "        its global positions (causal only).",
         raises=", metadata not from llama3_flash_attn_prepare_cu_seqlens (causal), a "
                "heads_k_stride that does not divide H_kv",
     ))

@@ -22,6 +22,13 @@ straddling document's prefix, exactly the keys flash-attn's bottom-right-aligned
 would show it for ``llama3_flash_attn_prepare_cu_seqlens``'s ``cu_seqlens_k``. The diagonal
 needs no communication, so it also overlaps the gather.
 
+A causal sliding window ``(left, 0)`` (global positions within a document) changes only the
+masks: the diagonal's square per-document blocks take the window as is (flash's bottom-right
+alignment is exact for square blocks), and the prefix block is trimmed to the queries and keys
+the window keeps (Note [Windowed schedules] in ``plan.py``), or skipped when it keeps none.
+A window with non-causal llama3 is refused: its per-document key ranges are not aligned with
+the queries, so one varlen call cannot express the band.
+
 Backward, per group: the diagonal's dK/dV are local; the prefix (causal) or all (non-causal)
 dK/dV contributions land in a ``[W*L]``-token buffer that is reduce-scattered, asynchronously
 (overlapping the next group). The buffer and the reduce-scatter are in the accumulation dtype
@@ -43,6 +50,7 @@ from torch import Tensor
 
 from .kernels import BlockKernel, accumulation_dtype
 from .merge import merge_
+from .plan import UNBOUNDED, Block, run_block
 from .validation import check_qkv_tensors
 from .varlen import (
     check_bounds,
@@ -116,7 +124,10 @@ class Llama3Meta:
 
     ``cu_q``/``cu_k`` are on the tensors' device; ``prefix`` (causal only) is the number of
     keys of the first local document before this rank's slice (0: it starts here), and
-    ``first_len`` that document's local length.
+    ``first_len`` that document's local length. ``window``: the causal sliding window
+    ``(left, 0)`` or None; ``prefix_block``: the first document's queries against its keys on
+    earlier ranks, spans relative to the document's local queries and to its prefix keys
+    (None: nothing to compute).
     """
 
     causal: bool
@@ -131,6 +142,8 @@ class Llama3Meta:
     max_k: int
     prefix: int
     first_len: int
+    window: tuple[int, int] | None
+    prefix_block: Block | None
 
 
 def llama3_meta(
@@ -145,8 +158,18 @@ def llama3_meta(
     rank: int,
     world_size: int,
     device: torch.device,
+    window: tuple[int, int] | None = None,
 ) -> Llama3Meta:
-    """Check the llama3 metadata against this rank's ``local_len`` tokens; raise ValueError."""
+    """Check the llama3 metadata against this rank's ``local_len`` tokens; raise ValueError.
+
+    ``window``: a normalised sliding window (``validation.normalize_window``); causal only.
+    """
+    if window is not None and not causal:
+        raise ValueError(
+            f"window_size={window} with non-causal llama3 attention is not supported (its key "
+            "ranges are not aligned with the queries); pass causal=True, or use the dense "
+            "ring_flash_attn_func"
+        )
     check_cu_seqlens_tensor(cu_seqlens_q, "cu_seqlens_q")
     check_cu_seqlens_tensor(cu_seqlens_k, "cu_seqlens_k")
     bq = host_values(cu_seqlens_q)
@@ -179,7 +202,7 @@ def llama3_meta(
     check_max_seqlen("max_seqlen_k", max_seqlen_k, bk, hint)
     return _llama3_meta_cached(
         tuple(bq), tuple(bk), k_start, k_stop, local_len, causal, rank, world_size,
-        torch.device(device),
+        torch.device(device), window,
     )
 
 
@@ -194,8 +217,14 @@ def _llama3_meta_cached(
     rank: int,
     world_size: int,
     device: torch.device,
+    window: tuple[int, int] | None,
 ) -> Llama3Meta:
     # Cached on the values: the cu_seqlens tensors are copied to ``device`` once per batch.
+    prefix = rank * local_len - k_start if causal else 0
+    prefix_block = None
+    if prefix:  # queries at document positions prefix + i, keys at positions 0..prefix-1
+        lo = -UNBOUNDED if window is None else -window[0]
+        prefix_block = run_block((0, bq[1], prefix), (0, prefix, 0), 1, lo, 0, init=False)
     return Llama3Meta(
         causal=causal,
         rank=rank,
@@ -207,8 +236,10 @@ def _llama3_meta_cached(
         cu_k=torch.tensor(bk, dtype=torch.int32, device=device),
         max_q=max(b - a for a, b in zip(bq[:-1], bq[1:], strict=True)),
         max_k=max(b - a for a, b in zip(bk[:-1], bk[1:], strict=True)),
-        prefix=rank * local_len - k_start if causal else 0,
+        prefix=prefix,
         first_len=bq[1],
+        window=window,
+        prefix_block=prefix_block,
     )
 
 
@@ -239,6 +270,7 @@ def check_llama3_call(
     causal: bool,
     rank: int,
     world_size: int,
+    window: tuple[int, int] | None = None,
 ) -> Llama3Meta:
     """Every check of one rank's llama3 call (no communication); returns its metadata.
 
@@ -254,7 +286,7 @@ def check_llama3_call(
         check_cu_seqlens_device(cu, q, name)
     return llama3_meta(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_start, k_stop, q.shape[0],
-        causal, rank, world_size, q.device,
+        causal, rank, world_size, q.device, window,
     )
 
 
@@ -288,6 +320,13 @@ class _Pending:
         self._work.wait()
         self._keep_alive = None
         return self._result
+
+
+def _prefix_parts(m: Llama3Meta) -> tuple[Block, slice, slice]:
+    """The prefix block, its query rows (local) and its keys (in the gathered K/V)."""
+    blk = m.prefix_block
+    (q0, q1), (k0, k1) = blk.q.bounds(m.first_len), blk.kv.bounds(m.prefix)
+    return blk, slice(q0, q1), slice(m.k_start + k0, m.k_start + k1)
 
 
 def _head_groups(H: int, H_kv: int, stride: int) -> Sequence[tuple[int, slice]]:
@@ -329,7 +368,7 @@ def llama3_forward(
             kv_heads = slice(h, h + heads_k_stride)
             out_g, lse_g = kernel.forward_varlen(
                 q_g, k_THD[:, kv_heads], v_THD[:, kv_heads], m.cu_q, m.cu_q, m.max_q, m.max_q,
-                causal=True, scale=scale,
+                causal=m.window is None, scale=scale, window=m.window,
             )
         k_full, v_full = pending.wait()
         if i + 1 < len(groups):
@@ -337,17 +376,17 @@ def llama3_forward(
         if m.causal:
             lse[hq] = lse_g
             out[:, hq] = out_g
-            if m.prefix:
-                n, keys = m.first_len, slice(m.k_start, m.k_start + m.prefix)
+            if m.prefix_block is not None:
+                blk, rows, keys = _prefix_parts(m)
                 out_p, lse_p = kernel.forward(
-                    q_g[None, :n], k_full[None, keys], v_full[None, keys], causal=False,
-                    scale=scale,
+                    q_g[None, rows], k_full[None, keys], v_full[None, keys], causal=blk.causal,
+                    scale=scale, window=blk.window,
                 )
-                out_rows = out_g[:n].to(acc)
-                lse_rows = lse[hq, :n]
+                out_rows = out_g[rows].to(acc)
+                lse_rows = lse[hq, rows]
                 merge_(out_rows[None], lse_rows[None], out_p, lse_p)
-                lse[hq, :n] = lse_rows
-                out[:n, hq] = out_rows.to(out.dtype)
+                lse[hq, rows] = lse_rows
+                out[rows, hq] = out_rows.to(out.dtype)
         else:
             keys = slice(m.k_start, m.k_stop)
             out_g, lse_g = kernel.forward_varlen(
@@ -402,7 +441,8 @@ def llama3_backward(
         if m.causal:  # local diagonal, while the gather is in flight
             dq_d, dk_d, dv_d = kernel.backward_varlen(
                 *args_q, k_THD[:, kv_heads], v_THD[:, kv_heads], out_g, lse_g,
-                m.cu_q, m.cu_q, m.max_q, m.max_q, causal=True, scale=scale,
+                m.cu_q, m.cu_q, m.max_q, m.max_q, causal=m.window is None, scale=scale,
+                window=m.window,
             )
             dq[:, hq] += dq_d
             dk[:, kv_heads] += dk_d
@@ -412,13 +452,14 @@ def llama3_backward(
             pending = gather.start(groups[i + 1][0])
         dkv_full = torch.zeros(W * L, 2, heads_k_stride, D, dtype=acc, device=q_THD.device)
         if m.causal:
-            if m.prefix:
-                n, keys = m.first_len, slice(m.k_start, m.k_start + m.prefix)
+            if m.prefix_block is not None:
+                blk, rows, keys = _prefix_parts(m)
                 dq_p, dk_p, dv_p = kernel.backward(
-                    *(x[None, :n] for x in args_q), k_full[None, keys], v_full[None, keys],
-                    out_g[None, :n], lse_g[None, :, :n], causal=False, scale=scale,
+                    *(x[None, rows] for x in args_q), k_full[None, keys], v_full[None, keys],
+                    out_g[None, rows], lse_g[None, :, rows], causal=blk.causal, scale=scale,
+                    window=blk.window,
                 )
-                dq[:n, hq] += dq_p[0]
+                dq[rows, hq] += dq_p[0]
                 dkv_full[keys, 0] = dk_p[0]
                 dkv_full[keys, 1] = dv_p[0]
         else:

@@ -24,6 +24,7 @@ from .engine import ring_backward, ring_forward
 from .kernels import BlockKernel, KernelCall, accumulation_dtype, select_kernel
 from .llama3 import Llama3Meta, check_llama3_call, llama3_backward, llama3_forward
 from .ops import fake_grads, make_plan_cached, register_attention_autograd
+from .validation import normalize_window
 from .varlen import VarlenBlocks, check_varlen_qkv, varlen_blocks
 
 
@@ -116,15 +117,19 @@ register_attention_autograd(ring_attention_varlen, ring_attention_varlen_backwar
 
 def _setup_llama3(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, k_start,
-    k_stop, group_name, causal, backend,
+    k_stop, group_name, causal, backend, window_left, window_right,
 ) -> tuple[Llama3Meta, BlockKernel, dist.ProcessGroup]:
     group = resolve_group(group_name)
+    world_size = dist.get_world_size(group)
+    causal, window = normalize_window((window_left, window_right), causal,
+                                      q.shape[0] * world_size)
     meta = check_llama3_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
-        k_start, k_stop, causal=causal, rank=dist.get_rank(group),
-        world_size=dist.get_world_size(group),
+        k_start, k_stop, causal=causal, rank=dist.get_rank(group), world_size=world_size,
+        window=window,
     )
-    return meta, select_kernel(KernelCall.of(q, k, varlen=True), backend), group
+    kernel = select_kernel(KernelCall.of(q, k, varlen=True, window=window is not None), backend)
+    return meta, kernel, group
 
 
 @torch.library.custom_op("dtensor_ring::llama3_attention", mutates_args=())
@@ -143,22 +148,25 @@ def llama3_attention(
     causal: bool,
     scale: float,
     backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """llama3 all-gather attention of local ``q [L, H, D]``, ``k, v [L, H_kv, D]`` -> (out, lse).
 
     ``cu_seqlens_q/k``, ``max_seqlen_q/k`` and ``local_k_slice = slice(k_start, k_stop)`` as
-    returned by ``llama3_flash_attn_prepare_cu_seqlens`` (Note [llama3 all-gather attention]).
+    returned by ``llama3_flash_attn_prepare_cu_seqlens`` (Note [llama3 all-gather attention]);
+    ``window_left/right``: a sliding window within documents (causal only).
     """
     meta, kernel, group = _setup_llama3(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
-        k_start, k_stop, group_name, causal, backend,
+        k_start, k_stop, group_name, causal, backend, window_left, window_right,
     )
     return llama3_forward(q, k, v, meta, heads_k_stride, group, kernel, scale)
 
 
 @llama3_attention.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, k_start,
-      k_stop, group_name, causal, scale, backend=None):
+      k_stop, group_name, causal, scale, backend=None, window_left=-1, window_right=-1):
     return _fake_out_lse(q)
 
 
@@ -181,11 +189,13 @@ def llama3_attention_backward(
     causal: bool,
     scale: float,
     backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`llama3_attention`."""
     meta, kernel, group = _setup_llama3(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
-        k_start, k_stop, group_name, causal, backend,
+        k_start, k_stop, group_name, causal, backend, window_left, window_right,
     )
     return llama3_backward(dout, q, k, v, out, lse, meta, heads_k_stride, group, kernel, scale)
 

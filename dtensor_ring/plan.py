@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 from .validation import check_layout_causal
 
-_UNBOUNDED = 1 << 62  # a band edge that never bites (exact integer arithmetic throughout)
+UNBOUNDED = 1 << 62  # a band edge that never bites (exact integer arithmetic throughout)
 
 
 class Part(enum.Enum):
@@ -160,13 +160,13 @@ class Block:
         """The mask as ``lo <= j - i <= hi`` in block coordinates (local length ``n``)."""
         s_q, s_k = self.q.size(n), self.kv.size(n)
         if self.causal:
-            return -_UNBOUNDED, 0
+            return -UNBOUNDED, 0
         if self.window is None:
-            return -_UNBOUNDED, _UNBOUNDED
+            return -UNBOUNDED, UNBOUNDED
         left, right = self.window
         return (
-            -_UNBOUNDED if left < 0 else s_k - s_q - left,
-            _UNBOUNDED if right < 0 else s_k - s_q + right,
+            -UNBOUNDED if left < 0 else s_k - s_q - left,
+            UNBOUNDED if right < 0 else s_k - s_q + right,
         )
 
     def score_pairs(self, n: int) -> int:
@@ -269,13 +269,18 @@ def _stride(layout: str, world_size: int) -> int:
 def _window_bounds(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
     """The global mask ``lo <= key - query <= hi`` of ``causal`` and a window."""
     left, right = window
-    lo = -_UNBOUNDED if left < 0 else -left
-    hi = 0 if causal else _UNBOUNDED if right < 0 else right
+    lo = -UNBOUNDED if left < 0 else -left
+    hi = 0 if causal else UNBOUNDED if right < 0 else right
     return lo, hi
 
 
-def _run_block(q_run, kv_run, stride: int, lo: int, hi: int, init: bool) -> Block | None:
-    """The trimmed block of query run vs key run under ``lo <= key - query <= hi`` (global)."""
+def run_block(q_run, kv_run, stride: int, lo: int, hi: int, init: bool) -> Block | None:
+    """The trimmed block of a query run against a key run under ``lo <= key - query <= hi``
+    (global positions; ``-UNBOUNDED``/``UNBOUNDED`` for an open side), or None if empty.
+
+    A run is ``(local start, length, global position of its first token)``; consecutive
+    tokens of both runs are ``stride`` positions apart. The block's spans are local indices.
+    """
     (q_start, s_q, q_pos), (k_start, s_k, k_pos) = q_run, kv_run
     d = k_pos - q_pos  # global key - query position at i = j = 0
     band_lo, band_hi = -((d - lo) // stride), (hi - d) // stride  # ceil / floor
@@ -310,7 +315,7 @@ def _windowed_blocks(layout: str, world_size: int, causal: bool, window: tuple[i
     # initialise the accumulators and the other blocks merge into them.
     pairs = sorted(((a, b) for a in range(len(q_runs)) for b in range(len(kv_runs))),
                    key=lambda ab: ab[0] != ab[1] or src != rank)
-    blocks = [_run_block(q_runs[a], kv_runs[b], stride, lo, hi, src == rank and a == b)
+    blocks = [run_block(q_runs[a], kv_runs[b], stride, lo, hi, src == rank and a == b)
               for a, b in pairs]
     blocks = tuple(b for b in blocks if b is not None)
     if plain is not None and sum(b.score_pairs(n) for b in blocks) == plain.score_pairs(n):

@@ -60,8 +60,8 @@ def check_no_window(window_size: object, what: str) -> None:
     if check_window_size(window_size) != (-1, -1):
         raise ValueError(
             f"window_size={tuple(window_size)} is not supported by {what}; pass "
-            "window_size=(-1, -1), or use the dense functions (ring/zigzag/stripe_flash_attn_"
-            "func), which support sliding windows"
+            "window_size=(-1, -1), or use llama3_flash_attn_varlen_func (causal windows) or "
+            "the dense functions (ring/zigzag/stripe_flash_attn_func)"
         )
 
 

@@ -83,8 +83,10 @@ def reference_attention_varlen(
     *,
     causal: bool,
     scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor]:
-    """Per-document attention of packed sequences, in float64.
+    """Per-document attention of packed sequences, in float64 (``window_size`` over the
+    positions within each document, as :func:`reference_attention`).
 
     Args:
         q: ``[T, H, D]``; k, v: ``[T, H_kv, D]``; ``cu_seqlens``: ``[N + 1]`` document
@@ -101,7 +103,8 @@ def reference_attention_varlen(
         if end == start:
             continue
         out, lse = reference_attention(
-            q[None, start:end], k[None, start:end], v[None, start:end], causal=causal, scale=scale
+            q[None, start:end], k[None, start:end], v[None, start:end], causal=causal,
+            scale=scale, window_size=window_size,
         )
         outs.append(out[0])
         lses.append(lse[0])

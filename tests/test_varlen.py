@@ -97,6 +97,7 @@ class Case:
     stride: int | None = None  # llama3 heads_k_stride (default from HEADS)
     max_seqlen: str = "exact"  # "exact", "none" or "loose" (an upper bound)
     cu_dtype_device: str = "cpu"
+    window_size: tuple[int, int] = (-1, -1)
     seed: int = 0
 
     def id(self, world_size: int) -> str:
@@ -106,6 +107,8 @@ class Case:
             parts.append(f"stride{self.stride}")
         if self.max_seqlen != "exact":
             parts.append(f"maxseqlen_{self.max_seqlen}")
+        if self.window_size != (-1, -1):
+            parts.append("window{}_{}".format(*self.window_size))
         return "-".join(parts)
 
 
@@ -145,7 +148,8 @@ def check_varlen(group: dist.ProcessGroup, case: Case) -> float:
     dout = torch.randn(T, H, case.D, generator=gen, dtype=torch.float64)
 
     full = [x.clone().requires_grad_() for x in (q, k, v)]
-    out_ref, lse_ref = reference_attention_varlen(*full, cu, causal=causal)
+    out_ref, lse_ref = reference_attention_varlen(*full, cu, causal=causal,
+                                                  window_size=case.window_size)
     grads_ref = torch.autograd.grad(out_ref, full, dout)
     idx = torch.tensor(expected_indices(lengths, api, rank, W))
 
@@ -166,8 +170,9 @@ def check_varlen(group: dist.ProcessGroup, case: Case) -> float:
         max_seqlen = {"exact": max(lengths) // W, "none": None,
                       "loose": max(lengths)}[case.max_seqlen]
         meta = (cu_local, max_seqlen)
+    kwargs = {} if case.window_size == (-1, -1) else {"window_size": case.window_size}
     result, leaves = _call(api, case.form, *local, meta, causal=causal, group=group,
-                           return_attn_probs=True)
+                           return_attn_probs=True, **kwargs)
     out, lse, probs = result
     assert probs is None
     assert out.shape == (len(idx), H, case.D) and out.dtype == case.dtype
@@ -210,6 +215,13 @@ FP64 = _params(
     (w, Case(variant=v, docs=d, heads=h, seed=w))
     for w in (1, 2, 3, 4) for v in VARIANTS for d in _docs_for(v) for h in ("mha", "gqa")
 )
+# Sliding windows within documents (llama3, causal): smaller than, about equal to and larger
+# than a rank's slice (2-5 tokens here) and than the documents.
+WINDOWED = _params(
+    (w, Case(variant="llama3_causal", docs=d, heads=h, window_size=(left, 0), seed=w))
+    for w in (1, 2, 3, 4) for d in ("many_short", "random", "aligned")
+    for h, left in (("gqa", 1), ("mha", 3), ("gqa", 6), ("mqa", 40))
+)
 EXTRA = _params([
     *[(w, Case(variant=v, heads="mqa")) for w in (2, 3) for v in VARIANTS],
     *[(w, Case(variant=v, form=f)) for w in (2, 3) for v in VARIANTS
@@ -225,6 +237,12 @@ EXTRA = _params([
 
 @pytest.mark.parametrize("world_size, case", FP64)
 def test_varlen_fp64(dist_pool, world_size, case):
+    dist_pool.run(check_varlen, world_size, case=case)
+
+
+@pytest.mark.parametrize("world_size, case", WINDOWED)
+def test_llama3_window(dist_pool, world_size, case):
+    """Causal sliding windows within documents: diagonal and trimmed prefix blocks."""
     dist_pool.run(check_varlen, world_size, case=case)
 
 
@@ -336,6 +354,9 @@ BAD_CALLS = {
     "llama3_slice_out_of_range": (lambda g: _llama3(g, k_slice=slice(0, 10_000)),
                                   r"local_k_slice=slice\(0, 10000\)"),
     "llama3_dropout": (lambda g: _llama3(g, dropout_p=0.5), r"dropout_p"),
+    "llama3_window_non_causal": (lambda g: _llama3(g, causal=False, window_size=(2, 2)),
+                                 r"window_size=\(2, 2\) with non-causal llama3"),
+    "llama3_window_malformed": (lambda g: _llama3(g, window_size=(2, 0, 1)), r"window_size"),
 }
 
 

@@ -148,8 +148,10 @@ class BlockKernel:
         *,
         causal: bool,
         scale: float,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Return ``(out_THD, lse_HT)``; documents are attended to independently."""
+        """Return ``(out_THD, lse_HT)``; documents are attended to independently (``window``
+        per document, bottom-right aligned as for dense blocks)."""
         raise NotImplementedError
 
     def backward_varlen(
@@ -167,6 +169,7 @@ class BlockKernel:
         *,
         causal: bool,
         scale: float,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(dq_THD, dk_THD, dv_THD)`` given the global out/lse."""
         raise NotImplementedError

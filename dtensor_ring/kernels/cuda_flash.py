@@ -142,7 +142,7 @@ class TorchFlashKernel(BlockKernel):
 
     def forward_varlen(
         self, q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        *, causal, scale,
+        *, causal, scale, window=None,
     ):
         out_THD, lse_HT, *_ = torch.ops.aten._flash_attention_forward(
             unit_last_stride(q_THD),
@@ -156,12 +156,13 @@ class TorchFlashKernel(BlockKernel):
             causal,
             False,
             scale=scale,
+            **_window_args(window),
         )
         return out_THD, lse_HT
 
     def backward_varlen(
         self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, *, causal, scale,
+        max_seqlen_q, max_seqlen_k, *, causal, scale, window=None,
     ):
         rng_state, unused = _no_dropout_rng(q_THD.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
@@ -180,5 +181,6 @@ class TorchFlashKernel(BlockKernel):
             rng_state,
             unused,
             scale=scale,
+            **_window_args(window),
         )
         return dq, dk, dv

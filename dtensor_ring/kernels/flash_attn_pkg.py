@@ -162,19 +162,19 @@ class FlashAttnKernel(BlockKernel):
 
     def forward_varlen(
         self, q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        *, causal, scale,
+        *, causal, scale, window=None,
     ):
         fn = _interface()._flash_attn_varlen_forward
         result = fn(
             q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             return_softmax=False, block_table=None,
-            **_options(fn, causal=causal, scale=scale),
+            **_options(fn, causal=causal, scale=scale, window=window),
         )
         return _out_and_lse(fn, result)
 
     def backward_varlen(
         self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, *, causal, scale,
+        max_seqlen_q, max_seqlen_k, *, causal, scale, window=None,
     ):
         fn = _interface()._flash_attn_varlen_backward
         dq, dk, dv = _grad_buffers(q_THD, k_THD, v_THD)
@@ -184,6 +184,6 @@ class FlashAttnKernel(BlockKernel):
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             deterministic=torch.are_deterministic_algorithms_enabled(),
-            **_options(fn, causal=causal, scale=scale),
+            **_options(fn, causal=causal, scale=scale, window=window),
         )
         return dq, dk, dv

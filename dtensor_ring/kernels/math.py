@@ -44,17 +44,28 @@ def _dense_mask(
 
 
 def _varlen_mask(
-    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, t_q: int, t_k: int, causal: bool
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, t_q: int, t_k: int, causal: bool,
+    window: tuple[int, int] | None = None,
 ) -> Tensor:
-    """``[T_q, T_k]`` mask: same document, and key position <= query position if causal."""
+    """``[T_q, T_k]`` mask: same document, and key position <= query position if causal; a
+    ``window`` per document, aligned bottom-right (key ``j`` of a document of ``n_k`` keys
+    visible to its query ``i`` of ``n_q`` iff ``-left <= j - i - (n_k - n_q) <= right``)."""
     device = cu_seqlens_q.device
     doc_q = torch.searchsorted(cu_seqlens_q[1:], torch.arange(t_q, device=device), right=True)
     doc_k = torch.searchsorted(cu_seqlens_k[1:], torch.arange(t_k, device=device), right=True)
     mask = doc_q[:, None] == doc_k[None, :]
+    pos_q = torch.arange(t_q, device=device) - cu_seqlens_q[doc_q]
+    pos_k = torch.arange(t_k, device=device) - cu_seqlens_k[doc_k]
     if causal:
-        pos_q = torch.arange(t_q, device=device) - cu_seqlens_q[doc_q]
-        pos_k = torch.arange(t_k, device=device) - cu_seqlens_k[doc_k]
         mask &= pos_k[None, :] <= pos_q[:, None]
+    if window is not None:
+        lengths_q, lengths_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+        d = pos_k[None, :] - pos_q[:, None] - (lengths_k - lengths_q)[doc_q][:, None]
+        left, right = window
+        if left >= 0:
+            mask &= d >= -left
+        if right >= 0:
+            mask &= d <= right
     return mask
 
 
@@ -124,17 +135,19 @@ class MathKernel(BlockKernel):
 
     def forward_varlen(
         self, q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        *, causal, scale,
+        *, causal, scale, window=None,
     ):
-        mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q_THD.shape[0], k_THD.shape[0], causal)
+        mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q_THD.shape[0], k_THD.shape[0], causal,
+                            window)
         out, lse = _forward(q_THD[None], k_THD[None], v_THD[None], scale, mask)
         return out[0], lse[0]
 
     def backward_varlen(
         self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, *, causal, scale,
+        max_seqlen_q, max_seqlen_k, *, causal, scale, window=None,
     ):
-        mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q_THD.shape[0], k_THD.shape[0], causal)
+        mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q_THD.shape[0], k_THD.shape[0], causal,
+                            window)
         grads = _backward(
             dout_THD[None], q_THD[None], k_THD[None], v_THD[None], out_THD[None], lse_HT[None],
             scale, mask,
