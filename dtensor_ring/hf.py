@@ -22,7 +22,8 @@ Limits (each raises ``ValueError`` rather than computing something else): causal
 only, no attention mask (padding) or 4-D masks, packed sequences only with B == 1, the
 "llama3" layout only with B == 1 and "stripe" not packed, position ids only as
 :func:`shard_batch` builds them (positions restarting without the ``cu_seq_lens_*`` metadata
-are rejected), no sliding window, no softcap, no dropout, no KV cache.
+are rejected), sliding windows (``sliding_window``) dense or with "llama3" packed rows, no
+softcap, no dropout, no KV cache.
 
 ``transformers`` is imported only inside the functions here; ``import dtensor_ring`` never
 imports this module.
@@ -136,8 +137,10 @@ def ring_attention_forward(
         kwargs: ``position_ids [B, S]`` must be this rank's positions as :func:`shard_batch`
             builds them; ``cu_seq_lens_q`` (and ``cu_seq_lens_k``, equal to it), the *global*
             document boundaries ``[N + 1]`` of a packed batch (B == 1), select the varlen
-            attention (``max_length_q/k`` are not needed and ignored); a ``sliding_window``
-            or ``softcap`` other than None is rejected.
+            attention (``max_length_q/k`` are not needed and ignored); ``sliding_window``
+            (Mistral, Qwen2, Gemma ...: a query sees the ``sliding_window`` latest keys, itself
+            included) becomes ``window_size=(sliding_window - 1, 0)`` (docs/window.md; packed
+            rows need layout "llama3"); a ``softcap`` other than None is rejected.
 
     Returns:
         ``(out [B, S, H, D], None)``.
@@ -148,14 +151,16 @@ def ring_attention_forward(
         raise ValueError("dtensor_ring attention cannot honour an attention mask (4-D or custom)")
     if not getattr(module, "is_causal", True):
         raise ValueError("dtensor_ring attention supports causal attention only")
-    for name in ("sliding_window", "softcap"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"dtensor_ring attention does not support {name}={kwargs[name]}")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"dtensor_ring attention does not support softcap={kwargs['softcap']}")
+    sliding_window = kwargs.get("sliding_window")
+    # transformers' masks: key j visible to query i iff i - sliding_window < j <= i
+    window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
     if dropout != 0.0:
         raise ValueError(f"dtensor_ring attention does not support dropout={dropout}")
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
-        return _varlen_attention(query, key, value, scaling, cu_seqlens, kwargs), None
+        return _varlen_attention(query, key, value, scaling, cu_seqlens, window, kwargs), None
     if _config.layout == "llama3":
         raise ValueError("dtensor_ring attention with layout='llama3' needs the cu_seq_lens_q "
                          "metadata that dtensor_ring.hf.shard_batch returns")
@@ -164,15 +169,16 @@ def ring_attention_forward(
     _check_positions(kwargs.get("position_ids"), token_indices(
         _config.layout, seq_local * world, dist.get_rank(_config.group), world))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = _FUNCS[_config.layout](q, k, v, softmax_scale=scaling, causal=True,
+    out = _FUNCS[_config.layout](q, k, v, softmax_scale=scaling, causal=True, window_size=window,
                                  group=_config.group, backend=_config.backend)
     return out, None
 
 
 def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float | None,
-                      cu_seqlens: Tensor, kwargs: dict) -> Tensor:
+                      cu_seqlens: Tensor, window: tuple[int, int], kwargs: dict) -> Tensor:
     """Causal varlen attention of a packed row: ``query [1, H, T_local, D]``, key/value
-    ``[1, H_kv, T_local, D]``, global ``cu_seqlens [N + 1]`` -> ``out [1, T_local, H, D]``."""
+    ``[1, H_kv, T_local, D]``, global ``cu_seqlens [N + 1]`` -> ``out [1, T_local, H, D]``;
+    ``window`` within documents (llama3 only)."""
     assert _config is not None
     layout, group = _config.layout, _config.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -195,11 +201,12 @@ def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float 
             cu_seqlens, True, rank, world)
         out = llama3_flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, max_q, max_k, k.shape[1], k_slice, softmax_scale=scaling,
-            causal=True, group=group, backend=_config.backend)
+            causal=True, window_size=window, group=group, backend=_config.backend)
     else:
         out = _VARLEN_FUNCS[layout](
             q, k, v, varlen_local_cu_seqlens(cu_seqlens, layout, rank, world), None,
-            softmax_scale=scaling, causal=True, group=group, backend=_config.backend)
+            softmax_scale=scaling, causal=True, window_size=window, group=group,
+            backend=_config.backend)
     return out.unsqueeze(0)
 
 

@@ -16,10 +16,13 @@ BATCH, SEQ, VOCAB = 2, 32, 128
 def _config(arch: str):
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[arch]
+    # mistral: every layer a sliding window of 5 tokens (the model passes sliding_window=5)
+    extra = {"sliding_window": 5} if arch == "mistral" else {}
     return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-               max_position_embeddings=256)
+               max_position_embeddings=256, **extra)
 
 
 def _model(arch: str, attn_implementation: str):
@@ -61,7 +64,8 @@ def _cp_vs_full(group, arch: str, layout: str) -> tuple[float, float, float]:
 
 
 @pytest.mark.parametrize("arch, layout", [("llama", "zigzag"), ("llama", "stripe"),
-                                          ("qwen2", "ring")])
+                                          ("qwen2", "ring"), ("mistral", "zigzag"),
+                                          ("mistral", "stripe")])
 def test_matches_without_cp(dist_pool, arch, layout):
     for logits_err, loss_err, grad_err in dist_pool.run(_cp_vs_full, WORLD, arch=arch,
                                                         layout=layout):
@@ -69,7 +73,7 @@ def test_matches_without_cp(dist_pool, arch, layout):
             logits_err, loss_err, grad_err)
 
 
-def _packed_vs_per_document(group, layout: str, lengths: tuple[int, ...]
+def _packed_vs_per_document(group, layout: str, lengths: tuple[int, ...], arch: str = "llama"
                             ) -> tuple[float, float, float]:
     """A packed row (DataCollatorWithFlattening) with CP vs the model run on each document."""
     from transformers import DataCollatorWithFlattening
@@ -82,14 +86,14 @@ def _packed_vs_per_document(group, layout: str, lengths: tuple[int, ...]
     batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
     assert set(batch) == {"input_ids", "labels", "position_ids"}
 
-    ref = _model("llama", "sdpa")  # flash-style varlen semantics: documents never meet
+    ref = _model(arch, "sdpa")  # flash-style varlen semantics: documents never meet
     ref_logits = torch.cat([ref(input_ids=d[None]).logits for d in docs], dim=1)
     shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     ref_loss = torch.nn.functional.cross_entropy(ref_logits[0], shifted[0], ignore_index=-100)
     ref_loss.backward()
 
     drhf.setup(group=group, layout=layout)
-    model = _model("llama", "dtensor_ring")
+    model = _model(arch, "dtensor_ring")
     inputs = drhf.shard_batch(batch, group=group, layout=layout)
     out = model(**inputs)
     out.loss.backward()
@@ -107,12 +111,15 @@ def _packed_vs_per_document(group, layout: str, lengths: tuple[int, ...]
             abs(loss.item() - ref_loss.item()), grad_err)
 
 
-@pytest.mark.parametrize("layout, lengths", [("llama3", (5, 8, 3)), ("zigzag", (4, 8, 4)),
-                                             ("ring", (6, 8, 2))])
-def test_packed_matches_per_document(dist_pool, layout, lengths):
+@pytest.mark.parametrize("layout, lengths, arch", [
+    ("llama3", (5, 8, 3), "llama"), ("zigzag", (4, 8, 4), "llama"), ("ring", (6, 8, 2), "llama"),
+    ("llama3", (5, 9, 2), "mistral"),  # sliding window 5 inside documents of 9 tokens
+])
+def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
     """Packed documents (straddling the rank border for llama3) vs each document alone."""
     for logits_err, loss_err, grad_err in dist_pool.run(_packed_vs_per_document, WORLD,
-                                                        layout=layout, lengths=lengths):
+                                                        layout=layout, lengths=lengths,
+                                                        arch=arch):
         assert logits_err < 1e-5 and loss_err < 1e-5 and grad_err < 1e-5, (
             logits_err, loss_err, grad_err)
 
