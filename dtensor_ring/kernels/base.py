@@ -20,7 +20,9 @@ for causal blocks with ``S_q == S_k``). Contract:
 * ``window=(left, right)`` (dense blocks, ``supports_window`` backends, never with ``causal``):
   flash-attn's sliding window, aligned bottom-right: key ``j`` is visible to query ``i`` iff
   ``-left <= j - i - (S_k - S_q) <= right``, -1 unbounded. The engine trims its blocks so that
-  no row or column is fully masked (Note [Windowed schedules] in ``plan.py``);
+  no row or column is fully masked (Note [Windowed schedules] in ``plan.py``), and then both
+  sides are < ``S_k`` (a test enumerates the plans): flash kernels treat a side >= ``S_k`` as
+  unbounded, which is wrong when ``S_q > S_k`` (measured: ``tests/gpu/check_window.py``).
   :func:`window_mask` is the mask as a tensor.
 
 Varlen kernels (``supports_varlen``) take packed ``[T, H, D]`` tensors with int32
