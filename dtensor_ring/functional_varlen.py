@@ -18,8 +18,8 @@ Which tokens a rank holds (Note [Varlen layouts] in ``varlen.py``; shard with
 * ``llama3_flash_attn_varlen_*``: the packed stream cut into W contiguous slices; the metadata
   comes from :func:`dtensor_ring.llama3_flash_attn_prepare_cu_seqlens`.
 
-Non-default ``dropout_p`` and ``alibi_slopes`` raise ``ValueError``, and so does ``window_size``
-except for causal llama3 (docs/window.md);
+Non-default ``dropout_p`` and ``alibi_slopes`` raise ``ValueError``; ``window_size`` is a sliding
+window within each document (llama3: causal only; docs/window.md);
 ``deterministic=True`` restricts the block kernel to those with a deterministic backward;
 ``backend`` (keyword only) names a block kernel that supports varlen (on CPU: "math").
 """
@@ -38,7 +38,6 @@ from .llama3 import check_heads_k_stride, check_llama3_call
 from .ops_varlen import llama3_attention, ring_attention_varlen
 from .validation import (
     check_layout_causal,
-    check_no_window,
     check_qkv_tensors,
     check_unsupported,
     normalize_window,
@@ -97,8 +96,8 @@ def _ring_varlen(
     backend: str | None,
 ):
     check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
-    check_no_window(window_size, f"{layout} varlen attention")
     name = group_name(group)
+    _, window = normalize_window(window_size, causal, q.shape[0] * dist.get_world_size(group))
     max_seqlen = _max_seqlen(max_seqlen, "max_seqlen")
     if torch.compiler.is_compiling():  # the op checks the cu_seqlens values when it runs
         check_layout_causal(layout, causal, ring_func="ring_flash_attn_varlen_func")
@@ -107,9 +106,9 @@ def _ring_varlen(
         check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen, layout=layout, causal=causal,
                          world_size=dist.get_world_size(group))
     # Resolve the kernel here too, so that an unsupported call fails before any communication.
-    backend = _backend_name(q, k, backend, deterministic)
+    backend = _backend_name(q, k, backend, deterministic, window=window is not None)
     out, lse = ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, name, layout, causal,
-                                     _scale(q, softmax_scale), backend)
+                                     _scale(q, softmax_scale), backend, *window_size)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -200,7 +199,8 @@ def _make_varlen_api(prefix: str, layout: str) -> tuple[Callable, Callable, Call
              f"cut into {pieces} pieces; see Note [Varlen layouts])",
         meta=_RING_META,
         causal_note="" if layout == "ring" else "; must be True for this layout",
-        window_note="must be (-1, -1) (docs/window.md: use llama3 or dense inputs).",
+        window_note="flash-attn sliding window ``(left, right)`` within each document, over\n"
+                    "        its global positions (Note [Windowed varlen]).",
         raises="" if layout == "ring" else ", a local document of odd length",
     ))
     return fns

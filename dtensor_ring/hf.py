@@ -22,8 +22,8 @@ Limits (each raises ``ValueError`` rather than computing something else): causal
 only, no attention mask (padding) or 4-D masks, packed sequences only with B == 1, the
 "llama3" layout only with B == 1 and "stripe" not packed, position ids only as
 :func:`shard_batch` builds them (positions restarting without the ``cu_seq_lens_*`` metadata
-are rejected), sliding windows (``sliding_window``) dense or with "llama3" packed rows, no
-softcap, no dropout, no KV cache.
+are rejected), no softcap, no dropout, no KV cache. Sliding windows (``sliding_window``) are
+supported, dense and packed.
 
 ``transformers`` is imported only inside the functions here; ``import dtensor_ring`` never
 imports this module.
@@ -139,8 +139,8 @@ def ring_attention_forward(
             document boundaries ``[N + 1]`` of a packed batch (B == 1), select the varlen
             attention (``max_length_q/k`` are not needed and ignored); ``sliding_window``
             (Mistral, Qwen2, Gemma ...: a query sees the ``sliding_window`` latest keys, itself
-            included) becomes ``window_size=(sliding_window - 1, 0)`` (docs/window.md; packed
-            rows need layout "llama3"); a ``softcap`` other than None is rejected.
+            included) becomes ``window_size=(sliding_window - 1, 0)`` (docs/window.md); a
+            ``softcap`` other than None is rejected.
 
     Returns:
         ``(out [B, S, H, D], None)``.

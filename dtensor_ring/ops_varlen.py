@@ -25,18 +25,26 @@ from .kernels import BlockKernel, KernelCall, accumulation_dtype, select_kernel
 from .llama3 import Llama3Meta, check_llama3_call, llama3_backward, llama3_forward
 from .ops import fake_grads, make_plan_cached, register_attention_autograd
 from .validation import normalize_window
-from .varlen import VarlenBlocks, check_varlen_qkv, varlen_blocks
+from .varlen import VarlenBlocks, check_varlen_qkv, varlen_blocks, windowed_varlen_plan
 
 
-def _setup_ring(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend):
+def _setup_ring(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend,
+                window_left, window_right):
     group = resolve_group(group_name)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     bounds = check_varlen_qkv(
         q, k, v, cu_seqlens, max_seqlen, layout=layout, causal=causal, world_size=world_size
     )
-    kernel = select_kernel(KernelCall.of(q, k, varlen=True), backend)
-    blocks: VarlenBlocks = varlen_blocks(bounds, layout, world_size, causal, q.device)
-    plan = make_plan_cached(layout, world_size, causal)
+    # positions within documents: a side covering the whole stream is unbounded in every one
+    causal, window = normalize_window((window_left, window_right), causal,
+                                      q.shape[0] * world_size)
+    kernel = select_kernel(KernelCall.of(q, k, varlen=True, window=window is not None), backend)
+    if window is None:
+        blocks: VarlenBlocks = varlen_blocks(bounds, layout, world_size, causal, q.device)
+        plan = make_plan_cached(layout, world_size, causal)
+    else:
+        plan, blocks = windowed_varlen_plan(tuple(bounds), layout, world_size, causal, window,
+                                            q.device)
     return plan, plan.steps[rank], blocks, kernel, group
 
 
@@ -52,13 +60,17 @@ def ring_attention_varlen(
     causal: bool,
     scale: float,
     backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """Ring/zigzag varlen attention of local ``q [T, H, D]``, ``k, v [T, H_kv, D]``.
 
-    ``cu_seqlens``: int32 local document boundaries (Note [Varlen layouts]). -> (out, lse).
+    ``cu_seqlens``: int32 local document boundaries (Note [Varlen layouts]); ``window_left/
+    right``: a sliding window within documents (Note [Windowed varlen]). -> (out, lse).
     """
     plan, steps, blocks, kernel, group = _setup_ring(
-        q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend
+        q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend, window_left,
+        window_right,
     )
     exchanger = forward_exchanger(group, plan) if plan.world_size > 1 else None
     return ring_forward(
@@ -75,7 +87,8 @@ def _fake_out_lse(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @ring_attention_varlen.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, scale, backend=None):
+def _(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, scale, backend=None,
+      window_left=-1, window_right=-1):
     return _fake_out_lse(q)
 
 
@@ -94,10 +107,13 @@ def ring_attention_varlen_backward(
     causal: bool,
     scale: float,
     backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`ring_attention_varlen`."""
     plan, steps, blocks, kernel, group = _setup_ring(
-        q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend
+        q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend, window_left,
+        window_right,
     )
     kv_exchanger = dkv_exchanger = None
     if plan.world_size > 1:

@@ -251,8 +251,9 @@ def _block(layout: str, causal: bool, rank: int, src: int) -> Block | None:
     return Block(A, A, True) if src < rank else Block(TAIL, HEAD, True)  # stripe
 
 
-def _runs(layout: str, world_size: int, rank: int, n: int) -> tuple[tuple[int, int, int], ...]:
-    """A rank's local tokens as runs ``(local start, length, global start)``; stride
+def layout_runs(layout: str, world_size: int, rank: int, n: int
+                ) -> tuple[tuple[int, int, int], ...]:
+    """A rank's ``n`` local tokens as runs ``(local start, length, global start)``; stride
     :func:`_stride` (Note [Sequence layouts])."""
     if layout == "ring":
         return ((0, n, rank * n),)
@@ -266,7 +267,7 @@ def _stride(layout: str, world_size: int) -> int:
     return world_size if layout == "stripe" else 1
 
 
-def _window_bounds(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+def window_bounds(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
     """The global mask ``lo <= key - query <= hi`` of ``causal`` and a window."""
     left, right = window
     lo = -UNBOUNDED if left < 0 else -left
@@ -305,19 +306,26 @@ def run_block(q_run, kv_run, stride: int, lo: int, hi: int, init: bool) -> Block
     return Block(q, kv, False, window, init=init)
 
 
+def run_pair_blocks(q_runs, kv_runs, stride: int, bounds: tuple[int, int], diagonal: bool
+                    ) -> list[tuple[tuple[int, int], Block]]:
+    """``((a, b), block)`` for every pair of query run ``a`` and key run ``b`` that sees
+    anything under the global mask ``bounds = (lo, hi)``; ``diagonal``: the runs are the same
+    tokens (step 0). Diagonal pairs come first: at step 0 they cover every query row (a token
+    sees itself), so they initialise the accumulators and the other blocks merge into them."""
+    pairs = sorted(((a, b) for a in range(len(q_runs)) for b in range(len(kv_runs))),
+                   key=lambda ab: ab[0] != ab[1] or not diagonal)
+    blocks = [((a, b), run_block(q_runs[a], kv_runs[b], stride, *bounds, diagonal and a == b))
+              for a, b in pairs]
+    return [(ab, blk) for ab, blk in blocks if blk is not None]
+
+
 def _windowed_blocks(layout: str, world_size: int, causal: bool, window: tuple[int, int],
                      n: int, rank: int, src: int) -> tuple[Block, ...]:
     plain = _block(layout, causal, rank, src)
-    lo, hi = _window_bounds(causal, window)
-    stride = _stride(layout, world_size)
-    q_runs, kv_runs = _runs(layout, world_size, rank, n), _runs(layout, world_size, src, n)
-    # Diagonal runs first: at step 0 they cover every query row (a token sees itself), so they
-    # initialise the accumulators and the other blocks merge into them.
-    pairs = sorted(((a, b) for a in range(len(q_runs)) for b in range(len(kv_runs))),
-                   key=lambda ab: ab[0] != ab[1] or src != rank)
-    blocks = [run_block(q_runs[a], kv_runs[b], stride, lo, hi, src == rank and a == b)
-              for a, b in pairs]
-    blocks = tuple(b for b in blocks if b is not None)
+    q_runs, kv_runs = layout_runs(layout, world_size, rank, n), layout_runs(layout, world_size,
+                                                                            src, n)
+    blocks = tuple(b for _, b in run_pair_blocks(q_runs, kv_runs, _stride(layout, world_size),
+                                                 window_bounds(causal, window), src == rank))
     if plain is not None and sum(b.score_pairs(n) for b in blocks) == plain.score_pairs(n):
         return (plain,)  # the window keeps the whole block
     return blocks
@@ -345,21 +353,24 @@ def make_plan(
         raise ValueError(f"world_size={world_size} must be >= 1")
     if window is not None and seq_local is None:
         raise ValueError("a windowed plan depends on the local length: pass seq_local")
-    table = [
-        [
-            (_block(layout, causal, r, src),) if window is None
-            else _windowed_blocks(layout, world_size, causal, window, seq_local, r, src)
-            for src in ((r - s) % world_size for s in range(world_size))
-        ]
-        for r in range(world_size)
-    ]
-    offsets = tuple(
-        s for s in range(world_size) if s == 0 or any(any(row[s]) for row in table)
-    )
-    steps = tuple(
-        tuple(Step((r - s) % world_size, tuple(b for b in row[s] if b is not None))
-              for s in offsets)
-        for r, row in enumerate(table)
-    )
+    if window is None:
+        return plan_from_blocks(layout, world_size, causal,
+                                lambda r, src: (_block(layout, causal, r, src),))
+    return plan_from_blocks(
+        layout, world_size, causal,
+        lambda r, src: _windowed_blocks(layout, world_size, causal, window, seq_local, r, src),
+        window, seq_local)
+
+
+def plan_from_blocks(layout: str, world_size: int, causal: bool, blocks_of,
+                     window: tuple[int, int] | None = None, seq_local: int | None = None
+                     ) -> Plan:
+    """The plan whose rank ``r`` computes ``blocks_of(r, src)`` (None entries: nothing) with
+    the K/V of rank ``src``; steps in which no rank computes are dropped."""
+    table = [[tuple(b for b in blocks_of(r, (r - s) % world_size) if b is not None)
+              for s in range(world_size)] for r in range(world_size)]
+    offsets = tuple(s for s in range(world_size) if s == 0 or any(row[s] for row in table))
+    steps = tuple(tuple(Step((r - s) % world_size, row[s]) for s in offsets)
+                  for r, row in enumerate(table))
     return Plan(layout, world_size, causal, steps, offsets, window,
                 None if window is None else seq_local)

@@ -25,7 +25,13 @@ from .kernels import KernelCall, accumulation_dtype, select_kernel
 from .layouts import shard_local, unshard_local
 from .plan import make_plan
 from .validation import normalize_window
-from .varlen import shard_varlen, unshard_varlen, varlen_blocks, varlen_local_cu_seqlens
+from .varlen import (
+    shard_varlen,
+    unshard_varlen,
+    varlen_blocks,
+    varlen_local_cu_seqlens,
+    windowed_varlen_plan,
+)
 
 
 class _Delivered:
@@ -83,12 +89,19 @@ class _Sequence:
             return unshard_local(parts, self.layout, seq_dim)
         return unshard_varlen(parts, self.cu_seqlens, self.layout, seq_dim)
 
-    def blocks(self, causal: bool, device: torch.device):
-        """The engine's :class:`~dtensor_ring.engine.Blocks` (None: dense default)."""
+    def plan_and_blocks(self, causal: bool, window: tuple[int, int] | None, tokens: int,
+                        device: torch.device):
+        """The plan and the engine's :class:`~dtensor_ring.engine.Blocks` (None: dense
+        default) for ``tokens`` tokens in all; ``window`` normalised."""
+        W = self.world_size
         if self.cu_seqlens is None:
-            return None
-        local = varlen_local_cu_seqlens(self.cu_seqlens, self.layout, 0, self.world_size)
-        return varlen_blocks(local.tolist(), self.layout, self.world_size, causal, device)
+            seq_local = tokens // W if window else None
+            return make_plan(self.layout, W, causal, window, seq_local), None
+        local = tuple(varlen_local_cu_seqlens(self.cu_seqlens, self.layout, 0, W).tolist())
+        if window is None:
+            return (make_plan(self.layout, W, causal),
+                    varlen_blocks(local, self.layout, W, causal, device))
+        return windowed_varlen_plan(local, self.layout, W, causal, window, torch.device(device))
 
 
 class RankSimulator:
@@ -101,7 +114,7 @@ class RankSimulator:
         backend: block kernel (None: automatic), scale: default ``D ** -0.5``.
         cu_seqlens: global document boundaries of packed inputs (ring / zigzag varlen,
             docs/varlen.md); None for dense inputs.
-        window_size: flash-attn sliding window ``(left, right)`` (dense inputs).
+        window_size: flash-attn sliding window ``(left, right)`` (varlen: within documents).
 
     ``forward()`` and ``backward(dout_local)`` run the engine exactly as a real rank would;
     the dK/dV that arrive from the "previous rank" are zeros, so ``backward`` returns this
@@ -112,14 +125,11 @@ class RankSimulator:
                  rank: int, causal: bool = True, backend: str | None = None,
                  scale: float | None = None, cu_seqlens: Sequence[int] | None = None,
                  window_size: tuple[int, int] = (-1, -1)):
-        seq_local = q.shape[1] // world_size
-        causal, window = normalize_window(window_size, causal, q.shape[1])
-        if window is not None and cu_seqlens is not None:
-            raise ValueError("window_size is for dense inputs; pass window_size=(-1, -1)")
-        self.plan = make_plan(layout, world_size, causal, window, seq_local if window else None)
         self.rank, self.world_size = rank, world_size
         self.sequence = _Sequence(layout, world_size, cu_seqlens)
-        self.blocks = self.sequence.blocks(causal, q.device)
+        tokens = q.shape[self.sequence.seq_dim]
+        causal, window = normalize_window(window_size, causal, tokens)
+        self.plan, self.blocks = self.sequence.plan_and_blocks(causal, window, tokens, q.device)
         varlen = cu_seqlens is not None
         self.kernel = select_kernel(
             KernelCall.of(q, k, varlen=varlen, window=window is not None), backend

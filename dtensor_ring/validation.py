@@ -55,16 +55,6 @@ def normalize_window(
     return causal, (left, right)
 
 
-def check_no_window(window_size: object, what: str) -> None:
-    """Reject a sliding window for ``what`` (a front door without window support)."""
-    if check_window_size(window_size) != (-1, -1):
-        raise ValueError(
-            f"window_size={tuple(window_size)} is not supported by {what}; pass "
-            "window_size=(-1, -1), or use llama3_flash_attn_varlen_func (causal windows) or "
-            "the dense functions (ring/zigzag/stripe_flash_attn_func)"
-        )
-
-
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, layout: str, causal: bool) -> None:
     """Check local ``q [B, S, H, D]``, ``k``/``v [B, S, H_kv, D]`` for ``layout``.
 

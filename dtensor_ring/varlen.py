@@ -51,7 +51,16 @@ from torch import Tensor
 
 from .kernels import BlockKernel
 from .merge import merge_
-from .plan import Block, Part, make_plan
+from .plan import (
+    Block,
+    Part,
+    Plan,
+    layout_runs,
+    make_plan,
+    plan_from_blocks,
+    run_pair_blocks,
+    window_bounds,
+)
 from .validation import check_layout_causal, check_qkv_tensors
 
 VARLEN_LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "llama3")
@@ -416,15 +425,27 @@ class _Rows:
         return x.index_select(dim, self.index)
 
 
+@dataclass(frozen=True)
+class DocSpans:
+    """A part of a windowed varlen block: rows ``[start, stop)`` of the packed local tensor,
+    one span per document the block holds (Note [Windowed varlen])."""
+
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def value(self) -> str:
+        return ",".join(f"{a}:{b}" for a, b in self.spans)
+
+
 class VarlenBlocks:
     """The engine's :class:`~dtensor_ring.engine.Blocks` for packed ``[T, H, D]`` tensors.
 
     Built by :func:`varlen_blocks`: for every Part that ``layout``'s plan uses, the rows of
-    that part of each document's local piece, with its ``cu_seqlens`` and ``max_seqlen``.
-    ``lse`` is ``[H, T]``.
+    that part of each document's local piece, with its ``cu_seqlens`` and ``max_seqlen``
+    (windowed plans: for every :class:`DocSpans`). ``lse`` is ``[H, T]``.
     """
 
-    def __init__(self, rows: dict[Part, _Rows]):
+    def __init__(self, rows: dict[Part | DocSpans, _Rows]):
         self.rows = rows
 
     def new_lse(self, q_THD: Tensor, dtype: torch.dtype) -> Tensor:
@@ -468,27 +489,35 @@ class VarlenBlocks:
         rq, rk = self.rows[block.q], self.rows[block.kv]
         return kernel.forward_varlen(
             q, k, v, rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen,
-            causal=block.causal, scale=scale,
+            causal=block.causal, scale=scale, window=block.window,
         )
 
     def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale):
         rq, rk = self.rows[block.q], self.rows[block.kv]
         return kernel.backward_varlen(
             dout, q, k, v, out, lse, rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen,
-            causal=block.causal, scale=scale,
+            causal=block.causal, scale=scale, window=block.window,
         )
 
 
-def _rows(bounds: tuple[int, ...], part: Part, device: torch.device) -> _Rows:
+def _rows(bounds: tuple[int, ...], part: Part | DocSpans, device: torch.device) -> _Rows:
+    if isinstance(part, DocSpans):
+        first = torch.tensor([a for a, _ in part.spans], dtype=torch.int64)
+        sizes = torch.tensor([b - a for a, b in part.spans], dtype=torch.int64)
+        return _rows_of(first, sizes, device)
     b = torch.tensor(bounds, dtype=torch.int64)
     lengths = b[1:] - b[:-1]
     first, stop = part.bounds(lengths)  # elementwise over documents
     first = torch.as_tensor(first).expand_as(lengths)
-    sizes = torch.as_tensor(stop) - first
+    return _rows_of(b[:-1] + first, torch.as_tensor(stop) - first, device)
+
+
+def _rows_of(first: Tensor, sizes: Tensor, device: torch.device) -> _Rows:
+    """Rows ``[first[i], first[i] + sizes[i])`` of every document ``i``, in order."""
     total = int(sizes.sum())
-    cu = torch.zeros(len(bounds), dtype=torch.int32)
+    cu = torch.zeros(len(sizes) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(sizes, 0)
-    index = _concat_ranges(b[:-1] + first, sizes)
+    index = _concat_ranges(first, sizes)
     start = int(index[0]) if total else 0
     contiguous = total == 0 or bool((index == torch.arange(start, start + total)).all())
     return _Rows(
@@ -519,6 +548,63 @@ def varlen_blocks(
     """
     return _varlen_blocks_cached(tuple(bounds_local), layout, world_size, causal,
                                  torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def windowed_varlen_plan(
+    bounds_local: tuple[int, ...], layout: str, world_size: int, causal: bool,
+    window: tuple[int, int], device: torch.device,
+) -> tuple[Plan, VarlenBlocks]:
+    """The windowed plan of ring / zigzag varlen and its :class:`VarlenBlocks` (cached).
+
+    Note [Windowed varlen]
+    ~~~~~~~~~~~~~~~~~~~~~~
+    A window cuts each document's pieces at offsets that depend on the document's length, so
+    the dense plan's parts (``lo``, ``hi``, applied to every document alike) no longer fit.
+    Every rank holds the same local lengths (each document is cut into W or 2W equal pieces),
+    so every rank can build the whole plan: for each (rank, src) pair and each document, the
+    trimmed blocks of its runs (Note [Windowed schedules] in ``plan.py``); blocks of the same
+    run pair with the same mask (causal, or the same flash window) across documents become one
+    varlen kernel call, its parts :class:`DocSpans` (one span per document):
+
+        doc A (long):   0:4/4:8 w(2,-1)  \
+        doc B (long):   9:13/13:17 w(2,-1) -> one block  0:4,9:13 / 4:8,13:17 w(2,-1)
+        doc C (short):  20:22/20:22 c    -> its own block (another mask)
+
+    ``window`` is normalised (``validation.normalize_window``) over positions within each
+    document. Raises ``ValueError`` as :func:`~dtensor_ring.plan.make_plan`.
+    """
+    check_layout_causal(layout, causal)
+    docs = list(zip(bounds_local[:-1], bounds_local[1:], strict=True))
+    bounds = window_bounds(causal, window)
+
+    def blocks_of(rank: int, src: int) -> tuple[Block, ...]:
+        groups: dict[tuple, list[tuple]] = {}
+        for start, stop in docs:
+            if stop == start:
+                continue
+            q_runs, kv_runs = ([(a + start, n, g) for a, n, g in
+                                layout_runs(layout, world_size, r, stop - start)]
+                               for r in (rank, src))
+            for ab, blk in run_pair_blocks(q_runs, kv_runs, 1, bounds, rank == src):
+                key = (not blk.init, ab, blk.causal, blk.window)
+                groups.setdefault(key, []).append(((blk.q.start, blk.q.stop),
+                                                   (blk.kv.start, blk.kv.stop)))
+        return tuple(
+            Block(DocSpans(tuple(q for q, _ in spans)), DocSpans(tuple(kv for _, kv in spans)),
+                  is_causal, win, init=not merges)
+            for (merges, _, is_causal, win), spans in sorted(groups.items(), key=_group_order)
+        )
+
+    plan = plan_from_blocks(layout, world_size, causal, blocks_of, window,
+                            bounds_local[-1] - bounds_local[0])
+    parts = {p for row in plan.steps for st in row for b in st.blocks for p in (b.q, b.kv)}
+    return plan, VarlenBlocks({p: _rows(bounds_local, p, device) for p in parts})
+
+
+def _group_order(item) -> tuple:
+    (merges, ab, is_causal, window), _ = item
+    return merges, ab, is_causal, window or (-2, -2)
 
 
 # --- load balance -------------------------------------------------------------------------

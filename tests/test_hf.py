@@ -114,6 +114,7 @@ def _packed_vs_per_document(group, layout: str, lengths: tuple[int, ...], arch: 
 @pytest.mark.parametrize("layout, lengths, arch", [
     ("llama3", (5, 8, 3), "llama"), ("zigzag", (4, 8, 4), "llama"), ("ring", (6, 8, 2), "llama"),
     ("llama3", (5, 9, 2), "mistral"),  # sliding window 5 inside documents of 9 tokens
+    ("zigzag", (8, 12, 4), "mistral"),
 ])
 def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
     """Packed documents (straddling the rank border for llama3) vs each document alone."""

@@ -215,12 +215,13 @@ FP64 = _params(
     (w, Case(variant=v, docs=d, heads=h, seed=w))
     for w in (1, 2, 3, 4) for v in VARIANTS for d in _docs_for(v) for h in ("mha", "gqa")
 )
-# Sliding windows within documents (llama3, causal): smaller than, about equal to and larger
-# than a rank's slice (2-5 tokens here) and than the documents.
+# Sliding windows within documents: smaller than, about equal to and larger than a rank's
+# piece of a document and than the documents.
 WINDOWED = _params(
-    (w, Case(variant="llama3_causal", docs=d, heads=h, window_size=(left, 0), seed=w))
-    for w in (1, 2, 3, 4) for d in ("many_short", "random", "aligned")
-    for h, left in (("gqa", 1), ("mha", 3), ("gqa", 6), ("mqa", 40))
+    (w, Case(variant=v, docs=d, heads=h, window_size=win, seed=w))
+    for w in (1, 2, 3, 4) for v in VARIANTS for d in _docs_for(v)
+    for h, win in (("gqa", (1, 0)), ("mha", (3, 2)), ("gqa", (6, 1)), ("mqa", (40, 40)))
+    if v != "llama3_full" and d != "single"
 )
 EXTRA = _params([
     *[(w, Case(variant=v, heads="mqa")) for w in (2, 3) for v in VARIANTS],
@@ -241,8 +242,9 @@ def test_varlen_fp64(dist_pool, world_size, case):
 
 
 @pytest.mark.parametrize("world_size, case", WINDOWED)
-def test_llama3_window(dist_pool, world_size, case):
-    """Causal sliding windows within documents: diagonal and trimmed prefix blocks."""
+def test_varlen_window(dist_pool, world_size, case):
+    """Sliding windows within documents: ring / zigzag (Note [Windowed varlen]; non-causal for
+    ring) and llama3 (causal: diagonal and trimmed prefix blocks)."""
     dist_pool.run(check_varlen, world_size, case=case)
 
 
@@ -334,7 +336,7 @@ BAD_CALLS = {
     "dtype_mismatch": (lambda g: _ring(g, qkv=(_ring_inputs()[0].float(), *_ring_inputs()[1:3])),
                        r"dtypes differ"),
     "dropout": (lambda g: _ring(g, dropout_p=0.1), r"dropout_p"),
-    "window": (lambda g: _ring(g, window_size=(4, 0)), r"window_size"),
+    "window": (lambda g: _ring(g, window_size=(4, -3)), r"window_size=\(4, -3\) must be two"),
     "alibi": (lambda g: _ring(g, alibi_slopes=torch.ones(4)), r"alibi_slopes"),
     "backend_without_varlen": (lambda g: _ring(g, backend="cpu_flash"), r"varlen"),
     "kv_packed_shape": (lambda g: dr.ring_flash_attn_varlen_kvpacked_func(
