@@ -47,7 +47,7 @@ and every band maps onto flash's bottom-right ``window_size`` arguments:
 
     keys j ->            trimmed block (rows i0..i1, cols j0..j1)
     q  . x x . . .          x x .  .        left  = (S_k - S_q) - A'
-    i  . . x x . .   -->    . x x  .        right = B' - (S_k - S_q)      (both >= 0)
+    i  . . x x . .   -->    . x x  .        right = B' - (S_k - S_q)   (both in [0, S_k))
        . . . x x .          . . x  x
                             (A', B': the band in trimmed coordinates)
 
@@ -58,10 +58,10 @@ communication grow with the window, not the sequence. E.g. ring, causal, W = 4, 
 rank, ``window_size = (5, 0)``:
 
     rank | step 0           step 1
-       0 | all/all c        -
-       1 | all/all c        0:5/3:8 w(5,0)
-       2 | all/all c        0:5/3:8 w(5,0)
-       3 | all/all c        0:5/3:8 w(5,0)
+       0 | 0:8/0:8 w(5,0)   -
+       1 | 0:8/0:8 w(5,0)   0:5/3:8 w(0,-1)     queries 0-4 see keys 3-7 of rank r-1
+       2 | 0:8/0:8 w(5,0)   0:5/3:8 w(0,-1)     (query i' sees keys j' >= i' of the block)
+       3 | 0:8/0:8 w(5,0)   0:5/3:8 w(0,-1)
 
 Zigzag under a small window needs offsets {0, 1, W-1} (a rank's late chunk borders the late
 chunk of rank r+1): a plan whose offsets are not all of 0..W-1 exchanges K/V *directly* with
@@ -322,8 +322,8 @@ def run_pair_blocks(q_runs, kv_runs, stride: int, bounds: tuple[int, int], diago
 def _windowed_blocks(layout: str, world_size: int, causal: bool, window: tuple[int, int],
                      n: int, rank: int, src: int) -> tuple[Block, ...]:
     plain = _block(layout, causal, rank, src)
-    q_runs, kv_runs = layout_runs(layout, world_size, rank, n), layout_runs(layout, world_size,
-                                                                            src, n)
+    q_runs = layout_runs(layout, world_size, rank, n)
+    kv_runs = layout_runs(layout, world_size, src, n)
     blocks = tuple(b for _, b in run_pair_blocks(q_runs, kv_runs, _stride(layout, world_size),
                                                  window_bounds(causal, window), src == rank))
     if plain is not None and sum(b.score_pairs(n) for b in blocks) == plain.score_pairs(n):
