@@ -19,7 +19,7 @@ Which tokens a rank holds (Note [Varlen layouts] in ``varlen.py``; shard with
   comes from :func:`dtensor_ring.llama3_flash_attn_prepare_cu_seqlens`.
 
 Non-default ``dropout_p`` and ``alibi_slopes`` raise ``ValueError``; ``window_size`` is a sliding
-window within each document (llama3: causal only; docs/window.md);
+window within each document (docs/window.md);
 ``deterministic=True`` restricts the block kernel to those with a deterministic backward;
 ``backend`` (keyword only) names a block kernel that supports varlen (on CPU: "math").
 """
@@ -298,8 +298,8 @@ def _make_llama3_api() -> tuple[Callable, Callable, Callable]:
              "[llama3 all-gather attention])",
         meta=_LLAMA3_META,
         causal_note="",
-        window_note="flash-attn sliding window ``(left, 0)`` within each document, over\n"
-                    "        its global positions (causal only).",
+        window_note="flash-attn sliding window ``(left, right)`` within each document, over\n"
+                    "        its global positions.",
         raises=", metadata not from llama3_flash_attn_prepare_cu_seqlens (causal), a "
                "heads_k_stride that does not divide H_kv",
     ))

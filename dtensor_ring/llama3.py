@@ -22,12 +22,13 @@ straddling document's prefix, exactly the keys flash-attn's bottom-right-aligned
 would show it for ``llama3_flash_attn_prepare_cu_seqlens``'s ``cu_seqlens_k``. The diagonal
 needs no communication, so it also overlaps the gather.
 
-A causal sliding window ``(left, 0)`` (global positions within a document) changes only the
-masks: the diagonal's square per-document blocks take the window as is (flash's bottom-right
-alignment is exact for square blocks), and the prefix block is trimmed to the queries and keys
-the window keeps (Note [Windowed schedules] in ``plan.py``), or skipped when it keeps none.
-A window with non-causal llama3 is refused: its per-document key ranges are not aligned with
-the queries, so one varlen call cannot express the band.
+A sliding window (positions within a document) changes only the masks. Causal: the
+diagonal's square per-document blocks take the window as is (flash's bottom-right alignment is
+exact for square blocks), and the prefix block is trimmed to the queries and keys the window
+keeps (Note [Windowed schedules] in ``plan.py``), or skipped when it keeps none. Non-causal:
+each document's queries (a part of the document) against all its keys is one block trimmed the
+same way; documents whose blocks share a mask make one varlen call (Note [Windowed varlen] in
+``varlen.py``); without a window that is a single call over all documents.
 
 Backward, per group: the diagonal's dK/dV are local; the prefix (causal) or all (non-causal)
 dK/dV contributions land in a ``[W*L]``-token buffer that is reduce-scattered, asynchronously
@@ -50,15 +51,18 @@ from torch import Tensor
 
 from .kernels import BlockKernel, accumulation_dtype
 from .merge import merge_
-from .plan import UNBOUNDED, Block, run_block
+from .plan import UNBOUNDED, Block, run_block, window_bounds
 from .validation import check_qkv_tensors
 from .varlen import (
+    VarlenBlocks,
     check_bounds,
     check_cu_seqlens_device,
     check_cu_seqlens_tensor,
     check_divisible,
     check_max_seqlen,
     host_values,
+    merge_doc_blocks,
+    span_rows,
 )
 
 # all_gather_into_tensor / reduce_scatter_tensor are deprecated in newer torch in favour of
@@ -127,7 +131,8 @@ class Llama3Meta:
     ``first_len`` that document's local length. ``window``: the causal sliding window
     ``(left, 0)`` or None; ``prefix_block``: the first document's queries against its keys on
     earlier ranks, spans relative to the document's local queries and to its prefix keys
-    (None: nothing to compute).
+    (None: nothing to compute). Non-causal: ``blocks`` (:class:`DocSpans` parts: query rows,
+    and key rows of the ``local_k_slice``) and their ``rows``.
     """
 
     causal: bool
@@ -144,6 +149,8 @@ class Llama3Meta:
     first_len: int
     window: tuple[int, int] | None
     prefix_block: Block | None
+    blocks: tuple[Block, ...]
+    rows: VarlenBlocks | None
 
 
 def llama3_meta(
@@ -162,14 +169,8 @@ def llama3_meta(
 ) -> Llama3Meta:
     """Check the llama3 metadata against this rank's ``local_len`` tokens; raise ValueError.
 
-    ``window``: a normalised sliding window (``validation.normalize_window``); causal only.
+    ``window``: a normalised sliding window (``validation.normalize_window``).
     """
-    if window is not None and not causal:
-        raise ValueError(
-            f"window_size={window} with non-causal llama3 attention is not supported (its key "
-            "ranges are not aligned with the queries); pass causal=True, or use the dense "
-            "ring_flash_attn_func"
-        )
     check_cu_seqlens_tensor(cu_seqlens_q, "cu_seqlens_q")
     check_cu_seqlens_tensor(cu_seqlens_k, "cu_seqlens_k")
     bq = host_values(cu_seqlens_q)
@@ -221,10 +222,19 @@ def _llama3_meta_cached(
 ) -> Llama3Meta:
     # Cached on the values: the cu_seqlens tensors are copied to ``device`` once per batch.
     prefix = rank * local_len - k_start if causal else 0
-    prefix_block = None
+    prefix_block, blocks, rows = None, (), None
     if prefix:  # queries at document positions prefix + i, keys at positions 0..prefix-1
         lo = -UNBOUNDED if window is None else -window[0]
         prefix_block = run_block((0, bq[1], prefix), (0, prefix, 0), 1, lo, 0, init=False)
+    if not causal:  # document i: its local queries (from position a_i) against all its keys
+        bounds = window_bounds(False, window) if window else (-UNBOUNDED, UNBOUNDED)
+        per_doc = [
+            ((), run_block((bq[i], bq[i + 1] - bq[i], rank * local_len - k_start if i == 0 else 0),
+                           (bk[i], bk[i + 1] - bk[i], 0), 1, *bounds, init=True))
+            for i in range(len(bq) - 1) if bq[i + 1] > bq[i]
+        ]
+        blocks = merge_doc_blocks(per_doc)
+        rows = span_rows(blocks, device)
     return Llama3Meta(
         causal=causal,
         rank=rank,
@@ -240,6 +250,8 @@ def _llama3_meta_cached(
         first_len=bq[1],
         window=window,
         prefix_block=prefix_block,
+        blocks=blocks,
+        rows=rows,
     )
 
 
@@ -389,12 +401,13 @@ def llama3_forward(
                 out[rows, hq] = out_rows.to(out.dtype)
         else:
             keys = slice(m.k_start, m.k_stop)
-            out_g, lse_g = kernel.forward_varlen(
-                q_g, k_full[keys], v_full[keys], m.cu_q, m.cu_k, m.max_q, m.max_k,
-                causal=False, scale=scale,
-            )
-            out[:, hq] = out_g
-            lse[hq] = lse_g
+            k_keys, v_keys, rows = k_full[keys], v_full[keys], m.rows
+            for blk in m.blocks:  # every query row in exactly one block
+                out_b, lse_b = rows.forward(
+                    kernel, rows.take(q_g, blk.q), rows.take(k_keys, blk.kv),
+                    rows.take(v_keys, blk.kv), blk, scale,
+                )
+                rows.init_(out[:, hq], lse[hq], blk.q, out_b, lse_b)
     return out, lse
 
 
@@ -464,13 +477,16 @@ def llama3_backward(
                 dkv_full[keys, 1] = dv_p[0]
         else:
             keys = slice(m.k_start, m.k_stop)
-            dq_g, dk_g, dv_g = kernel.backward_varlen(
-                *args_q, k_full[keys], v_full[keys], out_g, lse_g,
-                m.cu_q, m.cu_k, m.max_q, m.max_k, causal=False, scale=scale,
-            )
-            dq[:, hq] += dq_g
-            dkv_full[keys, 0] = dk_g
-            dkv_full[keys, 1] = dv_g
+            k_keys, v_keys, rows = k_full[keys], v_full[keys], m.rows
+            for blk in m.blocks:
+                dq_b, dk_b, dv_b = rows.backward(
+                    kernel, *(rows.take(x, blk.q) for x in args_q), rows.take(k_keys, blk.kv),
+                    rows.take(v_keys, blk.kv), rows.take(out_g, blk.q),
+                    rows.take_lse(lse_g, blk.q), blk, scale,
+                )
+                rows.add_(dq[:, hq], blk.q, dq_b)
+                rows.add_(dkv_full[keys, 0], blk.kv, dk_b)
+                rows.add_(dkv_full[keys, 1], blk.kv, dv_b)
         if reducing is not None:
             finish(reducing)
         result = dkv_full.new_empty(L, 2, heads_k_stride, D)

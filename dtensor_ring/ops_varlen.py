@@ -171,7 +171,7 @@ def llama3_attention(
 
     ``cu_seqlens_q/k``, ``max_seqlen_q/k`` and ``local_k_slice = slice(k_start, k_stop)`` as
     returned by ``llama3_flash_attn_prepare_cu_seqlens`` (Note [llama3 all-gather attention]);
-    ``window_left/right``: a sliding window within documents (causal only).
+    ``window_left/right``: a sliding window within documents.
     """
     meta, kernel, group = _setup_llama3(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -579,32 +579,39 @@ def windowed_varlen_plan(
     bounds = window_bounds(causal, window)
 
     def blocks_of(rank: int, src: int) -> tuple[Block, ...]:
-        groups: dict[tuple, list[tuple]] = {}
+        per_doc = []
         for start, stop in docs:
             if stop == start:
                 continue
             q_runs, kv_runs = ([(a + start, n, g) for a, n, g in
                                 layout_runs(layout, world_size, r, stop - start)]
                                for r in (rank, src))
-            for ab, blk in run_pair_blocks(q_runs, kv_runs, 1, bounds, rank == src):
-                key = (not blk.init, ab, blk.causal, blk.window)
-                groups.setdefault(key, []).append(((blk.q.start, blk.q.stop),
-                                                   (blk.kv.start, blk.kv.stop)))
-        return tuple(
-            Block(DocSpans(tuple(q for q, _ in spans)), DocSpans(tuple(kv for _, kv in spans)),
-                  is_causal, win, init=not merges)
-            for (merges, _, is_causal, win), spans in sorted(groups.items(), key=_group_order)
-        )
+            per_doc += run_pair_blocks(q_runs, kv_runs, 1, bounds, rank == src)
+        return merge_doc_blocks(per_doc)
 
     plan = plan_from_blocks(layout, world_size, causal, blocks_of, window,
                             bounds_local[-1] - bounds_local[0])
-    parts = {p for row in plan.steps for st in row for b in st.blocks for p in (b.q, b.kv)}
-    return plan, VarlenBlocks({p: _rows(bounds_local, p, device) for p in parts})
+    return plan, span_rows((b for row in plan.steps for st in row for b in st.blocks), device)
 
 
-def _group_order(item) -> tuple:
-    (merges, ab, is_causal, window), _ = item
-    return merges, ab, is_causal, window or (-2, -2)
+def merge_doc_blocks(per_doc: Iterable[tuple[object, Block]]) -> tuple[Block, ...]:
+    """Merge per-document blocks (``Span`` parts) that share a tag and a mask into one block
+    with :class:`DocSpans` parts, in document order; ``init`` blocks first."""
+    groups: dict[tuple, list[Block]] = {}
+    for tag, blk in per_doc:
+        groups.setdefault((not blk.init, tag, blk.causal, blk.window or (-2, -2)), []).append(blk)
+    return tuple(
+        Block(DocSpans(tuple((b.q.start, b.q.stop) for b in blks)),
+              DocSpans(tuple((b.kv.start, b.kv.stop) for b in blks)),
+              blks[0].causal, blks[0].window, init=blks[0].init)
+        for _, blks in sorted(groups.items(), key=lambda item: item[0])
+    )
+
+
+def span_rows(blocks: Iterable[Block], device: torch.device) -> VarlenBlocks:
+    """The :class:`VarlenBlocks` of blocks with :class:`DocSpans` parts."""
+    parts = {p for b in blocks for p in (b.q, b.kv)}
+    return VarlenBlocks({p: _rows((), p, device) for p in parts})
 
 
 # --- load balance -------------------------------------------------------------------------

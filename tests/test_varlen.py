@@ -221,7 +221,7 @@ WINDOWED = _params(
     (w, Case(variant=v, docs=d, heads=h, window_size=win, seed=w))
     for w in (1, 2, 3, 4) for v in VARIANTS for d in _docs_for(v)
     for h, win in (("gqa", (1, 0)), ("mha", (3, 2)), ("gqa", (6, 1)), ("mqa", (40, 40)))
-    if v != "llama3_full" and d != "single"
+    if d != "single"
 )
 EXTRA = _params([
     *[(w, Case(variant=v, heads="mqa")) for w in (2, 3) for v in VARIANTS],
@@ -244,7 +244,8 @@ def test_varlen_fp64(dist_pool, world_size, case):
 @pytest.mark.parametrize("world_size, case", WINDOWED)
 def test_varlen_window(dist_pool, world_size, case):
     """Sliding windows within documents: ring / zigzag (Note [Windowed varlen]; non-causal for
-    ring) and llama3 (causal: diagonal and trimmed prefix blocks)."""
+    ring) and llama3 (causal: diagonal and trimmed prefix blocks; non-causal: trimmed blocks
+    per document)."""
     dist_pool.run(check_varlen, world_size, case=case)
 
 
@@ -356,8 +357,6 @@ BAD_CALLS = {
     "llama3_slice_out_of_range": (lambda g: _llama3(g, k_slice=slice(0, 10_000)),
                                   r"local_k_slice=slice\(0, 10000\)"),
     "llama3_dropout": (lambda g: _llama3(g, dropout_p=0.5), r"dropout_p"),
-    "llama3_window_non_causal": (lambda g: _llama3(g, causal=False, window_size=(2, 2)),
-                                 r"window_size=\(2, 2\) with non-causal llama3"),
     "llama3_window_malformed": (lambda g: _llama3(g, window_size=(2, 0, 1)), r"window_size"),
 }
 
