@@ -1,4 +1,5 @@
-"""The benchmark scripts run in their tiny CPU ``--smoke`` mode, so they never rot."""
+"""The benchmark and GPU-check scripts run in their tiny CPU ``--smoke`` mode, so they never
+rot."""
 
 import json
 import subprocess
@@ -33,3 +34,15 @@ def test_bench_window_smoke(tmp_path):
     assert rows["ring", 2]["kv_transfers"] == 1 and rows["ring", -1]["kv_transfers"] == 2
     assert rows["ring", 2]["rank_tflop"] < rows["ring", -1]["rank_tflop"]
     assert all(r["ratio_max"] < 4 for r in results["precision"])
+
+
+def test_check_window_smoke(tmp_path):
+    """tests/gpu/check_window.py on CPU: windowed kernels, simulated rings, llama3 op."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests/gpu/check_window.py"), "--smoke", "--out",
+         str(tmp_path)],
+        check=True, timeout=300, capture_output=True,
+    )
+    results = json.loads((tmp_path / "window.json").read_text())
+    assert not results["errors"] and len(results["rows"]) >= 8
+    assert all(max(r[n] for n in ("out", "dq", "dk", "dv")) < 1e-5 for r in results["rows"])

@@ -102,6 +102,56 @@ def check_varlen(backend, a, gen) -> list[dict]:
                  ratio=max(e / max(b, 1e-30) for e, b in zip(err, base_err, strict=True)))]
 
 
+def check_rings(a, gen) -> list[dict]:
+    """Whole windowed rings against fp64: dense and varlen (ring, zigzag) simulated at W = 4,
+    and llama3 (causal and not) through its op on a one-rank process group."""
+    import torch.distributed as dist
+
+    import dtensor_ring as dr
+    from dtensor_ring.simulate import simulate_ring
+
+    W, scale, rows = 4, a.head_dim ** -0.5, []
+    unit = 2 * W * (64 if not a.smoke else 1)
+    bounds = [0, 3 * unit, 4 * unit, 9 * unit]
+    T = bounds[-1]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=a.device)
+    q, k, v, dout = (t[0] for t in _inputs(T, T, a, gen))
+    n_max = max(b - c for c, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+    def reference(causal, window):
+        x = [t.double().requires_grad_() for t in (q, k, v)]
+        win = (window[0], 0) if causal else window
+        out, _ = MATH.forward_varlen(*x, cu, cu, n_max, n_max, causal=False, scale=scale,
+                                     window=win)
+        return [out, *torch.autograd.grad(out, x, dout.double())]
+
+    for layout, causal, window in (("ring", True, (100, 0)), ("ring", False, (70, 30)),
+                                   ("zigzag", True, (300, 0))):
+        got = simulate_ring(q, k, v, dout, layout=layout, world_size=W, causal=causal,
+                            cu_seqlens=bounds, window_size=window)
+        err = _errors([got[0], *got[2:]], reference(causal, window))
+        rows.append(dict(backend="simulated", case=f"{layout} varlen W={W} w{window}",
+                         lse_err=float("nan"), **dict(zip(NAMES, err, strict=True)),
+                         ratio=float("nan")))
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if a.device.type == "cuda" else "gloo", rank=0,
+                                world_size=1)
+    for causal, window in ((True, (100, 0)), (False, (70, 30))):
+        cu_q, cu_k, max_q, max_k, k_slice = dr.llama3_flash_attn_prepare_cu_seqlens(
+            cu, causal, 0, 1)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = dr.llama3_flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, 1, k_slice,
+                                               causal=causal, window_size=window)
+        out.backward(dout)
+        err = _errors([out, *(t.grad for t in leaves)], reference(causal, window))
+        rows.append(dict(backend="llama3 op", case=f"W=1 causal={causal} w{window}",
+                         lse_err=float("nan"), **dict(zip(NAMES, err, strict=True)),
+                         ratio=float("nan")))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
@@ -126,6 +176,10 @@ def main() -> None:
                     rows += check(backend, a, gen)
                 except Exception as e:  # record and go on with the other backends
                     errors.append(f"{backend.name} varlen={varlen}: {type(e).__name__}: {e}")
+    try:
+        rows += check_rings(a, gen)
+    except Exception as e:  # record it with the rest
+        errors.append(f"rings: {type(e).__name__}: {e}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "window.json"), "w") as f:
         json.dump(dict(torch=torch.__version__, device=str(a.device) if a.smoke else
