@@ -230,7 +230,7 @@ def _llama3_meta_cached(
         bounds = window_bounds(False, window) if window else (-UNBOUNDED, UNBOUNDED)
         per_doc = [
             ((), run_block((bq[i], bq[i + 1] - bq[i], rank * local_len - k_start if i == 0 else 0),
-                           (bk[i], bk[i + 1] - bk[i], 0), 1, *bounds, init=True))
+                           (bk[i], bk[i + 1] - bk[i], 0), 1, *bounds, init=True), 0)
             for i in range(len(bq) - 1) if bq[i + 1] > bq[i]
         ]
         blocks = merge_doc_blocks(per_doc)

@@ -578,33 +578,35 @@ def windowed_varlen_plan(
     docs = list(zip(bounds_local[:-1], bounds_local[1:], strict=True))
     bounds = window_bounds(causal, window)
 
+    @functools.cache
+    def doc_blocks(n: int, rank: int, src: int) -> list[tuple[tuple[int, int], Block]]:
+        """The blocks of a document of ``n`` local tokens, spans from its first token."""
+        q_runs, kv_runs = (layout_runs(layout, world_size, r, n) for r in (rank, src))
+        return run_pair_blocks(q_runs, kv_runs, 1, bounds, rank == src)
+
     def blocks_of(rank: int, src: int) -> tuple[Block, ...]:
-        per_doc = []
-        for start, stop in docs:
-            if stop == start:
-                continue
-            q_runs, kv_runs = ([(a + start, n, g) for a, n, g in
-                                layout_runs(layout, world_size, r, stop - start)]
-                               for r in (rank, src))
-            per_doc += run_pair_blocks(q_runs, kv_runs, 1, bounds, rank == src)
-        return merge_doc_blocks(per_doc)
+        return merge_doc_blocks((ab, blk, start) for start, stop in docs if stop > start
+                                for ab, blk in doc_blocks(stop - start, rank, src))
 
     plan = plan_from_blocks(layout, world_size, causal, blocks_of, window,
                             bounds_local[-1] - bounds_local[0])
     return plan, span_rows((b for row in plan.steps for st in row for b in st.blocks), device)
 
 
-def merge_doc_blocks(per_doc: Iterable[tuple[object, Block]]) -> tuple[Block, ...]:
-    """Merge per-document blocks (``Span`` parts) that share a tag and a mask into one block
-    with :class:`DocSpans` parts, in document order; ``init`` blocks first."""
-    groups: dict[tuple, list[Block]] = {}
-    for tag, blk in per_doc:
-        groups.setdefault((not blk.init, tag, blk.causal, blk.window or (-2, -2)), []).append(blk)
+def merge_doc_blocks(per_doc: Iterable[tuple[object, Block, int]]) -> tuple[Block, ...]:
+    """Merge per-document blocks ``(tag, block with Span parts, row offset)`` that share a tag
+    and a mask into one block with :class:`DocSpans` parts (spans shifted by the offsets), in
+    document order; ``init`` blocks first."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for tag, blk, off in per_doc:
+        qs, kvs = groups.setdefault((not blk.init, tag, blk.causal, blk.window or (-2, -2)),
+                                    ([], []))
+        qs.append((blk.q.start + off, blk.q.stop + off))
+        kvs.append((blk.kv.start + off, blk.kv.stop + off))
     return tuple(
-        Block(DocSpans(tuple((b.q.start, b.q.stop) for b in blks)),
-              DocSpans(tuple((b.kv.start, b.kv.stop) for b in blks)),
-              blks[0].causal, blks[0].window, init=blks[0].init)
-        for _, blks in sorted(groups.items(), key=lambda item: item[0])
+        Block(DocSpans(tuple(qs)), DocSpans(tuple(kvs)), causal, None if win == (-2, -2) else win,
+              init=not merges)
+        for (merges, _, causal, win), (qs, kvs) in sorted(groups.items(), key=lambda i: i[0])
     )
 
 
