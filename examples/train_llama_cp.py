@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --verify        # 4 CPU ranks (gloo)
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --layout llama3 --verify  # packed
+    torchrun --nproc-per-node 4 examples/train_llama_cp.py --window 24 --verify  # sliding window
     torchrun --nproc-per-node 8 examples/train_llama_cp.py --cuda --cp 4   # 8 GPUs (NCCL)
 
 The model is ``dtensor_ring.testing.TinyTransformer`` (RMSNorm, RoPE, GQA, SwiGLU; the same
@@ -29,6 +30,10 @@ HSDP's reduce-scatter (cp) plus all-reduce (dp) *averages* it over the ``dp * cp
 sum needs ``set_gradient_divide_factor(1.0)``, whose pre-multiplied sum gloo lacks). Each rank
 backpropagates ``world * (sum of its token losses) / (global token count)``, so the averaged
 gradient is the gradient of the global mean loss, as in a single-process run.
+
+``--window N``: sliding-window attention, each token seeing its ``N`` latest tokens (itself
+included; Mistral's ``sliding_window``): ``window_size=(N - 1, 0)`` in ``dr.ring_sdpa`` or the
+llama3 call (docs/window.md).
 
 ``--verify`` trains the same model (same initial weights, same batches) in one process on
 rank 0 without context parallelism afterwards (llama3: attending within each document), and
@@ -97,24 +102,35 @@ def packed_batch(step: int, batch: int, seq: int,
 
 
 def llama3_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
-                     **meta) -> Tensor:
+                     window_size: tuple[int, int], **meta) -> Tensor:
     """``q [1, T_local, H, D]``, ``k, v [1, T_local, K, D]``: this rank's contiguous slice of the
     packed stream; ``meta`` from ``dr.llama3_flash_attn_prepare_cu_seqlens`` (see ``main``)."""
     return dr.llama3_flash_attn_varlen_func(
         q[0], k[0], v[0], meta["cu_seqlens_q"], meta["cu_seqlens_k"], meta["max_seqlen_q"],
-        meta["max_seqlen_k"], k.shape[2], meta["local_k_slice"], causal=True, group=group,
+        meta["max_seqlen_k"], k.shape[2], meta["local_k_slice"], causal=True,
+        window_size=window_size, group=group,
     ).unsqueeze(0)
 
 
-def per_document_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: list[int]) -> Tensor:
-    """The single-process reference: causal SDPA within each document of the ``[1, T]`` stream."""
-    outs = [
-        F.scaled_dot_product_attention(
-            *(t[:, a:b].transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
-        ).transpose(1, 2)
-        for a, b in itertools.pairwise(cu_seqlens)
-    ]
-    return torch.cat(outs, dim=1)
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int = 0) -> Tensor:
+    """The single-process reference on ``[B, S, H, D]``: causal SDPA, each query seeing its
+    ``window`` latest keys if ``window`` (a boolean band mask)."""
+    mask = None
+    if window:
+        i, j = torch.arange(q.shape[1])[:, None], torch.arange(q.shape[1])[None, :]
+        mask = (j <= i) & (j > i - window)
+    return F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, is_causal=mask is None,
+        enable_gqa=True,
+    ).transpose(1, 2)
+
+
+def per_document_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: list[int],
+                           window: int = 0) -> Tensor:
+    """The single-process reference: :func:`causal_attention` within each document of the
+    ``[1, T]`` stream."""
+    return torch.cat([causal_attention(*(t[:, a:b] for t in (q, k, v)), window=window)
+                      for a, b in itertools.pairwise(cu_seqlens)], dim=1)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: Tensor,
@@ -145,10 +161,13 @@ def reference_losses(args: argparse.Namespace, cfg: TinyConfig) -> list[float]:
         if args.layout == "llama3":  # the whole batch as one packed stream
             tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq,
                                                              args.vocab)
-            model.set_attention_fn(functools.partial(per_document_attention, cu_seqlens=bounds))
+            model.set_attention_fn(functools.partial(per_document_attention, cu_seqlens=bounds,
+                                                     window=args.window))
             tokens, labels, positions = (t.reshape(1, -1) for t in (tokens, labels, positions))
             positions = positions[0]
         else:
+            if args.window:
+                model.set_attention_fn(functools.partial(causal_attention, window=args.window))
             data = synthetic_batch(step, args.batch, args.seq, args.vocab)
             tokens, labels, positions = data[:, :-1], data[:, 1:], torch.arange(args.seq)
         count = int((labels != IGNORE).sum())
@@ -175,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--checkpoint", action="store_true",
                         help="activation checkpointing of each block")
+    parser.add_argument("--window", type=int, default=0,
+                        help="sliding window: each token sees its N latest tokens (0: none)")
     parser.add_argument("--cuda", action="store_true", help="CUDA + NCCL (default CPU + gloo)")
     parser.add_argument("--verify", action="store_true",
                         help="compare the losses with a single-process run (exit 1 if > 1e-4)")
@@ -205,8 +226,10 @@ def main() -> int:
                      activation_checkpointing=args.checkpoint)
     torch.manual_seed(args.seed)  # same initial weights on every rank (and in --verify)
     model = TinyTransformer(cfg).to(device)
+    window_size = (args.window - 1, 0) if args.window else (-1, -1)
     if packed:
-        model.set_attention_fn(functools.partial(llama3_attention, group=mesh.get_group("cp")))
+        model.set_attention_fn(functools.partial(llama3_attention, group=mesh.get_group("cp"),
+                                                 window_size=window_size))
     else:
         model.set_cp_mesh(mesh["cp"])
     for block in model.layers:
@@ -221,7 +244,7 @@ def main() -> int:
         print(f"{world} ranks: dp={dp} x cp={args.cp} ({args.layout}), batch={args.batch}, "
               f"seq={args.seq}, dim={args.dim}, layers={args.layers}, heads={args.heads}/"
               f"{args.kv_heads}, {device.type}, compile={args.compile}, "
-              f"checkpoint={args.checkpoint}", flush=True)
+              f"checkpoint={args.checkpoint}, window={args.window or 'none'}", flush=True)
     losses = []
     for step in range(args.steps):
         attn_kwargs = {}
@@ -248,7 +271,8 @@ def main() -> int:
                               for t in (data[:, :-1], data[:, 1:]))  # shift first, then shard
             positions = dr.token_indices(args.layout, args.seq, cp_rank, args.cp).to(device)
             total_tokens = args.batch * args.seq
-            scope = dr.ring_sdpa(layout=args.layout)  # around the step, outside compiled code
+            # around the step, outside compiled code
+            scope = dr.ring_sdpa(layout=args.layout, window_size=window_size)
         start = time.perf_counter()
         with scope:
             loss_sum = train_step(model, optimizer, tokens, labels, positions, total_tokens,

@@ -36,6 +36,13 @@ def test_train_llama_cp_llama3_verify():
     assert "(llama3)" in out and "verify:" in out and "OK" in out, out
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "llama3"])
+def test_train_llama_cp_window_verify(layout):
+    """A sliding window of 24 tokens (sequences of 128) against the windowed single process."""
+    out = _torchrun("train_llama_cp.py", "--layout", layout, "--window", "24", "--verify")
+    assert "window=24" in out and "verify:" in out and "OK" in out, out
+
+
 def test_demo():
     out = _torchrun("demo.py")
     assert "zigzag" in out and "stripe" in out, out
