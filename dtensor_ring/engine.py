@@ -58,7 +58,13 @@ from .plan import Block, Part, Step
 
 
 class Exchanger(Protocol):
-    """What the engine needs of a communicator (see :mod:`dtensor_ring.comm`)."""
+    """What the engine needs of a communicator (see :mod:`dtensor_ring.comm`).
+
+    ``direct``: the exchanger returns each step's dK/dV to its owner (Note [Direct exchange])
+    rather than passing an accumulator along the ring.
+    """
+
+    direct: bool
 
     def start(self, tensors: Sequence[Tensor]): ...  # -> object with .wait() -> list[Tensor]
 
@@ -292,7 +298,7 @@ def ring_backward(
     """
     blocks = DenseBlocks(q_BSHD.shape[1]) if blocks is None else blocks
     acc = accumulation_dtype(q_BSHD.dtype)
-    direct = getattr(dkv_exchanger, "direct", False)
+    direct = dkv_exchanger is not None and dkv_exchanger.direct
     dq_acc = torch.zeros(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     side = _SideStream(q_BSHD.device)
     kv = [k_BSHD, v_BSHD]

@@ -599,14 +599,14 @@ def merge_doc_blocks(per_doc: Iterable[tuple[object, Block, int]]) -> tuple[Bloc
     document order; ``init`` blocks first."""
     groups: dict[tuple, tuple[list, list]] = {}
     for tag, blk, off in per_doc:
-        qs, kvs = groups.setdefault((not blk.init, tag, blk.causal, blk.window or (-2, -2)),
-                                    ([], []))
+        qs, kvs = groups.setdefault((not blk.init, tag, blk.causal, blk.window), ([], []))
         qs.append((blk.q.start + off, blk.q.stop + off))
         kvs.append((blk.kv.start + off, blk.kv.stop + off))
+    # init blocks first, then by tag; the sort is stable, so masks keep document order
     return tuple(
-        Block(DocSpans(tuple(qs)), DocSpans(tuple(kvs)), causal, None if win == (-2, -2) else win,
-              init=not merges)
-        for (merges, _, causal, win), (qs, kvs) in sorted(groups.items(), key=lambda i: i[0])
+        Block(DocSpans(tuple(qs)), DocSpans(tuple(kvs)), causal, window, init=not merges)
+        for (merges, _, causal, window), (qs, kvs) in sorted(groups.items(),
+                                                             key=lambda i: i[0][:2])
     )
 
 

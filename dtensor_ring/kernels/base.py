@@ -179,10 +179,16 @@ class BlockKernel:
 
 def window_mask(s_q: int, s_k: int, window: tuple[int, int], device: torch.device) -> Tensor:
     """``[S_q, S_k]`` bool mask (True = visible) of a bottom-right aligned ``window``."""
-    left, right = window
     d = (torch.arange(s_k, device=device)[None, :] - torch.arange(s_q, device=device)[:, None]
          - (s_k - s_q))
-    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    return in_window(d, window)
+
+
+def in_window(d: Tensor, window: tuple[int, int]) -> Tensor:
+    """Where ``-left <= d <= right`` (-1: that side unbounded), ``d`` being the key's offset
+    from the query's bottom-right aligned diagonal, ``j - i - (S_k - S_q)``."""
+    left, right = window
+    visible = torch.ones(d.shape, dtype=torch.bool, device=d.device)
     if left >= 0:
         visible &= d >= -left
     if right >= 0:

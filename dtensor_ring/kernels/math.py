@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .base import BlockKernel, accumulation_dtype, window_mask
+from .base import BlockKernel, accumulation_dtype, in_window, window_mask
 
 
 def _grouped(x_BSHD: Tensor, num_kv_heads: int) -> Tensor:
@@ -60,12 +60,9 @@ def _varlen_mask(
         mask &= pos_k[None, :] <= pos_q[:, None]
     if window is not None:
         lengths_q, lengths_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
-        d = pos_k[None, :] - pos_q[:, None] - (lengths_k - lengths_q)[doc_q][:, None]
-        left, right = window
-        if left >= 0:
-            mask &= d >= -left
-        if right >= 0:
-            mask &= d <= right
+        mask &= in_window(
+            pos_k[None, :] - pos_q[:, None] - (lengths_k - lengths_q)[doc_q][:, None], window
+        )
     return mask
 
 
