@@ -98,16 +98,18 @@ def test_ulysses(dist_pool, world_size, layout, causal, H, H_kv):
 
 
 ULYSSES_WINDOWS = [
-    # (world_size, layout, causal, window_size)
-    (1, "ring", True, (2, 0)), (2, "zigzag", True, (1, 0)), (4, "stripe", True, (5, 0)),
-    (4, "zigzag", False, (3, 1)),  # a non-causal window needs token order too
-    (2, "ring", False, (-1, 2)),
+    # (world_size, layout, causal, window_size, H, H_kv)
+    (1, "ring", True, (2, 0), 4, 2), (2, "zigzag", True, (1, 0), 4, 2),
+    (3, "zigzag", True, (4, 0), 6, 3), (3, "ring", False, (2, 3), 6, 3),
+    (4, "stripe", True, (5, 0), 4, 2),
+    (4, "zigzag", False, (3, 1), 4, 2),  # a non-causal window needs token order too
+    (2, "ring", False, (-1, 2), 4, 2),
 ]
 
 
-@pytest.mark.parametrize("world_size, layout, causal, window_size", ULYSSES_WINDOWS)
-def test_ulysses_window(dist_pool, world_size, layout, causal, window_size):
-    dist_pool.run(check_ulysses, world_size, layout=layout, causal=causal, H=4, H_kv=2,
+@pytest.mark.parametrize("world_size, layout, causal, window_size, H, H_kv", ULYSSES_WINDOWS)
+def test_ulysses_window(dist_pool, world_size, layout, causal, window_size, H, H_kv):
+    dist_pool.run(check_ulysses, world_size, layout=layout, causal=causal, H=H, H_kv=H_kv,
                   window_size=window_size)
 
 
