@@ -69,8 +69,10 @@ def attn_flops(s_q: int, s_k: int, causal: bool, heads: int, head_dim: int) -> f
 def qkv(S: int, a, dtype, device, gen):
     """Random q ``[1, S, H, D]``, k, v ``[1, S, H_kv, D]`` and dout."""
     q = torch.randn(1, S, a.heads, a.head_dim, generator=gen, device=device, dtype=dtype)
-    k, v = (torch.randn(1, S, a.kv_heads, a.head_dim, generator=gen, device=device, dtype=dtype)
-            for _ in "kv")
+    k, v = (
+        torch.randn(1, S, a.kv_heads, a.head_dim, generator=gen, device=device, dtype=dtype)
+        for _ in "kv"
+    )
     return q, k, v, torch.randn_like(q)
 
 
@@ -111,8 +113,8 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
     ql, kl, vl, dl = (t[:, :tokens] for t in (q, k, v, dout))
 
     def local_fwd_bwd():
-        out, lse = kernel.forward(ql, kl, vl, causal=True, scale=a.head_dim ** -0.5)
-        kernel.backward(dl, ql, kl, vl, out, lse, causal=True, scale=a.head_dim ** -0.5)
+        out, lse = kernel.forward(ql, kl, vl, causal=True, scale=a.head_dim**-0.5)
+        kernel.backward(dl, ql, kl, vl, out, lse, causal=True, scale=a.head_dim**-0.5)
 
     local_peak = peak_bytes(local_fwd_bwd)
     kv_bytes = 2 * tokens * a.kv_heads * a.head_dim * dtype.itemsize
@@ -133,19 +135,29 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
         # and one fp32 dK/dV receive set (the step-0 accumulator, measured, is the other)
         exchanger_bytes = 2 * kv_bytes + kv_bytes * 4 // dtype.itemsize
         rank_peak = peak_bytes(sim_fwd_bwd) + exchanger_bytes
-        rows.append(dict(
-            backend=backend, layout=layout, tokens_per_rank=tokens, world_size=W, rank=rank,
-            fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fwd_bwd * 1e3,
-            theoretic_fwd_ms=theo_fwd * 1e3, theoretic_fwd_bwd_ms=theo_fwd_bwd * 1e3,
-            eff_fwd=theo_fwd / t_fwd, eff_fwd_bwd=theo_fwd_bwd / t_fwd_bwd,
-            plan_limit=1.0 / plan.imbalance(tokens),
-            predicted_eff_fwd=theo_fwd / predicted_time(
-                plan, rank, tokens, t_fwd, kv_bytes, a.link_gbps),
-            predicted_eff_fwd_bwd=theo_fwd_bwd / predicted_time(
-                plan, rank, tokens, t_fwd_bwd, 3 * kv_bytes, a.link_gbps),
-            peak_mem_ratio=rank_peak / local_peak if local_peak else None,
-            peak_mem_mb=rank_peak / 2**20, local_peak_mem_mb=local_peak / 2**20,
-        ))
+        rows.append(
+            dict(
+                backend=backend,
+                layout=layout,
+                tokens_per_rank=tokens,
+                world_size=W,
+                rank=rank,
+                fwd_ms=t_fwd * 1e3,
+                fwd_bwd_ms=t_fwd_bwd * 1e3,
+                theoretic_fwd_ms=theo_fwd * 1e3,
+                theoretic_fwd_bwd_ms=theo_fwd_bwd * 1e3,
+                eff_fwd=theo_fwd / t_fwd,
+                eff_fwd_bwd=theo_fwd_bwd / t_fwd_bwd,
+                plan_limit=1.0 / plan.imbalance(tokens),
+                predicted_eff_fwd=theo_fwd
+                / predicted_time(plan, rank, tokens, t_fwd, kv_bytes, a.link_gbps),
+                predicted_eff_fwd_bwd=theo_fwd_bwd
+                / predicted_time(plan, rank, tokens, t_fwd_bwd, 3 * kv_bytes, a.link_gbps),
+                peak_mem_ratio=rank_peak / local_peak if local_peak else None,
+                peak_mem_mb=rank_peak / 2**20,
+                local_peak_mem_mb=local_peak / 2**20,
+            )
+        )
     return rows
 
 
@@ -153,8 +165,10 @@ def predicted_time(plan, rank, tokens, measured_s, bytes_per_step, link_gbps) ->
     """Sum over steps of max(compute share of the measured time, one hop of transfers)."""
     pairs = plan.score_pairs(tokens)[rank]
     comm_s = bytes_per_step / (link_gbps * 1e9)
-    return sum(max(measured_s * p / sum(pairs), comm_s if s + 1 < len(pairs) else 0.0)
-               for s, p in enumerate(pairs))
+    return sum(
+        max(measured_s * p / sum(pairs), comm_s if s + 1 < len(pairs) else 0.0)
+        for s, p in enumerate(pairs)
+    )
 
 
 def block_throughput(backend: str, tokens: int, a, device, gen) -> list[dict]:
@@ -162,15 +176,25 @@ def block_throughput(backend: str, tokens: int, a, device, gen) -> list[dict]:
     kernel = get_kernel(backend)
     q, k, v, dout = qkv(tokens, a, a.dtype, device, gen)
     h = tokens // 2
-    shapes = [("diag causal", q, k, v, dout, True), ("full", q, k, v, dout, False),
-              ("q x kv/2", q, k[:, :h], v[:, :h], dout, False),
-              ("q/2 x kv", q[:, h:], k, v, dout[:, h:], False)]
+    shapes = [
+        ("diag causal", q, k, v, dout, True),
+        ("full", q, k, v, dout, False),
+        ("q x kv/2", q, k[:, :h], v[:, :h], dout, False),
+        ("q/2 x kv", q[:, h:], k, v, dout[:, h:], False),
+    ]
     rows = []
     for name, qq, kk, vv, dd, causal in shapes:
         fwd, fwd_bwd = kernel_times(kernel, qq, kk, vv, dd, causal, a.reps)
         fl = attn_flops(qq.shape[1], kk.shape[1], causal, a.heads, a.head_dim)
-        rows.append(dict(backend=backend, block=name, tokens=tokens,
-                         fwd_tflops=fl / fwd / 1e12, fwd_bwd_tflops=3.5 * fl / fwd_bwd / 1e12))
+        rows.append(
+            dict(
+                backend=backend,
+                block=name,
+                tokens=tokens,
+                fwd_tflops=fl / fwd / 1e12,
+                fwd_bwd_tflops=3.5 * fl / fwd_bwd / 1e12,
+            )
+        )
     return rows
 
 
@@ -180,23 +204,34 @@ def precision(backend: str, a, device, gen) -> list[dict]:
     q, k, v, dout = qkv(S, a, a.dtype, device, gen)
     math64 = MathKernel()
     full = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = math64.forward(*full, causal=True, scale=a.head_dim ** -0.5)
+    ref_out, _ = math64.forward(*full, causal=True, scale=a.head_dim**-0.5)
     ref = (ref_out, *torch.autograd.grad(ref_out, full, dout.double()))
     kernel = get_kernel(backend)
-    base_out, base_lse = kernel.forward(q, k, v, causal=True, scale=a.head_dim ** -0.5)
-    base = (base_out, *kernel.backward(dout, q, k, v, base_out, base_lse, causal=True,
-                                       scale=a.head_dim ** -0.5))
+    base_out, base_lse = kernel.forward(q, k, v, causal=True, scale=a.head_dim**-0.5)
+    base = (
+        base_out,
+        *kernel.backward(dout, q, k, v, base_out, base_lse, causal=True, scale=a.head_dim**-0.5),
+    )
     rows = []
     for layout in LAYOUTS:
-        out, _, dq, dk, dv = simulate_ring(q, k, v, dout, layout=layout, world_size=W,
-                                           backend=backend)
-        for name, got, b, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), base, ref,
-                                   strict=True):
+        out, _, dq, dk, dv = simulate_ring(
+            q, k, v, dout, layout=layout, world_size=W, backend=backend
+        )
+        for name, got, b, r in zip(
+            ("out", "dq", "dk", "dv"), (out, dq, dk, dv), base, ref, strict=True
+        ):
             err, base_err = (got.double() - r).abs(), (b.double() - r).abs()
-            rows.append(dict(backend=backend, layout=layout, tensor=name,
-                             max_err=err.max().item(), mean_err=err.mean().item(),
-                             ratio_max=err.max().item() / base_err.max().item(),
-                             ratio_mean=err.mean().item() / base_err.mean().item()))
+            rows.append(
+                dict(
+                    backend=backend,
+                    layout=layout,
+                    tensor=name,
+                    max_err=err.max().item(),
+                    mean_err=err.mean().item(),
+                    ratio_max=err.max().item() / base_err.max().item(),
+                    ratio_mean=err.mean().item() / base_err.mean().item(),
+                )
+            )
     return rows
 
 
@@ -237,7 +272,10 @@ def eager_merge_rings(backend: str, tokens: int, a, device, gen) -> list[dict]:
 
 
 VARLEN_LOCAL_CU_SEQLENS = (  # the seed benchmark's local document boundaries (8192 tokens)
-    (0, 8192), (0, 256, 7648, 8192), (0, 4096, 8192), (0, 3104, 6304, 7904, 8064, 8192),
+    (0, 8192),
+    (0, 256, 7648, 8192),
+    (0, 4096, 8192),
+    (0, 3104, 6304, 7904, 8064, 8192),
 )
 
 
@@ -262,7 +300,7 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
     W, backend = a.world_size, "cuda_flash" if device.type == "cuda" else "math"
     kernel = get_kernel(backend)
     bounds = [b * W for b in local_bounds]
-    scale = a.head_dim ** -0.5
+    scale = a.head_dim**-0.5
     q, k, v, dout = (t[0] for t in qkv(bounds[-1], a, a.dtype, device, gen))  # [T, H, D]
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     n = max(b - a_ for a_, b in zip(bounds[:-1], bounds[1:], strict=True))
@@ -276,12 +314,18 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
 
     theo_fwd, theo_fwd_bwd = timed(full_fwd, a.reps) / W, timed(full_fwd_bwd, a.reps) / W
     balance = varlen_balance(bounds, W, causal=True)
-    row = dict(local_cu_seqlens=list(local_bounds), world_size=W, backend=backend,
-               theoretic_fwd_ms=theo_fwd * 1e3, theoretic_fwd_bwd_ms=theo_fwd_bwd * 1e3)
+    row = dict(
+        local_cu_seqlens=list(local_bounds),
+        world_size=W,
+        backend=backend,
+        theoretic_fwd_ms=theo_fwd * 1e3,
+        theoretic_fwd_bwd_ms=theo_fwd_bwd * 1e3,
+    )
     for layout in ("ring", "zigzag"):
         rank = max(range(W), key=balance[layout].__getitem__)
-        sim = RankSimulator(q, k, v, layout=layout, world_size=W, rank=rank, backend=backend,
-                            cu_seqlens=bounds)
+        sim = RankSimulator(
+            q, k, v, layout=layout, world_size=W, rank=rank, backend=backend, cu_seqlens=bounds
+        )
         dl = dout[: sim.q.shape[0]]  # any values of the local shape time the same
 
         def fwd_bwd(sim=sim, dl=dl):
@@ -295,14 +339,16 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
     rank = max(range(W), key=balance["llama3"].__getitem__)
     cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
     L = bounds[-1] // W
-    meta = llama3.llama3_meta(cu_q, cu_k, max_q, max_k, k_slice.start, k_slice.stop, L, True,
-                              rank, W, device)
-    ql, kl, vl = (t[rank * L:(rank + 1) * L] for t in (q, k, v))
+    meta = llama3.llama3_meta(
+        cu_q, cu_k, max_q, max_k, k_slice.start, k_slice.stop, L, True, rank, W, device
+    )
+    ql, kl, vl = (t[rank * L : (rank + 1) * L] for t in (q, k, v))
     default_gather = llama3._KVGather
     llama3._KVGather = lambda k_, v_, stride, group: _LocalGather(k, v, stride)
     try:
-        t_fwd = timed(lambda: llama3.llama3_forward(ql, kl, vl, meta, a.kv_heads, None, kernel,
-                                                     scale), a.reps)
+        t_fwd = timed(
+            lambda: llama3.llama3_forward(ql, kl, vl, meta, a.kv_heads, None, kernel, scale), a.reps
+        )
     finally:
         llama3._KVGather = default_gather
     row["llama3_eff_fwd"] = theo_fwd / t_fwd
@@ -324,8 +370,11 @@ def plots(results: dict, out_dir: str) -> None:
     for ax, key in zip(axes, ("eff_fwd", "eff_fwd_bwd"), strict=True):
         for backend in sorted({r["backend"] for r in rows}):
             for layout in LAYOUTS:
-                pts = [(r["tokens_per_rank"], r[key]) for r in rows
-                       if r["backend"] == backend and r["layout"] == layout]
+                pts = [
+                    (r["tokens_per_rank"], r[key])
+                    for r in rows
+                    if r["backend"] == backend and r["layout"] == layout
+                ]
                 ax.plot(*zip(*pts, strict=True), marker="o", label=f"{backend} {layout}")
         ax.set(xscale="log", xlabel="tokens per rank", title=key, ylim=(0, 1.1))
         ax.axhline(1.0, color="gray", lw=0.5)
@@ -335,8 +384,10 @@ def plots(results: dict, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "efficiency.png"), dpi=110)
     fig, ax = plt.subplots(figsize=(7, 3.5))
     mem = [r for r in rows if r["peak_mem_ratio"]]
-    ax.bar([f"{r['backend'][:5]} {r['layout']}\n{r['tokens_per_rank']}" for r in mem],
-           [r["peak_mem_ratio"] for r in mem])
+    ax.bar(
+        [f"{r['backend'][:5]} {r['layout']}\n{r['tokens_per_rank']}" for r in mem],
+        [r["peak_mem_ratio"] for r in mem],
+    )
     ax.axhline(1.3, color="red", lw=0.8, label="target 1.3x")
     ax.set(ylabel="peak memory / single-device", title="one rank, fwd+bwd")
     ax.tick_params(axis="x", labelsize=5)
@@ -370,16 +421,32 @@ def main() -> None:
     from dtensor_ring.kernels import BACKENDS
 
     call = KernelCall.of(probe, probe_kv)
-    backends = (a.backends.split(",") if a.backends else
-                [b.name for b in BACKENDS if b.name != "math" and not b.unsupported_reason(call)])
+    backends = (
+        a.backends.split(",")
+        if a.backends
+        else [b.name for b in BACKENDS if b.name != "math" and not b.unsupported_reason(call)]
+    )
     gen = torch.Generator(device=device).manual_seed(0)
     tokens = [int(t) for t in a.tokens.split(",")]
     results = dict(
-        date=datetime.date.today().isoformat(), torch=torch.__version__,
-        cuda=torch.version.cuda, device=torch.cuda.get_device_name() if device.type == "cuda"
-        else "cpu", config=dict(world_size=a.world_size, heads=a.heads, kv_heads=a.kv_heads,
-                                head_dim=a.head_dim, dtype=str(a.dtype), tokens=tokens),
-        blocks=[], rings=[], precision=[], merges=[], varlen=[], errors=[],
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        config=dict(
+            world_size=a.world_size,
+            heads=a.heads,
+            kv_heads=a.kv_heads,
+            head_dim=a.head_dim,
+            dtype=str(a.dtype),
+            tokens=tokens,
+        ),
+        blocks=[],
+        rings=[],
+        precision=[],
+        merges=[],
+        varlen=[],
+        errors=[],
     )
     for bounds in VARLEN_LOCAL_CU_SEQLENS if not a.smoke else ((0, 4, 12, 16),):
         try:
@@ -415,35 +482,53 @@ def main() -> None:
 
 def print_tables(results: dict) -> None:
     """The short tables: blocks, rings, precision (printed last)."""
-    print(f"\n{results['device']}, torch {results['torch']}, CUDA {results['cuda']}, "
-          f"{results['date']}, {results['config']}")
+    print(
+        f"\n{results['device']}, torch {results['torch']}, CUDA {results['cuda']}, "
+        f"{results['date']}, {results['config']}"
+    )
     print(f"\n{'backend':<11}{'block':<13}{'tokens':>7}{'fwd TF/s':>10}{'f+b TF/s':>10}")
     for r in results["blocks"]:
-        print(f"{r['backend']:<11}{r['block']:<13}{r['tokens']:>7}{r['fwd_tflops']:>10.1f}"
-              f"{r['fwd_bwd_tflops']:>10.1f}")
-    print(f"\n{'backend':<11}{'layout':<21}{'tok/rank':>8}{'fwd ms':>8}{'eff fwd':>8}"
-          f"{'f+b ms':>8}{'eff f+b':>8}{'limit':>7}{'pred f':>7}{'pred fb':>8}{'mem x':>6}")
+        print(
+            f"{r['backend']:<11}{r['block']:<13}{r['tokens']:>7}{r['fwd_tflops']:>10.1f}"
+            f"{r['fwd_bwd_tflops']:>10.1f}"
+        )
+    print(
+        f"\n{'backend':<11}{'layout':<21}{'tok/rank':>8}{'fwd ms':>8}{'eff fwd':>8}"
+        f"{'f+b ms':>8}{'eff f+b':>8}{'limit':>7}{'pred f':>7}{'pred fb':>8}{'mem x':>6}"
+    )
     for r in results["rings"]:
         mem = f"{r['peak_mem_ratio']:.2f}" if r["peak_mem_ratio"] else "-"
-        print(f"{r['backend']:<11}{r['layout']:<21}{r['tokens_per_rank']:>8}{r['fwd_ms']:>8.2f}"
-              f"{r['eff_fwd']:>8.1%}{r['fwd_bwd_ms']:>8.2f}{r['eff_fwd_bwd']:>8.1%}"
-              f"{r['plan_limit']:>7.1%}{r['predicted_eff_fwd']:>7.1%}"
-              f"{r['predicted_eff_fwd_bwd']:>8.1%}{mem:>6}")
-    print(f"\n{'backend':<11}{'layout':<8}{'tensor':<7}{'max err':>10}{'ratio max':>10}"
-          f"{'ratio mean':>11}")
+        print(
+            f"{r['backend']:<11}{r['layout']:<21}{r['tokens_per_rank']:>8}{r['fwd_ms']:>8.2f}"
+            f"{r['eff_fwd']:>8.1%}{r['fwd_bwd_ms']:>8.2f}{r['eff_fwd_bwd']:>8.1%}"
+            f"{r['plan_limit']:>7.1%}{r['predicted_eff_fwd']:>7.1%}"
+            f"{r['predicted_eff_fwd_bwd']:>8.1%}{mem:>6}"
+        )
+    print(
+        f"\n{'backend':<11}{'layout':<8}{'tensor':<7}{'max err':>10}{'ratio max':>10}"
+        f"{'ratio mean':>11}"
+    )
     for r in results["precision"]:
-        print(f"{r['backend']:<11}{r['layout']:<8}{r['tensor']:<7}{r['max_err']:>10.2e}"
-              f"{r['ratio_max']:>10.2f}{r['ratio_mean']:>11.2f}")
-    print(f"\n{'local cu_seqlens':<36}{'ring f':>8}{'ring fb':>8}{'zz f':>8}{'zz fb':>8}"
-          f"{'llama3 f':>9}{'limits r/zz/l3':>17}")
+        print(
+            f"{r['backend']:<11}{r['layout']:<8}{r['tensor']:<7}{r['max_err']:>10.2e}"
+            f"{r['ratio_max']:>10.2f}{r['ratio_mean']:>11.2f}"
+        )
+    print(
+        f"\n{'local cu_seqlens':<36}{'ring f':>8}{'ring fb':>8}{'zz f':>8}{'zz fb':>8}"
+        f"{'llama3 f':>9}{'limits r/zz/l3':>17}"
+    )
     for r in results["varlen"]:
         limits = f"{r['ring_limit']:.0%}/{r['zigzag_limit']:.0%}/{r['llama3_limit']:.0%}"
-        print(f"{str(r['local_cu_seqlens']):<36}{r['ring_eff_fwd']:>8.1%}"
-              f"{r['ring_eff_fwd_bwd']:>8.1%}{r['zigzag_eff_fwd']:>8.1%}"
-              f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}{limits:>17}")
+        print(
+            f"{str(r['local_cu_seqlens']):<36}{r['ring_eff_fwd']:>8.1%}"
+            f"{r['ring_eff_fwd_bwd']:>8.1%}{r['zigzag_eff_fwd']:>8.1%}"
+            f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}{limits:>17}"
+        )
     for r in results["merges"]:
-        print(f"merge {r['merge']:<8} {r['tokens']} rows: {r['ms']:.3f} ms, {r['gbps']:.0f} GB/s, "
-              f"max diff vs eager {r['max_diff_vs_eager']:.1e}")
+        print(
+            f"merge {r['merge']:<8} {r['tokens']} rows: {r['ms']:.3f} ms, {r['gbps']:.0f} GB/s, "
+            f"max diff vs eager {r['max_diff_vs_eager']:.1e}"
+        )
     for e in results["errors"]:
         print("ERROR", e)
 

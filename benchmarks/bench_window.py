@@ -58,17 +58,24 @@ def rank_times(q, k, v, dout, layout, window_size, backend, a) -> dict:
     plan = make_plan(layout, W, True, window, n if window else None)
     flops = plan.flops(n, heads=a.heads, head_dim=a.head_dim)
     rank = max(range(W), key=flops.__getitem__)
-    sim = RankSimulator(q, k, v, layout=layout, world_size=W, rank=rank, backend=backend,
-                        window_size=window_size)
+    sim = RankSimulator(
+        q, k, v, layout=layout, world_size=W, rank=rank, backend=backend, window_size=window_size
+    )
     dout_local = shard_local(dout, layout, rank, W)
 
     def fwd_bwd():
         sim.forward()
         sim.backward(dout_local)
 
-    return dict(rank=rank, steps=len(plan.offsets), kv_transfers=plan.kv_transfers(),
-                rank_tflop=flops[rank] / 1e12, total_tflop=sum(flops) / 1e12,
-                fwd_ms=timed(sim.forward, a.reps) * 1e3, fwd_bwd_ms=timed(fwd_bwd, a.reps) * 1e3)
+    return dict(
+        rank=rank,
+        steps=len(plan.offsets),
+        kv_transfers=plan.kv_transfers(),
+        rank_tflop=flops[rank] / 1e12,
+        total_tflop=sum(flops) / 1e12,
+        fwd_ms=timed(sim.forward, a.reps) * 1e3,
+        fwd_bwd_ms=timed(fwd_bwd, a.reps) * 1e3,
+    )
 
 
 def bench(a, device, gen) -> list[dict]:
@@ -77,21 +84,29 @@ def bench(a, device, gen) -> list[dict]:
     # one window-capable kernel for every measurement, the unwindowed ring included
     kernel = select_kernel(KernelCall.of(q, k, window=True), a.backend)
     rows = []
-    unwindowed = {layout: rank_times(q, k, v, dout, layout, (-1, -1), kernel.name, a)
-                  for layout in a.layouts}
+    unwindowed = {
+        layout: rank_times(q, k, v, dout, layout, (-1, -1), kernel.name, a) for layout in a.layouts
+    }
     for left in a.windows:
         _, window = normalize_window((left, 0), True, S)
         full_fwd, full_fwd_bwd = full_kernel_times(kernel, q, k, v, dout, window, a.reps)
         for layout in a.layouts:
             r = rank_times(q, k, v, dout, layout, (left, 0), kernel.name, a)
-            rows.append(dict(
-                layout=layout, window=left, backend=kernel.name, tokens_per_rank=a.tokens,
-                world_size=W, **r,
-                theoretic_fwd_ms=full_fwd / W * 1e3, theoretic_fwd_bwd_ms=full_fwd_bwd / W * 1e3,
-                eff_fwd=full_fwd / W * 1e3 / r["fwd_ms"],
-                eff_fwd_bwd=full_fwd_bwd / W * 1e3 / r["fwd_bwd_ms"],
-                vs_unwindowed_fwd_bwd=r["fwd_bwd_ms"] / unwindowed[layout]["fwd_bwd_ms"],
-            ))
+            rows.append(
+                dict(
+                    layout=layout,
+                    window=left,
+                    backend=kernel.name,
+                    tokens_per_rank=a.tokens,
+                    world_size=W,
+                    **r,
+                    theoretic_fwd_ms=full_fwd / W * 1e3,
+                    theoretic_fwd_bwd_ms=full_fwd_bwd / W * 1e3,
+                    eff_fwd=full_fwd / W * 1e3 / r["fwd_ms"],
+                    eff_fwd_bwd=full_fwd_bwd / W * 1e3 / r["fwd_bwd_ms"],
+                    vs_unwindowed_fwd_bwd=r["fwd_bwd_ms"] / unwindowed[layout]["fwd_bwd_ms"],
+                )
+            )
     return rows
 
 
@@ -100,7 +115,7 @@ def precision(a, device, gen) -> list[dict]:
     W, S = a.world_size, a.world_size * a.precision_tokens
     q, k, v, dout = qkv(S, a, a.dtype, device, gen)
     kernel = select_kernel(KernelCall.of(q, k, window=True), a.backend)
-    scale = a.head_dim ** -0.5
+    scale = a.head_dim**-0.5
     rows = []
     for left in a.precision_windows:
         window = (left, 0)
@@ -108,20 +123,34 @@ def precision(a, device, gen) -> list[dict]:
         ref_out, _ = MathKernel().forward(*ref, causal=False, scale=scale, window=window)
         ref_grads = torch.autograd.grad(ref_out, ref, dout.double())
         single_out, lse = kernel.forward(q, k, v, causal=False, scale=scale, window=window)
-        single = [single_out, *kernel.backward(dout, q, k, v, single_out, lse, causal=False,
-                                               scale=scale, window=window)]
+        single = [
+            single_out,
+            *kernel.backward(
+                dout, q, k, v, single_out, lse, causal=False, scale=scale, window=window
+            ),
+        ]
         expected = [ref_out, *ref_grads]
-        single_err = [(s.double() - e).abs().max().item() for s, e in zip(single, expected,
-                                                                         strict=True)]
+        single_err = [
+            (s.double() - e).abs().max().item() for s, e in zip(single, expected, strict=True)
+        ]
         for layout in a.layouts:
-            out, _, *grads = simulate_ring(q, k, v, dout, layout=layout, world_size=W,
-                                           backend=kernel.name, window_size=window)
-            err = [(x.double() - e).abs().max().item()
-                   for x, e in zip([out, *grads], expected, strict=True)]
-            rows.append(dict(layout=layout, window=left, tokens=S, max_err=max(err),
-                             single_max_err=max(single_err),
-                             ratio_max=max(e / max(s, 1e-30) for e, s in zip(err, single_err,
-                                                                             strict=True))))
+            out, _, *grads = simulate_ring(
+                q, k, v, dout, layout=layout, world_size=W, backend=kernel.name, window_size=window
+            )
+            err = [
+                (x.double() - e).abs().max().item()
+                for x, e in zip([out, *grads], expected, strict=True)
+            ]
+            rows.append(
+                dict(
+                    layout=layout,
+                    window=left,
+                    tokens=S,
+                    max_err=max(err),
+                    single_max_err=max(single_err),
+                    ratio_max=max(e / max(s, 1e-30) for e, s in zip(err, single_err, strict=True)),
+                )
+            )
     return rows
 
 
@@ -135,18 +164,27 @@ def plot(results: dict, out_dir: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for layout in {r["layout"] for r in results["rows"]}:
-        rows = sorted((r for r in results["rows"] if r["layout"] == layout),
-                      key=lambda r: r["window"] if r["window"] >= 0 else 1 << 30)
+        rows = sorted(
+            (r for r in results["rows"] if r["layout"] == layout),
+            key=lambda r: r["window"] if r["window"] >= 0 else 1 << 30,
+        )
         xs = [r["window"] if r["window"] >= 0 else rows[-2]["window"] * 2 for r in rows]
         ax.plot(xs, [r["fwd_bwd_ms"] for r in rows], "o-", label=f"{layout} (slowest rank)")
         if layout == "ring":
-            ax.plot(xs, [r["theoretic_fwd_bwd_ms"] for r in rows], "k--",
-                    label="full-sequence kernel / W")
+            ax.plot(
+                xs,
+                [r["theoretic_fwd_bwd_ms"] for r in rows],
+                "k--",
+                label="full-sequence kernel / W",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("window (tokens left; rightmost point: no window)")
     ax.set_ylabel("fwd+bwd ms")
-    ax.set_title(f"{results['device']}, W={results['config']['world_size']}, "
-                 f"{results['config']['tokens']} tokens/rank", fontsize=9)
+    ax.set_title(
+        f"{results['device']}, W={results['config']['world_size']}, "
+        f"{results['config']['tokens']} tokens/rank",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bench_window.png"), dpi=120)
@@ -178,31 +216,47 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(0)
     results = dict(
-        date=datetime.date.today().isoformat(), torch=torch.__version__, cuda=torch.version.cuda,
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        config=dict(world_size=a.world_size, tokens=a.tokens, heads=a.heads,
-                    kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=str(a.dtype), causal=True),
+        config=dict(
+            world_size=a.world_size,
+            tokens=a.tokens,
+            heads=a.heads,
+            kv_heads=a.kv_heads,
+            head_dim=a.head_dim,
+            dtype=str(a.dtype),
+            causal=True,
+        ),
     )
     if device.type == "cuda":  # one discarded pass: kernels loaded, clocks up
-        bench(argparse.Namespace(**{**vars(a), "windows": a.windows[:1], "reps": 1}), device,
-              gen)
+        bench(argparse.Namespace(**{**vars(a), "windows": a.windows[:1], "reps": 1}), device, gen)
     results["rows"] = bench(a, device, gen)
     results["precision"] = precision(a, device, gen)
     with open(os.path.join(a.out, "bench_window.json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, a.out)
-    print(f"\n{results['device']}, torch {results['torch']}, CUDA {results['cuda']}, "
-          f"{results['date']}, {results['config']}")
-    print(f"\n{'layout':<8}{'window':>7}{'steps':>6}{'rank TF':>9}{'fwd ms':>9}{'f+b ms':>9}"
-          f"{'theo f+b':>10}{'eff fwd':>9}{'eff f+b':>9}{'vs full':>9}")
+    print(
+        f"\n{results['device']}, torch {results['torch']}, CUDA {results['cuda']}, "
+        f"{results['date']}, {results['config']}"
+    )
+    print(
+        f"\n{'layout':<8}{'window':>7}{'steps':>6}{'rank TF':>9}{'fwd ms':>9}{'f+b ms':>9}"
+        f"{'theo f+b':>10}{'eff fwd':>9}{'eff f+b':>9}{'vs full':>9}"
+    )
     for r in results["rows"]:
-        print(f"{r['layout']:<8}{r['window']:>7}{r['steps']:>6}{r['rank_tflop']:>9.3f}"
-              f"{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>9.2f}{r['theoretic_fwd_bwd_ms']:>10.2f}"
-              f"{r['eff_fwd']:>9.1%}{r['eff_fwd_bwd']:>9.1%}{r['vs_unwindowed_fwd_bwd']:>9.1%}")
+        print(
+            f"{r['layout']:<8}{r['window']:>7}{r['steps']:>6}{r['rank_tflop']:>9.3f}"
+            f"{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>9.2f}{r['theoretic_fwd_bwd_ms']:>10.2f}"
+            f"{r['eff_fwd']:>9.1%}{r['eff_fwd_bwd']:>9.1%}{r['vs_unwindowed_fwd_bwd']:>9.1%}"
+        )
     print(f"\n{'layout':<8}{'window':>7}{'tokens':>7}{'max err':>10}{'single':>10}{'ratio':>7}")
     for r in results["precision"]:
-        print(f"{r['layout']:<8}{r['window']:>7}{r['tokens']:>7}{r['max_err']:>10.2e}"
-              f"{r['single_max_err']:>10.2e}{r['ratio_max']:>7.2f}")
+        print(
+            f"{r['layout']:<8}{r['window']:>7}{r['tokens']:>7}{r['max_err']:>10.2e}"
+            f"{r['single_max_err']:>10.2e}{r['ratio_max']:>7.2f}"
+        )
 
 
 if __name__ == "__main__":

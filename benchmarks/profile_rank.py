@@ -51,13 +51,26 @@ def summarize(prof, label: str) -> dict:
     spans = sorted((e.time_range.start, e.time_range.end) for e in stream)
     idle = sum(max(0, b[0] - a[1]) for a, b in zip(spans[:-1], spans[1:], strict=True)) / 1e3
     wall = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
-    host = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count)
-                   for e in prof.key_averages()), key=lambda r: -r[1])[:15]
-    top_kernels = sorted(((e.key, e.device_time_total / 1e3, e.count)
-                          for e in prof.key_averages() if e.device_time_total > 0),
-                         key=lambda r: -r[1])[:15]
-    return dict(label=label, wall_ms=wall, compute_stream_idle_ms=idle,
-                gpu_ms_by_family=dict(by_family), host_ms_top=host, kernels_top=top_kernels)
+    host = sorted(
+        ((e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()),
+        key=lambda r: -r[1],
+    )[:15]
+    top_kernels = sorted(
+        (
+            (e.key, e.device_time_total / 1e3, e.count)
+            for e in prof.key_averages()
+            if e.device_time_total > 0
+        ),
+        key=lambda r: -r[1],
+    )[:15]
+    return dict(
+        label=label,
+        wall_ms=wall,
+        compute_stream_idle_ms=idle,
+        gpu_ms_by_family=dict(by_family),
+        host_ms_top=host,
+        kernels_top=top_kernels,
+    )
 
 
 def main() -> None:
@@ -97,11 +110,22 @@ def main() -> None:
         prof.export_chrome_trace(os.path.join(a.out, f"trace_{label.replace('+', '_')}.json"))
         results.append(summarize(prof, label))
     with open(os.path.join(a.out, "profile_rank.json"), "w") as f:
-        json.dump(dict(config=vars(a) | {"dtype": str(a.dtype)}, rank=rank, torch=torch.__version__,
-                       device=torch.cuda.get_device_name(), results=results), f, indent=1)
+        json.dump(
+            dict(
+                config=vars(a) | {"dtype": str(a.dtype)},
+                rank=rank,
+                torch=torch.__version__,
+                device=torch.cuda.get_device_name(),
+                results=results,
+            ),
+            f,
+            indent=1,
+        )
     for r in results:
-        print(f"\n== {r['label']}: wall {r['wall_ms']:.2f} ms, compute stream idle "
-              f"{r['compute_stream_idle_ms']:.2f} ms")
+        print(
+            f"\n== {r['label']}: wall {r['wall_ms']:.2f} ms, compute stream idle "
+            f"{r['compute_stream_idle_ms']:.2f} ms"
+        )
         for fam, ms in sorted(r["gpu_ms_by_family"].items(), key=lambda x: -x[1]):
             print(f"   gpu {fam:<28}{ms:9.3f} ms")
         print("   top kernels (ms, count):")

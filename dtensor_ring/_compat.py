@@ -51,13 +51,24 @@ def _select_backend_name(
 ) -> str:
     from .kernels import KernelCall, select_kernel
 
-    call = KernelCall(device_type, dtype, head_dim, num_heads, num_kv_heads,
-                      deterministic=deterministic, window=window)
+    call = KernelCall(
+        device_type,
+        dtype,
+        head_dim,
+        num_heads,
+        num_kv_heads,
+        deterministic=deterministic,
+        window=window,
+    )
     return select_kernel(call, backend).name
 
 
 def select_backend_name(
-    q: torch.Tensor, k: torch.Tensor, backend: str | None, *, deterministic: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    backend: str | None,
+    *,
+    deterministic: bool = False,
     window: bool = False,
 ) -> str:
     """Name of the block kernel for ``q [..., H, D]`` and ``k [..., H_kv, D]`` (see select_kernel).
@@ -68,5 +79,13 @@ def select_backend_name(
     assume_constant_result``): backends' availability probes (``torch.backends.cudnn.
     is_available()``, imports) are not traceable by Dynamo and would break the graph.
     """
-    return _select_backend_name(q.device.type, q.dtype, int(q.shape[-1]), int(q.shape[-2]),
-                                int(k.shape[-2]), bool(deterministic), backend, bool(window))
+    return _select_backend_name(
+        q.device.type,
+        q.dtype,
+        int(q.shape[-1]),
+        int(q.shape[-2]),
+        int(k.shape[-2]),
+        bool(deterministic),
+        backend,
+        bool(window),
+    )

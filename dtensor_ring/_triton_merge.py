@@ -14,11 +14,27 @@ from torch import Tensor
 
 @triton.jit
 def _merge_kernel(
-    out_ptr, lse_ptr, blk_out_ptr, blk_lse_ptr,
-    S, H, D,
-    o_sb, o_ss, o_sh, l_sb, l_sh, l_ss,
-    bo_sb, bo_ss, bo_sh, bl_sb, bl_sh, bl_ss,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    out_ptr,
+    lse_ptr,
+    blk_out_ptr,
+    blk_lse_ptr,
+    S,
+    H,
+    D,
+    o_sb,
+    o_ss,
+    o_sh,
+    l_sb,
+    l_sh,
+    l_ss,
+    bo_sb,
+    bo_ss,
+    bo_sh,
+    bl_sb,
+    bl_sh,
+    bl_ss,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)  # one (b, s) row of the block
     b = row // S
@@ -44,19 +60,30 @@ def _merge_kernel(
     tl.store(lse_ptrs, new_lse, mask=h_ok)
 
 
-def triton_merge_(out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor,
-                  lse_BHS: Tensor) -> None:
+def triton_merge_(
+    out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor, lse_BHS: Tensor
+) -> None:
     """Same contract as :func:`dtensor_ring.merge.merge_`; fp32 accumulators, unit D stride."""
     B, S, H, D = out_acc_BSHD.shape
     block_d = triton.next_power_of_2(D)
     block_h = max(1, min(triton.next_power_of_2(H), 2048 // block_d))
     grid = (B * S, triton.cdiv(H, block_h))
     _merge_kernel[grid](
-        out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS,
-        S, H, D,
-        out_acc_BSHD.stride(0), out_acc_BSHD.stride(1), out_acc_BSHD.stride(2),
+        out_acc_BSHD,
+        lse_acc_BHS,
+        out_BSHD,
+        lse_BHS,
+        S,
+        H,
+        D,
+        out_acc_BSHD.stride(0),
+        out_acc_BSHD.stride(1),
+        out_acc_BSHD.stride(2),
         *lse_acc_BHS.stride(),
-        out_BSHD.stride(0), out_BSHD.stride(1), out_BSHD.stride(2),
+        out_BSHD.stride(0),
+        out_BSHD.stride(1),
+        out_BSHD.stride(2),
         *lse_BHS.stride(),
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )

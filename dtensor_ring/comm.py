@@ -117,8 +117,14 @@ class DirectExchanger(_PeerExchanger):
 
     direct = True
 
-    def __init__(self, group: dist.ProcessGroup, offsets: Sequence[int], tag: int = 0, *,
-                 to_source: bool = False):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        offsets: Sequence[int],
+        tag: int = 0,
+        *,
+        to_source: bool = False,
+    ):
         super().__init__(group, tag)
         sign = -1 if to_source else 1
         self._peers = [(self._global(sign * o), self._global(-sign * o)) for o in offsets[1:]]
@@ -156,5 +162,7 @@ def backward_exchangers(group: dist.ProcessGroup, plan: Plan):
     """
     if plan.full_ring:
         return RingExchanger(group, KV_TAG), RingExchanger(group, DKV_TAG, recycle_first=True)
-    return (DirectExchanger(group, plan.offsets, KV_TAG),
-            DirectExchanger(group, plan.offsets, DKV_TAG, to_source=True))
+    return (
+        DirectExchanger(group, plan.offsets, KV_TAG),
+        DirectExchanger(group, plan.offsets, DKV_TAG, to_source=True),
+    )

@@ -126,8 +126,10 @@ __all__ = [
 
 Mode = Literal["ring", "ulysses"]
 # mode -> (forward op, backward op); the pairs share schemas (Note [Ulysses in the DTensor path])
-_MODE_OPS = {"ring": (ring_attention, ring_attention_backward),
-             "ulysses": (ulysses_attention, ulysses_attention_backward)}
+_MODE_OPS = {
+    "ring": (ring_attention, ring_attention_backward),
+    "ulysses": (ulysses_attention, ulysses_attention_backward),
+}
 
 SDPA_SEQ_DIM = 2  # [B, H, S, D]
 OP_SEQ_DIM = 1  # [B, S, H, D]
@@ -171,9 +173,7 @@ def _mesh_dim_label(mesh: DeviceMesh, i: int) -> str:
     return f"mesh dim {i}" + (f" ({names[i]!r})" if names else "")
 
 
-def _cp_mesh_dim(
-    xs: Sequence[_Sharded], *, seq_dim: int, layout_names: str
-) -> tuple[int, int]:
+def _cp_mesh_dim(xs: Sequence[_Sharded], *, seq_dim: int, layout_names: str) -> tuple[int, int]:
     """Check the placements of q/k/v-like tensors for ring attention.
 
     Accepted: one mesh; identical placements; ``Shard(seq_dim)`` on exactly one mesh dim (the
@@ -235,7 +235,11 @@ def _cp_mesh_dim(
 
 
 def _check_even_shards(
-    shapes: Sequence[tuple[str, Sequence[int]]], *, seq_dim: int, layout: str, world: int,
+    shapes: Sequence[tuple[str, Sequence[int]]],
+    *,
+    seq_dim: int,
+    layout: str,
+    world: int,
     batch_ways: int,
 ) -> None:
     """``(name, shape)`` pairs split evenly: sequence by the layout's divisor, batch by
@@ -272,23 +276,33 @@ def _check_sdpa_args(
     Returns:
         ``(cp_dim, group_name)``: the context-parallel mesh dim and its process group's name.
     """
+
     def describe(t):
         if not isinstance(t, DTensor):
             return type(t).__name__
         return t.device_mesh, tuple(t.placements), t.dim()
 
     cp_dim, group_name, world, batch_ways = _check_sdpa_metadata(
-        tuple(describe(t) for t in (query, key, value)), attn_mask is not None,
-        float(dropout_p), bool(is_causal), layout, mode,
+        tuple(describe(t) for t in (query, key, value)),
+        attn_mask is not None,
+        float(dropout_p),
+        bool(is_causal),
+        layout,
+        mode,
     )
-    _check_sdpa_shapes(query.shape, key.shape, value.shape, bool(enable_gqa), layout, mode,
-                       world, batch_ways)
+    _check_sdpa_shapes(
+        query.shape, key.shape, value.shape, bool(enable_gqa), layout, mode, world, batch_ways
+    )
     return cp_dim, group_name
 
 
 @torch.compiler.assume_constant_result
 def _check_sdpa_metadata(
-    metadata: tuple, has_mask: bool, dropout_p: float, is_causal: bool, layout: str,
+    metadata: tuple,
+    has_mask: bool,
+    dropout_p: float,
+    is_causal: bool,
+    layout: str,
     mode: str = "ring",
 ) -> tuple[int, str, int, int]:
     """The checks of :func:`_check_sdpa_args` that need no sizes.
@@ -332,11 +346,17 @@ def _check_sdpa_metadata(
     return cp_dim, mesh.get_group(cp_dim).group_name, mesh.size(cp_dim), batch_ways
 
 
-def _check_sdpa_shapes(q_shape, k_shape, v_shape, enable_gqa: bool, layout: str, mode: str,
-                       world: int, batch_ways: int) -> None:
+def _check_sdpa_shapes(
+    q_shape, k_shape, v_shape, enable_gqa: bool, layout: str, mode: str, world: int, batch_ways: int
+) -> None:
     """The size checks of :func:`_check_sdpa_args` (plain Python: sizes may be symbolic)."""
-    _check_even_shards([("query", q_shape), ("key", k_shape), ("value", v_shape)],
-                       seq_dim=SDPA_SEQ_DIM, layout=layout, world=world, batch_ways=batch_ways)
+    _check_even_shards(
+        [("query", q_shape), ("key", k_shape), ("value", v_shape)],
+        seq_dim=SDPA_SEQ_DIM,
+        layout=layout,
+        world=world,
+        batch_ways=batch_ways,
+    )
     q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
     (B, H, S, D), (Bk, H_kv, Sk, Dk) = q_shape, k_shape
     if k_shape != v_shape:
@@ -407,15 +427,23 @@ def scaled_dot_product_ring_attention(
         ValueError: on unsupported placements or arguments, on every rank, before any
             communication.
     """
-    cp_dim, group_name = _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal,
-                                          enable_gqa, layout, mode)
+    cp_dim, group_name = _check_sdpa_args(
+        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode
+    )
     q, k, v = _to_op_layout(query, key, value)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     window_size = check_window_size(window_size)
-    backend = _resolve_backend(q, k, backend, mode, query.device_mesh.size(cp_dim),
-                               _windowed(window_size, is_causal, query.shape[2]))
-    out, _ = _MODE_OPS[mode][0](q, k, v, group_name, layout, bool(is_causal), scale, backend,
-                                *window_size)
+    backend = _resolve_backend(
+        q,
+        k,
+        backend,
+        mode,
+        query.device_mesh.size(cp_dim),
+        _windowed(window_size, is_causal, query.shape[2]),
+    )
+    out, _ = _MODE_OPS[mode][0](
+        q, k, v, group_name, layout, bool(is_causal), scale, backend, *window_size
+    )
     return _swap_seq_heads(out)
 
 
@@ -423,8 +451,14 @@ def _windowed(window_size: tuple[int, int], is_causal: bool, seq_len: int) -> bo
     return normalize_window(window_size, bool(is_causal), seq_len)[1] is not None
 
 
-def _resolve_backend(q: Tensor, k: Tensor, backend: str | None, mode: str = "ring",
-                     world_size: int = 1, window: bool = False) -> str:
+def _resolve_backend(
+    q: Tensor,
+    k: Tensor,
+    backend: str | None,
+    mode: str = "ring",
+    world_size: int = 1,
+    window: bool = False,
+) -> str:
     """Pick the block kernel now, so that an unsupported call fails before communication.
 
     Ulysses runs the kernel on ``H / W`` query heads (and the matching K/V heads).
@@ -447,6 +481,7 @@ def _single_dim_strategies(
     tensor, ``"l"`` an lse [B, H, S], ``"-"`` a non-tensor argument. Only the kinds present in
     the (validated) inputs are offered, so DTensor's choice is exactly the inputs' placements.
     """
+
     def one(kind: str) -> tuple[list, list]:
         def place(code: str):
             if code == "-":
@@ -456,12 +491,18 @@ def _single_dim_strategies(
             if kind == "batch":
                 return Shard(BATCH_DIM)
             return Shard(OP_SEQ_DIM if code == "t" else 2)
+
         return [place(c) for c in outputs], [place(c) for c in inputs]
 
     kinds = []
     for p in placements:
-        kind = ("replicate" if isinstance(p, Replicate)
-                else "seq" if p.dim % 4 == OP_SEQ_DIM else "batch")
+        kind = (
+            "replicate"
+            if isinstance(p, Replicate)
+            else "seq"
+            if p.dim % 4 == OP_SEQ_DIM
+            else "batch"
+        )
         if kind not in kinds:
             kinds.append(kind)
     return [one(kind) for kind in kinds]
@@ -471,8 +512,13 @@ def _check_op_group(q, k, v, group_name: str, layout: str) -> int:
     named = (("q", q), ("k", k), ("v", v))
     xs = [_Sharded(n, s.mesh, tuple(s.placements), len(s.shape)) for n, s in named]
     cp_dim, batch_ways = _cp_mesh_dim(xs, seq_dim=OP_SEQ_DIM, layout_names="[B, S, H, D]")
-    _check_even_shards([(n, s.shape) for n, s in named], seq_dim=OP_SEQ_DIM, layout=layout,
-                       world=q.mesh.size(cp_dim), batch_ways=batch_ways)
+    _check_even_shards(
+        [(n, s.shape) for n, s in named],
+        seq_dim=OP_SEQ_DIM,
+        layout=layout,
+        world=q.mesh.size(cp_dim),
+        batch_ways=batch_ways,
+    )
     expected = q.mesh.get_group(cp_dim).group_name
     if group_name != expected:
         raise ValueError(
@@ -482,18 +528,38 @@ def _check_op_group(q, k, v, group_name: str, layout: str) -> int:
     return cp_dim
 
 
-@register_sharding([torch.ops.dtensor_ring.ring_attention.default,
-                    torch.ops.dtensor_ring.ulysses_attention.default])
-def _ring_attention_sharding(q, k, v, group_name, layout, causal, scale, backend=None,
-                             window_left=-1, window_right=-1):
+@register_sharding(
+    [
+        torch.ops.dtensor_ring.ring_attention.default,
+        torch.ops.dtensor_ring.ulysses_attention.default,
+    ]
+)
+def _ring_attention_sharding(
+    q, k, v, group_name, layout, causal, scale, backend=None, window_left=-1, window_right=-1
+):
     _check_op_group(q, k, v, group_name, layout)
     return _single_dim_strategies(q.placements, "tl", "ttt-------")
 
 
-@register_sharding([torch.ops.dtensor_ring.ring_attention_backward.default,
-                    torch.ops.dtensor_ring.ulysses_attention_backward.default])
+@register_sharding(
+    [
+        torch.ops.dtensor_ring.ring_attention_backward.default,
+        torch.ops.dtensor_ring.ulysses_attention_backward.default,
+    ]
+)
 def _ring_attention_backward_sharding(
-    dout, q, k, v, out, lse, group_name, layout, causal, scale, backend=None, window_left=-1,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    group_name,
+    layout,
+    causal,
+    scale,
+    backend=None,
+    window_left=-1,
     window_right=-1,
 ):
     _check_op_group(q, k, v, group_name, layout)
@@ -528,14 +594,22 @@ class AtenSDPAOps:
 
 
 ATEN_SDPA_OPS: tuple[AtenSDPAOps, ...] = (
-    AtenSDPAOps("_scaled_dot_product_flash_attention_for_cpu",
-                "_scaled_dot_product_flash_attention_for_cpu_backward"),
-    AtenSDPAOps("_scaled_dot_product_flash_attention",
-                "_scaled_dot_product_flash_attention_backward"),
-    AtenSDPAOps("_scaled_dot_product_efficient_attention",
-                "_scaled_dot_product_efficient_attention_backward"),
-    AtenSDPAOps("_scaled_dot_product_cudnn_attention",
-                "_scaled_dot_product_cudnn_attention_backward", lse_trailing_one=True),
+    AtenSDPAOps(
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    ),
+    AtenSDPAOps(
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"
+    ),
+    AtenSDPAOps(
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+    ),
+    AtenSDPAOps(
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+        lse_trailing_one=True,
+    ),
 )
 
 
@@ -556,8 +630,9 @@ def _first(bound: dict, *names: str):
 
 
 def _replicated_like(like: DTensor, local: Tensor) -> DTensor:
-    return DTensor.from_local(local, like.device_mesh, [Replicate()] * like.device_mesh.ndim,
-                              run_check=False)
+    return DTensor.from_local(
+        local, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False
+    )
 
 
 class _SDPACall(NamedTuple):
@@ -570,20 +645,34 @@ class _SDPACall(NamedTuple):
     backend: str
 
 
-def _bind_sdpa_call(config: _Config, op: torch._ops.OpOverload, args: tuple,
-                    kwargs: dict) -> tuple[dict, _SDPACall]:
+def _bind_sdpa_call(
+    config: _Config, op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple[dict, _SDPACall]:
     """Bind an SDPA aten op's arguments by name, check them, and derive the ring call."""
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
     cp_dim, group_name = _check_sdpa_args(
-        query, key, value, _first(a, "attn_mask", "attn_bias"), float(a.get("dropout_p", 0.0)),
-        is_causal, True, config.layout, config.mode)
+        query,
+        key,
+        value,
+        _first(a, "attn_mask", "attn_bias"),
+        float(a.get("dropout_p", 0.0)),
+        is_causal,
+        True,
+        config.layout,
+        config.mode,
+    )
     q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
     scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
-    backend = _resolve_backend(q, k, config.backend, config.mode,
-                               query.device_mesh.size(cp_dim),
-                               _windowed(config.window_size, is_causal, query.shape[2]))
+    backend = _resolve_backend(
+        q,
+        k,
+        config.backend,
+        config.mode,
+        query.device_mesh.size(cp_dim),
+        _windowed(config.window_size, is_causal, query.shape[2]),
+    )
     return a, _SDPACall((q, k, v), is_causal, scale, group_name, backend)
 
 
@@ -595,8 +684,17 @@ def aten_sdpa_forward_handler(
     a, call = _bind_sdpa_call(config, op, args, kwargs)
     query, mesh, (q, k, v) = a["query"], a["query"].device_mesh, call.qkv
     forward_op = _MODE_OPS[config.mode][0]
-    out, lse = forward_op(q, k, v, call.group_name, config.layout, call.is_causal, call.scale,
-                          call.backend, *config.window_size)
+    out, lse = forward_op(
+        q,
+        k,
+        v,
+        call.group_name,
+        config.layout,
+        call.is_causal,
+        call.scale,
+        call.backend,
+        *config.window_size,
+    )
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(_swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -622,20 +720,33 @@ def aten_sdpa_backward_handler(
     q, k, v = call.qkv
     mesh, placements = a["query"].device_mesh, a["query"].placements
     dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
-    dout, out, lse = (t if t.placements == placements else t.redistribute(mesh, placements)
-                      for t in (dout, out, lse))
+    dout, out, lse = (
+        t if t.placements == placements else t.redistribute(mesh, placements)
+        for t in (dout, out, lse)
+    )
     dout_l, out_l = _swap_seq_heads(dout.to_local()), _swap_seq_heads(out.to_local())
     lse_l = lse.to_local()
     if family.lse_trailing_one:
         lse_l = lse_l.squeeze(-1)
     lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
     dq, dk, dv = _MODE_OPS[config.mode][1](
-        dout_l.contiguous(), q, k, v, out_l, lse_l.contiguous(),
-        call.group_name, config.layout, call.is_causal, call.scale, call.backend,
+        dout_l.contiguous(),
+        q,
+        k,
+        v,
+        out_l,
+        lse_l.contiguous(),
+        call.group_name,
+        config.layout,
+        call.is_causal,
+        call.scale,
+        call.backend,
         *config.window_size,
     )
-    grads = [DTensor.from_local(_swap_seq_heads(g), mesh, placements, run_check=False)
-             for g in (dq, dk, dv)]
+    grads = [
+        DTensor.from_local(_swap_seq_heads(g), mesh, placements, run_check=False)
+        for g in (dq, dk, dv)
+    ]
     # efficient attention also returns grad_bias: None, as attn_bias is None
     return tuple(grads + [None] * (len(_dtensor_compat.return_names(op)) - 3))
 
@@ -664,14 +775,19 @@ def _enabled_fused_backends() -> tuple[SDPBackend, ...]:
     Keeping the user's choice (e.g. ``sdpa_kernel(CUDNN_ATTENTION)``) matters: a recompute
     under activation checkpointing runs without our mode, so it must pick the same aten op.
     """
-    flags = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
-             (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
-             (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled()))
+    flags = (
+        (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+        (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled()),
+    )
     return tuple(backend for backend, enabled in flags if enabled)
 
 
-_SDPA_FUNCS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention,
-               torch.ops.aten.scaled_dot_product_attention.default)
+_SDPA_FUNCS = (
+    F.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
 
 
 class _RingSDPAMode(TorchFunctionMode):
@@ -692,19 +808,31 @@ class _RingSDPAMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _check_dtensor_sdpa_call(config, query, key, value, attn_mask=None, dropout_p=0.0,
-                             is_causal=False, scale=None, enable_gqa=False) -> bool:
+def _check_dtensor_sdpa_call(
+    config,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+) -> bool:
     """False for SDPA on plain tensors; True for a valid call on DTensors; else raises."""
     if not any(isinstance(t, DTensor) for t in (query, key, value)):
         return False
-    _check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
-                     config.layout, config.mode)
+    _check_sdpa_args(
+        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, config.layout, config.mode
+    )
     return True
 
 
 @contextlib.contextmanager
 def ring_sdpa(
-    layout: Layout = "zigzag", backend: str | None = None, mode: Mode = "ring",
+    layout: Layout = "zigzag",
+    backend: str | None = None,
+    mode: Mode = "ring",
     window_size: tuple[int, int] = (-1, -1),
 ) -> Iterator[None]:
     """Scope in which SDPA on sequence-sharded DTensors runs ring attention.
@@ -839,8 +967,11 @@ def unshard_sequence(dtensor: DTensor, seq_dim: int = 1, layout: Layout = "zigza
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"unshard_sequence needs a DTensor, got {type(dtensor).__name__}")
     seq_dim = seq_dim % dtensor.dim()
-    cp_dims = [i for i, p in enumerate(dtensor.placements)
-               if type(p) is Shard and p.dim % dtensor.dim() == seq_dim]
+    cp_dims = [
+        i
+        for i, p in enumerate(dtensor.placements)
+        if type(p) is Shard and p.dim % dtensor.dim() == seq_dim
+    ]
     if len(cp_dims) != 1:
         raise ValueError(
             f"dtensor (placements {tuple(dtensor.placements)}) must be sharded Shard({seq_dim}) "

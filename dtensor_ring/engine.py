@@ -262,7 +262,8 @@ def ring_forward(
             else:
                 side.run(
                     functools.partial(blocks.merge_, out_acc, lse_acc, blk.q, out_b, lse_b),
-                    out_b, lse_b,
+                    out_b,
+                    lse_b,
                 )
         if pending is not None:
             kv = pending.wait()

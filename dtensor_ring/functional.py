@@ -49,8 +49,9 @@ def _attention(
     seq_len = q.shape[1] * dist.get_world_size(group)
     _, window = normalize_window(window_size, causal, seq_len)
     # Resolve the kernel here too, so that an unsupported call fails before any communication.
-    backend = select_backend_name(q, k, backend, deterministic=deterministic,
-                                  window=window is not None)
+    backend = select_backend_name(
+        q, k, backend, deterministic=deterministic, window=window is not None
+    )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = ring_attention(q, k, v, name, layout, causal, scale, backend, *window_size)
     return (out, lse, None) if return_attn_probs else out
@@ -83,36 +84,104 @@ _TENSORS = {  # function-name suffix -> its tensor arguments
 def _make_api(prefix: str, layout: str) -> tuple[Callable, Callable, Callable]:
     """Build ``{prefix}_func``, ``_kvpacked_func`` and ``_qkvpacked_func`` for ``layout``."""
 
-    def func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-             alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
-             backend=None):
-        return _attention(layout, q, k, v, dropout_p, softmax_scale, causal, window_size,
-                          alibi_slopes, deterministic, return_attn_probs, group, backend)
+    def func(
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+        group=None,
+        *,
+        backend=None,
+    ):
+        return _attention(
+            layout,
+            q,
+            k,
+            v,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
-    def kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
-                      window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                      return_attn_probs=False, group=None, *, backend=None):
+    def kvpacked_func(
+        q,
+        kv,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+        group=None,
+        *,
+        backend=None,
+    ):
         _check_packed("kv", kv, 2)
-        return _attention(layout, q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale,
-                          causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-                          group, backend)
+        return _attention(
+            layout,
+            q,
+            kv[:, :, 0],
+            kv[:, :, 1],
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
-    def qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
-                       window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                       return_attn_probs=False, group=None, *, backend=None):
+    def qkvpacked_func(
+        qkv,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+        group=None,
+        *,
+        backend=None,
+    ):
         _check_packed("qkv", qkv, 3)
-        return _attention(layout, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p,
-                          softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                          return_attn_probs, group, backend)
+        return _attention(
+            layout,
+            qkv[:, :, 0],
+            qkv[:, :, 1],
+            qkv[:, :, 2],
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
     causal_note = "" if layout == "ring" else "; must be True for this layout"
     fns = (func, kvpacked_func, qkvpacked_func)
     for fn, kind in zip(fns, _TENSORS, strict=True):
         fn.__name__ = fn.__qualname__ = f"{prefix}_{kind}"
         fn.__module__ = __name__
-        fn.__doc__ = _DOC.format(
-            layout=layout, tensors=_TENSORS[kind], causal_note=causal_note
-        )
+        fn.__doc__ = _DOC.format(layout=layout, tensors=_TENSORS[kind], causal_note=causal_note)
     return fns
 
 
@@ -123,8 +192,8 @@ def _check_packed(name: str, t: Tensor, n: int) -> None:
         )
 
 
-ring_flash_attn_func, ring_flash_attn_kvpacked_func, ring_flash_attn_qkvpacked_func = (
-    _make_api("ring_flash_attn", "ring")
+ring_flash_attn_func, ring_flash_attn_kvpacked_func, ring_flash_attn_qkvpacked_func = _make_api(
+    "ring_flash_attn", "ring"
 )
 (
     zigzag_ring_flash_attn_func,

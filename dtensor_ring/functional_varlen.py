@@ -47,20 +47,43 @@ from .varlen import check_varlen_qkv
 
 @torch.compiler.assume_constant_result
 def _select_varlen_backend(
-    device_type: str, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
-    deterministic: bool, backend: str | None, window: bool = False,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    deterministic: bool,
+    backend: str | None,
+    window: bool = False,
 ) -> str:
-    call = KernelCall(device_type, dtype, head_dim, num_heads, num_kv_heads, varlen=True,
-                      deterministic=deterministic, window=window)
+    call = KernelCall(
+        device_type,
+        dtype,
+        head_dim,
+        num_heads,
+        num_kv_heads,
+        varlen=True,
+        deterministic=deterministic,
+        window=window,
+    )
     return select_kernel(call, backend).name
 
 
-def _backend_name(q: Tensor, k: Tensor, backend: str | None, deterministic: bool,
-                  window: bool = False) -> str:
+def _backend_name(
+    q: Tensor, k: Tensor, backend: str | None, deterministic: bool, window: bool = False
+) -> str:
     """The varlen block kernel's name; a constant under torch.compile (as the dense API's
     ``_compat.select_backend_name``: backend availability probes are not traceable)."""
-    return _select_varlen_backend(q.device.type, q.dtype, int(q.shape[-1]), int(q.shape[-2]),
-                                  int(k.shape[-2]), bool(deterministic), backend, bool(window))
+    return _select_varlen_backend(
+        q.device.type,
+        q.dtype,
+        int(q.shape[-1]),
+        int(q.shape[-2]),
+        int(k.shape[-2]),
+        bool(deterministic),
+        backend,
+        bool(window),
+    )
 
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
@@ -103,12 +126,31 @@ def _ring_varlen(
         check_layout_causal(layout, causal, ring_func="ring_flash_attn_varlen_func")
         check_qkv_tensors(q, k, v, seq_dims="T_local")
     else:
-        check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen, layout=layout, causal=causal,
-                         world_size=dist.get_world_size(group))
+        check_varlen_qkv(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            max_seqlen,
+            layout=layout,
+            causal=causal,
+            world_size=dist.get_world_size(group),
+        )
     # Resolve the kernel here too, so that an unsupported call fails before any communication.
     backend = _backend_name(q, k, backend, deterministic, window=window is not None)
-    out, lse = ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, name, layout, causal,
-                                     _scale(q, softmax_scale), backend, *window_size)
+    out, lse = ring_attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        name,
+        layout,
+        causal,
+        _scale(q, softmax_scale),
+        backend,
+        *window_size,
+    )
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -161,81 +203,204 @@ def _name(fns: tuple[Callable, ...], prefix: str, doc: dict[str, str]) -> None:
 def _make_varlen_api(prefix: str, layout: str) -> tuple[Callable, Callable, Callable]:
     """Build ring/zigzag ``{prefix}_func``, ``_kvpacked_func`` and ``_qkvpacked_func``."""
 
-    def func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int | None,
-             dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-             window_size: tuple[int, int] = (-1, -1), alibi_slopes: Tensor | None = None,
-             deterministic: bool = False, return_attn_probs: bool = False,
-             group: dist.ProcessGroup | None = None, *, backend: str | None = None) -> Result:
-        return _ring_varlen(layout, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
-                            causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-                            group, backend)
+    def func(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens: Tensor,
+        max_seqlen: int | None,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        alibi_slopes: Tensor | None = None,
+        deterministic: bool = False,
+        return_attn_probs: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: str | None = None,
+    ) -> Result:
+        return _ring_varlen(
+            layout,
+            q,
+            k,
+            v,
+            cu_seqlens,
+            max_seqlen,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
-    def kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens: Tensor, max_seqlen: int | None,
-                      dropout_p: float = 0.0, softmax_scale: float | None = None,
-                      causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-                      alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                      return_attn_probs: bool = False, group: dist.ProcessGroup | None = None,
-                      *, backend: str | None = None) -> Result:
+    def kvpacked_func(
+        q: Tensor,
+        kv: Tensor,
+        cu_seqlens: Tensor,
+        max_seqlen: int | None,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        alibi_slopes: Tensor | None = None,
+        deterministic: bool = False,
+        return_attn_probs: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: str | None = None,
+    ) -> Result:
         _check_packed("kv", kv, 2)
-        return _ring_varlen(layout, q, kv[:, 0], kv[:, 1], cu_seqlens, max_seqlen, dropout_p,
-                            softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                            return_attn_probs, group, backend)
+        return _ring_varlen(
+            layout,
+            q,
+            kv[:, 0],
+            kv[:, 1],
+            cu_seqlens,
+            max_seqlen,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
-    def qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int | None,
-                       dropout_p: float = 0.0, softmax_scale: float | None = None,
-                       causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-                       alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                       return_attn_probs: bool = False, group: dist.ProcessGroup | None = None,
-                       *, backend: str | None = None) -> Result:
+    def qkvpacked_func(
+        qkv: Tensor,
+        cu_seqlens: Tensor,
+        max_seqlen: int | None,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        alibi_slopes: Tensor | None = None,
+        deterministic: bool = False,
+        return_attn_probs: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: str | None = None,
+    ) -> Result:
         _check_packed("qkv", qkv, 3)
-        return _ring_varlen(layout, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen,
-                            dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                            deterministic, return_attn_probs, group, backend)
+        return _ring_varlen(
+            layout,
+            qkv[:, 0],
+            qkv[:, 1],
+            qkv[:, 2],
+            cu_seqlens,
+            max_seqlen,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
     fns = (func, kvpacked_func, qkvpacked_func)
     pieces = "W" if layout == "ring" else "2W"
-    _name(fns, prefix, dict(
-        what=f"Ring attention over packed documents ({layout} varlen layout: every document "
-             f"cut into {pieces} pieces; see Note [Varlen layouts])",
-        meta=_RING_META,
-        causal_note="" if layout == "ring" else "; must be True for this layout",
-        window_note="flash-attn sliding window ``(left, right)`` within each document, over\n"
-                    "        its global positions (Note [Windowed varlen]).",
-        raises="" if layout == "ring" else ", a local document of odd length",
-    ))
+    _name(
+        fns,
+        prefix,
+        dict(
+            what=f"Ring attention over packed documents ({layout} varlen layout: every document "
+            f"cut into {pieces} pieces; see Note [Varlen layouts])",
+            meta=_RING_META,
+            causal_note="" if layout == "ring" else "; must be True for this layout",
+            window_note="flash-attn sliding window ``(left, right)`` within each document, over\n"
+            "        its global positions (Note [Windowed varlen]).",
+            raises="" if layout == "ring" else ", a local document of odd length",
+        ),
+    )
     return fns
 
 
 def _llama3(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
-    local_k_slice, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-    return_attn_probs, group, backend,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    heads_k_stride,
+    local_k_slice,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    group,
+    backend,
 ):
     check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     name = group_name(group)
     world_size = dist.get_world_size(group)
     causal, window = normalize_window(window_size, causal, q.shape[0] * world_size)
-    if not isinstance(local_k_slice, slice) or local_k_slice.step not in (None, 1) or not (
-        isinstance(local_k_slice.start, int) and isinstance(local_k_slice.stop, int)
+    if (
+        not isinstance(local_k_slice, slice)
+        or local_k_slice.step not in (None, 1)
+        or not (isinstance(local_k_slice.start, int) and isinstance(local_k_slice.stop, int))
     ):
         raise ValueError(
             f"local_k_slice must be a slice(start, stop) of ints, as returned by "
             f"llama3_flash_attn_prepare_cu_seqlens, got {local_k_slice!r}"
         )
-    max_q, max_k = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k,
-                                                                          "max_seqlen_k")
+    max_q, max_k = (
+        _max_seqlen(max_seqlen_q, "max_seqlen_q"),
+        _max_seqlen(max_seqlen_k, "max_seqlen_k"),
+    )
     k_start, k_stop = local_k_slice.start, local_k_slice.stop
     if torch.compiler.is_compiling():  # the op checks the cu_seqlens values when it runs
         check_qkv_tensors(q, k, v, seq_dims="T_local")
         check_heads_k_stride(heads_k_stride, k.shape[1])
     else:
-        check_llama3_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, heads_k_stride,
-                          k_start, k_stop, causal=causal, rank=dist.get_rank(group),
-                          world_size=world_size, window=window)
+        check_llama3_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_q,
+            max_k,
+            heads_k_stride,
+            k_start,
+            k_stop,
+            causal=causal,
+            rank=dist.get_rank(group),
+            world_size=world_size,
+            window=window,
+        )
     backend = _backend_name(q, k, backend, deterministic, window=window is not None)
-    out, lse = llama3_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                heads_k_stride, k_start, k_stop, name, causal,
-                                _scale(q, softmax_scale), backend, *window_size)
+    out, lse = llama3_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_q,
+        max_k,
+        heads_k_stride,
+        k_start,
+        k_stop,
+        name,
+        causal,
+        _scale(q, softmax_scale),
+        backend,
+        *window_size,
+    )
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -251,58 +416,147 @@ _LLAMA3_META = (
 def _make_llama3_api() -> tuple[Callable, Callable, Callable]:
     """Build ``llama3_flash_attn_varlen_func`` and its packed forms."""
 
-    def func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-             max_seqlen_q: int | None, max_seqlen_k: int | None, heads_k_stride: int,
-             local_k_slice: slice, dropout_p: float = 0.0, softmax_scale: float | None = None,
-             causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-             alibi_slopes: Tensor | None = None, deterministic: bool = False,
-             return_attn_probs: bool = False, group: dist.ProcessGroup | None = None, *,
-             backend: str | None = None) -> Result:
-        return _llama3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       heads_k_stride, local_k_slice, dropout_p, softmax_scale, causal,
-                       window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                       backend)
+    def func(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int | None,
+        max_seqlen_k: int | None,
+        heads_k_stride: int,
+        local_k_slice: slice,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        alibi_slopes: Tensor | None = None,
+        deterministic: bool = False,
+        return_attn_probs: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: str | None = None,
+    ) -> Result:
+        return _llama3(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            heads_k_stride,
+            local_k_slice,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
-    def kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                      max_seqlen_q: int | None, max_seqlen_k: int | None, heads_k_stride: int,
-                      local_k_slice: slice, dropout_p: float = 0.0,
-                      softmax_scale: float | None = None, causal: bool = False,
-                      window_size: tuple[int, int] = (-1, -1),
-                      alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                      return_attn_probs: bool = False, group: dist.ProcessGroup | None = None,
-                      *, backend: str | None = None) -> Result:
+    def kvpacked_func(
+        q: Tensor,
+        kv: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int | None,
+        max_seqlen_k: int | None,
+        heads_k_stride: int,
+        local_k_slice: slice,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        alibi_slopes: Tensor | None = None,
+        deterministic: bool = False,
+        return_attn_probs: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: str | None = None,
+    ) -> Result:
         _check_packed("kv", kv, 2)
-        return _llama3(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                       max_seqlen_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale,
-                       causal, window_size, alibi_slopes, deterministic, return_attn_probs,
-                       group, backend)
+        return _llama3(
+            q,
+            kv[:, 0],
+            kv[:, 1],
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            heads_k_stride,
+            local_k_slice,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
-    def qkvpacked_func(qkv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                       max_seqlen_q: int | None, max_seqlen_k: int | None, heads_k_stride: int,
-                       local_k_slice: slice, dropout_p: float = 0.0,
-                       softmax_scale: float | None = None, causal: bool = False,
-                       window_size: tuple[int, int] = (-1, -1),
-                       alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                       return_attn_probs: bool = False, group: dist.ProcessGroup | None = None,
-                       *, backend: str | None = None) -> Result:
+    def qkvpacked_func(
+        qkv: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int | None,
+        max_seqlen_k: int | None,
+        heads_k_stride: int,
+        local_k_slice: slice,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        alibi_slopes: Tensor | None = None,
+        deterministic: bool = False,
+        return_attn_probs: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: str | None = None,
+    ) -> Result:
         _check_packed("qkv", qkv, 3)
-        return _llama3(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens_q, cu_seqlens_k,
-                       max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice, dropout_p,
-                       softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                       return_attn_probs, group, backend)
+        return _llama3(
+            qkv[:, 0],
+            qkv[:, 1],
+            qkv[:, 2],
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            heads_k_stride,
+            local_k_slice,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend,
+        )
 
     fns = (func, kvpacked_func, qkvpacked_func)
-    _name(fns, "llama3_flash_attn_varlen", dict(
-        what="All-gather (llama3) attention over packed documents: the packed stream cut into W "
-             "contiguous slices, K/V all-gathered per group of heads_k_stride KV heads (Note "
-             "[llama3 all-gather attention])",
-        meta=_LLAMA3_META,
-        causal_note="",
-        window_note="flash-attn sliding window ``(left, right)`` within each document, over\n"
-                    "        its global positions.",
-        raises=", metadata not from llama3_flash_attn_prepare_cu_seqlens (causal), a "
-               "heads_k_stride that does not divide H_kv",
-    ))
+    _name(
+        fns,
+        "llama3_flash_attn_varlen",
+        dict(
+            what="All-gather (llama3) attention over packed documents: the packed stream cut "
+            "into W contiguous slices, K/V all-gathered per group of heads_k_stride KV heads (Note "
+            "[llama3 all-gather attention])",
+            meta=_LLAMA3_META,
+            causal_note="",
+            window_note="flash-attn sliding window ``(left, right)`` within each document, over\n"
+            "        its global positions.",
+            raises=", metadata not from llama3_flash_attn_prepare_cu_seqlens (causal), a "
+            "heads_k_stride that does not divide H_kv",
+        ),
+    )
     return fns
 
 

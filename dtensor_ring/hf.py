@@ -56,10 +56,12 @@ ATTN_IMPLEMENTATION = "dtensor_ring"
 IGNORE_INDEX = -100
 HFLayout = Literal["ring", "zigzag", "stripe", "llama3"]
 HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3")
-_FUNCS = {"ring": ring_flash_attn_func, "zigzag": zigzag_ring_flash_attn_func,
-          "stripe": stripe_flash_attn_func}
-_VARLEN_FUNCS = {"ring": ring_flash_attn_varlen_func,
-                 "zigzag": zigzag_ring_flash_attn_varlen_func}
+_FUNCS = {
+    "ring": ring_flash_attn_func,
+    "zigzag": zigzag_ring_flash_attn_func,
+    "stripe": stripe_flash_attn_func,
+}
+_VARLEN_FUNCS = {"ring": ring_flash_attn_varlen_func, "zigzag": zigzag_ring_flash_attn_varlen_func}
 
 
 @dataclass
@@ -79,12 +81,15 @@ def _check_hf_layout(layout: str) -> None:
 
 def _check_varlen_layout(layout: str) -> None:
     if layout not in ("llama3", *_VARLEN_FUNCS):
-        raise ValueError(f"dtensor_ring has no packed (varlen) form for layout={layout!r}; "
-                         "use 'llama3', 'ring' or 'zigzag'")
+        raise ValueError(
+            f"dtensor_ring has no packed (varlen) form for layout={layout!r}; "
+            "use 'llama3', 'ring' or 'zigzag'"
+        )
 
 
-def setup(group: dist.ProcessGroup | None = None, layout: HFLayout = "zigzag",
-          backend: str | None = None) -> None:
+def setup(
+    group: dist.ProcessGroup | None = None, layout: HFLayout = "zigzag", backend: str | None = None
+) -> None:
     """Register ``attn_implementation="dtensor_ring"`` with transformers, running over ``group``.
 
     Registers :func:`ring_attention_forward` with ``transformers.AttentionInterface`` and a mask
@@ -162,20 +167,39 @@ def ring_attention_forward(
     if cu_seqlens is not None:
         return _varlen_attention(query, key, value, scaling, cu_seqlens, window, kwargs), None
     if _config.layout == "llama3":
-        raise ValueError("dtensor_ring attention with layout='llama3' needs the cu_seq_lens_q "
-                         "metadata that dtensor_ring.hf.shard_batch returns")
+        raise ValueError(
+            "dtensor_ring attention with layout='llama3' needs the cu_seq_lens_q "
+            "metadata that dtensor_ring.hf.shard_batch returns"
+        )
     world = dist.get_world_size(_config.group)
     seq_local = query.shape[2]
-    _check_positions(kwargs.get("position_ids"), token_indices(
-        _config.layout, seq_local * world, dist.get_rank(_config.group), world))
+    _check_positions(
+        kwargs.get("position_ids"),
+        token_indices(_config.layout, seq_local * world, dist.get_rank(_config.group), world),
+    )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = _FUNCS[_config.layout](q, k, v, softmax_scale=scaling, causal=True, window_size=window,
-                                 group=_config.group, backend=_config.backend)
+    out = _FUNCS[_config.layout](
+        q,
+        k,
+        v,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=window,
+        group=_config.group,
+        backend=_config.backend,
+    )
     return out, None
 
 
-def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float | None,
-                      cu_seqlens: Tensor, window: tuple[int, int], kwargs: dict) -> Tensor:
+def _varlen_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    scaling: float | None,
+    cu_seqlens: Tensor,
+    window: tuple[int, int],
+    kwargs: dict,
+) -> Tensor:
     """Causal varlen attention of a packed row: ``query [1, H, T_local, D]``, key/value
     ``[1, H_kv, T_local, D]``, global ``cu_seqlens [N + 1]`` -> ``out [1, T_local, H, D]``;
     ``window`` within documents (llama3 only)."""
@@ -192,29 +216,56 @@ def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float 
     if bounds[-1] != query.shape[2] * world:
         raise ValueError(
             f"cu_seq_lens_q must be the global document boundaries (ending at T_local * W = "
-            f"{query.shape[2] * world}), got {list(bounds)}; build it with shard_batch")
-    _check_positions(kwargs.get("position_ids"), _doc_positions(bounds)[
-        varlen_token_indices(bounds, layout, rank, world)])
+            f"{query.shape[2] * world}), got {list(bounds)}; build it with shard_batch"
+        )
+    _check_positions(
+        kwargs.get("position_ids"),
+        _doc_positions(bounds)[varlen_token_indices(bounds, layout, rank, world)],
+    )
     q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))  # [T_local, H(_kv), D]
     if layout == "llama3":
         cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
-            cu_seqlens, True, rank, world)
+            cu_seqlens, True, rank, world
+        )
         out = llama3_flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, k.shape[1], k_slice, softmax_scale=scaling,
-            causal=True, window_size=window, group=group, backend=_config.backend)
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            k.shape[1],
+            k_slice,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=window,
+            group=group,
+            backend=_config.backend,
+        )
     else:
         out = _VARLEN_FUNCS[layout](
-            q, k, v, varlen_local_cu_seqlens(cu_seqlens, layout, rank, world), None,
-            softmax_scale=scaling, causal=True, window_size=window, group=group,
-            backend=_config.backend)
+            q,
+            k,
+            v,
+            varlen_local_cu_seqlens(cu_seqlens, layout, rank, world),
+            None,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=window,
+            group=group,
+            backend=_config.backend,
+        )
     return out.unsqueeze(0)
 
 
 def _check_positions(position_ids: Tensor | None, expected: Tensor) -> None:
     """Raise unless ``position_ids [B, S]`` equal ``expected [S]`` (this rank's positions)."""
     assert _config is not None
-    if position_ids is None or position_ids.shape[-1] != expected.shape[0] or not bool(
-        (position_ids == expected.to(position_ids.device)).all()
+    if (
+        position_ids is None
+        or position_ids.shape[-1] != expected.shape[0]
+        or not bool((position_ids == expected.to(position_ids.device)).all())
     ):
         raise ValueError(
             "dtensor_ring attention needs position_ids = this rank's positions under "
@@ -238,18 +289,23 @@ def _packed_bounds(position_ids: Tensor | None, seq_len: int) -> tuple[int, ...]
     ):
         return None
     if position_ids.shape[0] != 1:
-        raise ValueError("dtensor_ring supports packed sequences (position_ids restarting per "
-                         f"document) only in one row (batch size 1), got {position_ids.shape[0]}")
+        raise ValueError(
+            "dtensor_ring supports packed sequences (position_ids restarting per "
+            f"document) only in one row (batch size 1), got {position_ids.shape[0]}"
+        )
     row = position_ids[0].cpu()
     bounds = (*(row == 0).nonzero().flatten().tolist(), seq_len)
     if bounds[0] != 0 or not torch.equal(row, _doc_positions(bounds)):
-        raise ValueError("dtensor_ring needs position_ids 0, 1, ... within every document "
-                         "(restarting at 0 at each document start)")
+        raise ValueError(
+            "dtensor_ring needs position_ids 0, 1, ... within every document "
+            "(restarting at 0 at each document start)"
+        )
     return bounds
 
 
-def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup | None = None,
-                layout: HFLayout = "zigzag") -> dict[str, Tensor]:
+def shard_batch(
+    batch: dict[str, Tensor], group: dist.ProcessGroup | None = None, layout: HFLayout = "zigzag"
+) -> dict[str, Tensor]:
     """This rank's part of a causal-LM batch, ready for ``model(**...)`` (no communication).
 
     Args:
@@ -304,7 +360,8 @@ def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup | None = None
         index = varlen_token_indices(bounds, layout, rank, world).to(input_ids.device)
         shard = functools.partial(torch.index_select, dim=1, index=index)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(
-            bounds, dtype=torch.int32, device=input_ids.device)
+            bounds, dtype=torch.int32, device=input_ids.device
+        )
     out["input_ids"] = shard(input_ids)
     out["position_ids"] = shard(positions.to(input_ids.device).expand(B, S))
     labels = batch.get("labels")

@@ -63,8 +63,10 @@ def token_indices(layout: str, seq_len: int, rank: int, world_size: int) -> Tens
     if layout == "zigzag":
         c = seq_len // (2 * world_size)
         return torch.cat(
-            [torch.arange(rank * c, (rank + 1) * c),
-             torch.arange((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c)]
+            [
+                torch.arange(rank * c, (rank + 1) * c),
+                torch.arange((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c),
+            ]
         )
     return torch.arange(rank, seq_len, world_size)
 

@@ -202,8 +202,16 @@ def llama3_meta(
     check_max_seqlen("max_seqlen_q", max_seqlen_q, bq, hint)
     check_max_seqlen("max_seqlen_k", max_seqlen_k, bk, hint)
     return _llama3_meta_cached(
-        tuple(bq), tuple(bk), k_start, k_stop, local_len, causal, rank, world_size,
-        torch.device(device), window,
+        tuple(bq),
+        tuple(bk),
+        k_start,
+        k_stop,
+        local_len,
+        causal,
+        rank,
+        world_size,
+        torch.device(device),
+        window,
     )
 
 
@@ -229,9 +237,19 @@ def _llama3_meta_cached(
     if not causal:  # document i: its local queries (from position a_i) against all its keys
         bounds = window_bounds(False, window) if window else (-UNBOUNDED, UNBOUNDED)
         per_doc = [
-            ((), run_block((bq[i], bq[i + 1] - bq[i], rank * local_len - k_start if i == 0 else 0),
-                           (bk[i], bk[i + 1] - bk[i], 0), 1, *bounds, init=True), 0)
-            for i in range(len(bq) - 1) if bq[i + 1] > bq[i]
+            (
+                (),
+                run_block(
+                    (bq[i], bq[i + 1] - bq[i], rank * local_len - k_start if i == 0 else 0),
+                    (bk[i], bk[i + 1] - bk[i], 0),
+                    1,
+                    *bounds,
+                    init=True,
+                ),
+                0,
+            )
+            for i in range(len(bq) - 1)
+            if bq[i + 1] > bq[i]
         ]
         blocks = merge_doc_blocks(per_doc)
         rows = span_rows(blocks, device)
@@ -257,8 +275,10 @@ def _llama3_meta_cached(
 
 def check_heads_k_stride(heads_k_stride: int, num_kv_heads: int) -> None:
     """``heads_k_stride`` must be a positive divisor of the number of KV heads."""
-    if not isinstance(heads_k_stride, int) or heads_k_stride < 1 or (
-        num_kv_heads % heads_k_stride != 0
+    if (
+        not isinstance(heads_k_stride, int)
+        or heads_k_stride < 1
+        or (num_kv_heads % heads_k_stride != 0)
     ):
         raise ValueError(
             f"heads_k_stride={heads_k_stride} must be a positive divisor of the number of "
@@ -297,8 +317,18 @@ def check_llama3_call(
         check_cu_seqlens_tensor(cu, name)
         check_cu_seqlens_device(cu, q, name)
     return llama3_meta(
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_start, k_stop, q.shape[0],
-        causal, rank, world_size, q.device, window,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        k_start,
+        k_stop,
+        q.shape[0],
+        causal,
+        rank,
+        world_size,
+        q.device,
+        window,
     )
 
 
@@ -379,8 +409,16 @@ def llama3_forward(
         if m.causal:  # the diagonal needs only local K/V: it runs while the gather is in flight
             kv_heads = slice(h, h + heads_k_stride)
             out_g, lse_g = kernel.forward_varlen(
-                q_g, k_THD[:, kv_heads], v_THD[:, kv_heads], m.cu_q, m.cu_q, m.max_q, m.max_q,
-                causal=m.window is None, scale=scale, window=m.window,
+                q_g,
+                k_THD[:, kv_heads],
+                v_THD[:, kv_heads],
+                m.cu_q,
+                m.cu_q,
+                m.max_q,
+                m.max_q,
+                causal=m.window is None,
+                scale=scale,
+                window=m.window,
             )
         k_full, v_full = pending.wait()
         if i + 1 < len(groups):
@@ -391,8 +429,12 @@ def llama3_forward(
             if m.prefix_block is not None:
                 blk, rows, keys = _prefix_parts(m)
                 out_p, lse_p = kernel.forward(
-                    q_g[None, rows], k_full[None, keys], v_full[None, keys], causal=blk.causal,
-                    scale=scale, window=blk.window,
+                    q_g[None, rows],
+                    k_full[None, keys],
+                    v_full[None, keys],
+                    causal=blk.causal,
+                    scale=scale,
+                    window=blk.window,
                 )
                 out_rows = out_g[rows].to(acc)
                 lse_rows = lse[hq, rows]
@@ -404,8 +446,12 @@ def llama3_forward(
             k_keys, v_keys, rows = k_full[keys], v_full[keys], m.rows
             for blk in m.blocks:  # every query row in exactly one block
                 out_b, lse_b = rows.forward(
-                    kernel, rows.take(q_g, blk.q), rows.take(k_keys, blk.kv),
-                    rows.take(v_keys, blk.kv), blk, scale,
+                    kernel,
+                    rows.take(q_g, blk.q),
+                    rows.take(k_keys, blk.kv),
+                    rows.take(v_keys, blk.kv),
+                    blk,
+                    scale,
                 )
                 rows.init_(out[:, hq], lse[hq], blk.q, out_b, lse_b)
     return out, lse
@@ -453,8 +499,17 @@ def llama3_backward(
         out_g, lse_g = out_THD[:, hq], lse_HT[hq]
         if m.causal:  # local diagonal, while the gather is in flight
             dq_d, dk_d, dv_d = kernel.backward_varlen(
-                *args_q, k_THD[:, kv_heads], v_THD[:, kv_heads], out_g, lse_g,
-                m.cu_q, m.cu_q, m.max_q, m.max_q, causal=m.window is None, scale=scale,
+                *args_q,
+                k_THD[:, kv_heads],
+                v_THD[:, kv_heads],
+                out_g,
+                lse_g,
+                m.cu_q,
+                m.cu_q,
+                m.max_q,
+                m.max_q,
+                causal=m.window is None,
+                scale=scale,
                 window=m.window,
             )
             dq[:, hq] += dq_d
@@ -468,8 +523,13 @@ def llama3_backward(
             if m.prefix_block is not None:
                 blk, rows, keys = _prefix_parts(m)
                 dq_p, dk_p, dv_p = kernel.backward(
-                    *(x[None, rows] for x in args_q), k_full[None, keys], v_full[None, keys],
-                    out_g[None, rows], lse_g[None, :, rows], causal=blk.causal, scale=scale,
+                    *(x[None, rows] for x in args_q),
+                    k_full[None, keys],
+                    v_full[None, keys],
+                    out_g[None, rows],
+                    lse_g[None, :, rows],
+                    causal=blk.causal,
+                    scale=scale,
                     window=blk.window,
                 )
                 dq[rows, hq] += dq_p[0]
@@ -480,9 +540,14 @@ def llama3_backward(
             k_keys, v_keys, rows = k_full[keys], v_full[keys], m.rows
             for blk in m.blocks:
                 dq_b, dk_b, dv_b = rows.backward(
-                    kernel, *(rows.take(x, blk.q) for x in args_q), rows.take(k_keys, blk.kv),
-                    rows.take(v_keys, blk.kv), rows.take(out_g, blk.q),
-                    rows.take_lse(lse_g, blk.q), blk, scale,
+                    kernel,
+                    *(rows.take(x, blk.q) for x in args_q),
+                    rows.take(k_keys, blk.kv),
+                    rows.take(v_keys, blk.kv),
+                    rows.take(out_g, blk.q),
+                    rows.take_lse(lse_g, blk.q),
+                    blk,
+                    scale,
                 )
                 rows.add_(dq[:, hq], blk.q, dq_b)
                 rows.add_(dkv_full[keys, 0], blk.kv, dk_b)

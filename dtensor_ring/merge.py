@@ -41,8 +41,12 @@ def merge_(out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor, lse_BHS:
     (``_triton_merge.py``), else the eager torch ops of :func:`merge_eager_`.
     """
     fused = _fused_merge() if out_acc_BSHD.is_cuda else None
-    if (fused is not None and out_acc_BSHD.dtype == torch.float32
-            and out_acc_BSHD.stride(-1) == 1 and out_BSHD.stride(-1) == 1):
+    if (
+        fused is not None
+        and out_acc_BSHD.dtype == torch.float32
+        and out_acc_BSHD.stride(-1) == 1
+        and out_BSHD.stride(-1) == 1
+    ):
         fused(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS)
     else:
         merge_eager_(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS)

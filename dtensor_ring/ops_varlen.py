@@ -28,23 +28,24 @@ from .validation import normalize_window
 from .varlen import VarlenBlocks, check_varlen_qkv, varlen_blocks, windowed_varlen_plan
 
 
-def _setup_ring(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend,
-                window_left, window_right):
+def _setup_ring(
+    q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend, window_left, window_right
+):
     group = resolve_group(group_name)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     bounds = check_varlen_qkv(
         q, k, v, cu_seqlens, max_seqlen, layout=layout, causal=causal, world_size=world_size
     )
     # positions within documents: a side covering the whole stream is unbounded in every one
-    causal, window = normalize_window((window_left, window_right), causal,
-                                      q.shape[0] * world_size)
+    causal, window = normalize_window((window_left, window_right), causal, q.shape[0] * world_size)
     kernel = select_kernel(KernelCall.of(q, k, varlen=True, window=window is not None), backend)
     if window is None:
         blocks: VarlenBlocks = varlen_blocks(bounds, layout, world_size, causal, q.device)
         plan = make_plan_cached(layout, world_size, causal)
     else:
-        plan, blocks = windowed_varlen_plan(tuple(bounds), layout, world_size, causal, window,
-                                            q.device)
+        plan, blocks = windowed_varlen_plan(
+            tuple(bounds), layout, world_size, causal, window, q.device
+        )
     return plan, plan.steps[rank], blocks, kernel, group
 
 
@@ -69,13 +70,20 @@ def ring_attention_varlen(
     right``: a sliding window within documents (Note [Windowed varlen]). -> (out, lse).
     """
     plan, steps, blocks, kernel, group = _setup_ring(
-        q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend, window_left,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        group_name,
+        layout,
+        causal,
+        backend,
+        window_left,
         window_right,
     )
     exchanger = forward_exchanger(group, plan) if plan.world_size > 1 else None
-    return ring_forward(
-        q, k.contiguous(), v.contiguous(), steps, exchanger, kernel, scale, blocks
-    )
+    return ring_forward(q, k.contiguous(), v.contiguous(), steps, exchanger, kernel, scale, blocks)
 
 
 def _fake_out_lse(q: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,8 +95,20 @@ def _fake_out_lse(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @ring_attention_varlen.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, scale, backend=None,
-      window_left=-1, window_right=-1):
+def _(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    max_seqlen,
+    group_name,
+    layout,
+    causal,
+    scale,
+    backend=None,
+    window_left=-1,
+    window_right=-1,
+):
     return _fake_out_lse(q)
 
 
@@ -112,15 +132,34 @@ def ring_attention_varlen_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`ring_attention_varlen`."""
     plan, steps, blocks, kernel, group = _setup_ring(
-        q, k, v, cu_seqlens, max_seqlen, group_name, layout, causal, backend, window_left,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        group_name,
+        layout,
+        causal,
+        backend,
+        window_left,
         window_right,
     )
     kv_exchanger = dkv_exchanger = None
     if plan.world_size > 1:
         kv_exchanger, dkv_exchanger = backward_exchangers(group, plan)
     return ring_backward(
-        dout, q, k.contiguous(), v.contiguous(), out, lse, steps, kv_exchanger, dkv_exchanger,
-        kernel, scale, blocks,
+        dout,
+        q,
+        k.contiguous(),
+        v.contiguous(),
+        out,
+        lse,
+        steps,
+        kv_exchanger,
+        dkv_exchanger,
+        kernel,
+        scale,
+        blocks,
     )
 
 
@@ -132,16 +171,39 @@ register_attention_autograd(ring_attention_varlen, ring_attention_varlen_backwar
 
 
 def _setup_llama3(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, k_start,
-    k_stop, group_name, causal, backend, window_left, window_right,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    heads_k_stride,
+    k_start,
+    k_stop,
+    group_name,
+    causal,
+    backend,
+    window_left,
+    window_right,
 ) -> tuple[Llama3Meta, BlockKernel, dist.ProcessGroup]:
     group = resolve_group(group_name)
     world_size = dist.get_world_size(group)
-    causal, window = normalize_window((window_left, window_right), causal,
-                                      q.shape[0] * world_size)
+    causal, window = normalize_window((window_left, window_right), causal, q.shape[0] * world_size)
     meta = check_llama3_call(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
-        k_start, k_stop, causal=causal, rank=dist.get_rank(group), world_size=world_size,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_k_stride,
+        k_start,
+        k_stop,
+        causal=causal,
+        rank=dist.get_rank(group),
+        world_size=world_size,
         window=window,
     )
     kernel = select_kernel(KernelCall.of(q, k, varlen=True, window=window is not None), backend)
@@ -174,15 +236,44 @@ def llama3_attention(
     ``window_left/right``: a sliding window within documents.
     """
     meta, kernel, group = _setup_llama3(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
-        k_start, k_stop, group_name, causal, backend, window_left, window_right,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_k_stride,
+        k_start,
+        k_stop,
+        group_name,
+        causal,
+        backend,
+        window_left,
+        window_right,
     )
     return llama3_forward(q, k, v, meta, heads_k_stride, group, kernel, scale)
 
 
 @llama3_attention.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, k_start,
-      k_stop, group_name, causal, scale, backend=None, window_left=-1, window_right=-1):
+def _(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    heads_k_stride,
+    k_start,
+    k_stop,
+    group_name,
+    causal,
+    scale,
+    backend=None,
+    window_left=-1,
+    window_right=-1,
+):
     return _fake_out_lse(q)
 
 
@@ -210,8 +301,21 @@ def llama3_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`llama3_attention`."""
     meta, kernel, group = _setup_llama3(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
-        k_start, k_stop, group_name, causal, backend, window_left, window_right,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_k_stride,
+        k_start,
+        k_stop,
+        group_name,
+        causal,
+        backend,
+        window_left,
+        window_right,
     )
     return llama3_backward(dout, q, k, v, out, lse, meta, heads_k_stride, group, kernel, scale)
 

@@ -152,8 +152,9 @@ class Block:
     init: bool = False
 
     def __str__(self) -> str:
-        mask = " c" if self.causal else f" w({self.window[0]},{self.window[1]})" if self.window \
-            else ""
+        mask = (
+            " c" if self.causal else f" w({self.window[0]},{self.window[1]})" if self.window else ""
+        )
         return f"{self.q.value}/{self.kv.value}{mask}"
 
     def band(self, n: int) -> tuple[int, int]:
@@ -209,14 +210,16 @@ class Plan:
         cells = [["+".join(map(str, st.blocks)) or "-" for st in row] for row in self.steps]
         width = max(12, *(len(c) for row in cells for c in row))
         head = "rank | " + "  ".join(f"{f'step {s}':<{width}}" for s in self.offsets)
-        rows = [f"{r:>4} | " + "  ".join(f"{c:<{width}}" for c in row)
-                for r, row in enumerate(cells)]
+        rows = [
+            f"{r:>4} | " + "  ".join(f"{c:<{width}}" for c in row) for r, row in enumerate(cells)
+        ]
         return "\n".join(line.rstrip() for line in [head, *rows])
 
     def score_pairs(self, seq_local: int) -> list[list[int]]:
         """Per rank and step, the (query, key) pairs computed for ``seq_local`` tokens a rank."""
-        return [[sum(b.score_pairs(seq_local) for b in st.blocks) for st in row]
-                for row in self.steps]
+        return [
+            [sum(b.score_pairs(seq_local) for b in st.blocks) for st in row] for row in self.steps
+        ]
 
     def flops(
         self, seq_local: int, batch: int = 1, heads: int = 1, head_dim: int = 128
@@ -251,8 +254,9 @@ def _block(layout: str, causal: bool, rank: int, src: int) -> Block | None:
     return Block(A, A, True) if src < rank else Block(TAIL, HEAD, True)  # stripe
 
 
-def layout_runs(layout: str, world_size: int, rank: int, n: int
-                ) -> tuple[tuple[int, int, int], ...]:
+def layout_runs(
+    layout: str, world_size: int, rank: int, n: int
+) -> tuple[tuple[int, int, int], ...]:
     """A rank's ``n`` local tokens as runs ``(local start, length, global start)``; stride
     :func:`_stride` (Note [Sequence layouts])."""
     if layout == "ring":
@@ -301,31 +305,43 @@ def run_block(q_run, kv_run, stride: int, lo: int, hi: int, init: bool) -> Block
         return Block(q, kv, False, init=init)
     if lower_open and band_hi == 0 and s_q == s_k:
         return Block(q, kv, True, init=init)
-    window = (-1 if lower_open else s_k - s_q - band_lo,
-              -1 if upper_open else band_hi - (s_k - s_q))
+    window = (
+        -1 if lower_open else s_k - s_q - band_lo,
+        -1 if upper_open else band_hi - (s_k - s_q),
+    )
     return Block(q, kv, False, window, init=init)
 
 
-def run_pair_blocks(q_runs, kv_runs, stride: int, bounds: tuple[int, int], diagonal: bool
-                    ) -> list[tuple[tuple[int, int], Block]]:
+def run_pair_blocks(
+    q_runs, kv_runs, stride: int, bounds: tuple[int, int], diagonal: bool
+) -> list[tuple[tuple[int, int], Block]]:
     """``((a, b), block)`` for every pair of query run ``a`` and key run ``b`` that sees
     anything under the global mask ``bounds = (lo, hi)``; ``diagonal``: the runs are the same
     tokens (step 0). Diagonal pairs come first: at step 0 they cover every query row (a token
     sees itself), so they initialise the accumulators and the other blocks merge into them."""
-    pairs = sorted(((a, b) for a in range(len(q_runs)) for b in range(len(kv_runs))),
-                   key=lambda ab: ab[0] != ab[1] or not diagonal)
-    blocks = [((a, b), run_block(q_runs[a], kv_runs[b], stride, *bounds, diagonal and a == b))
-              for a, b in pairs]
+    pairs = sorted(
+        ((a, b) for a in range(len(q_runs)) for b in range(len(kv_runs))),
+        key=lambda ab: ab[0] != ab[1] or not diagonal,
+    )
+    blocks = [
+        ((a, b), run_block(q_runs[a], kv_runs[b], stride, *bounds, diagonal and a == b))
+        for a, b in pairs
+    ]
     return [(ab, blk) for ab, blk in blocks if blk is not None]
 
 
-def _windowed_blocks(layout: str, world_size: int, causal: bool, window: tuple[int, int],
-                     n: int, rank: int, src: int) -> tuple[Block, ...]:
+def _windowed_blocks(
+    layout: str, world_size: int, causal: bool, window: tuple[int, int], n: int, rank: int, src: int
+) -> tuple[Block, ...]:
     plain = _block(layout, causal, rank, src)
     q_runs = layout_runs(layout, world_size, rank, n)
     kv_runs = layout_runs(layout, world_size, src, n)
-    blocks = tuple(b for _, b in run_pair_blocks(q_runs, kv_runs, _stride(layout, world_size),
-                                                 window_bounds(causal, window), src == rank))
+    blocks = tuple(
+        b
+        for _, b in run_pair_blocks(
+            q_runs, kv_runs, _stride(layout, world_size), window_bounds(causal, window), src == rank
+        )
+    )
     if plain is not None and sum(b.score_pairs(n) for b in blocks) == plain.score_pairs(n):
         return (plain,)  # the window keeps the whole block
     return blocks
@@ -354,23 +370,40 @@ def make_plan(
     if window is not None and seq_local is None:
         raise ValueError("a windowed plan depends on the local length: pass seq_local")
     if window is None:
-        return plan_from_blocks(layout, world_size, causal,
-                                lambda r, src: (_block(layout, causal, r, src),))
+        return plan_from_blocks(
+            layout, world_size, causal, lambda r, src: (_block(layout, causal, r, src),)
+        )
     return plan_from_blocks(
-        layout, world_size, causal,
+        layout,
+        world_size,
+        causal,
         lambda r, src: _windowed_blocks(layout, world_size, causal, window, seq_local, r, src),
-        window, seq_local)
+        window,
+        seq_local,
+    )
 
 
-def plan_from_blocks(layout: str, world_size: int, causal: bool, blocks_of,
-                     window: tuple[int, int] | None = None, seq_local: int | None = None
-                     ) -> Plan:
+def plan_from_blocks(
+    layout: str,
+    world_size: int,
+    causal: bool,
+    blocks_of,
+    window: tuple[int, int] | None = None,
+    seq_local: int | None = None,
+) -> Plan:
     """The plan whose rank ``r`` computes ``blocks_of(r, src)`` (None entries: nothing) with
     the K/V of rank ``src``; steps in which no rank computes are dropped."""
-    table = [[tuple(b for b in blocks_of(r, (r - s) % world_size) if b is not None)
-              for s in range(world_size)] for r in range(world_size)]
+    table = [
+        [
+            tuple(b for b in blocks_of(r, (r - s) % world_size) if b is not None)
+            for s in range(world_size)
+        ]
+        for r in range(world_size)
+    ]
     offsets = tuple(s for s in range(world_size) if s == 0 or any(row[s] for row in table))
-    steps = tuple(tuple(Step((r - s) % world_size, row[s]) for s in offsets)
-                  for r, row in enumerate(table))
-    return Plan(layout, world_size, causal, steps, offsets, window,
-                None if window is None else seq_local)
+    steps = tuple(
+        tuple(Step((r - s) % world_size, row[s]) for s in offsets) for r, row in enumerate(table)
+    )
+    return Plan(
+        layout, world_size, causal, steps, offsets, window, None if window is None else seq_local
+    )

@@ -53,8 +53,13 @@ class SimulatedExchanger:
     (:func:`~dtensor_ring.comm.backward_exchangers`).
     """
 
-    def __init__(self, deliveries: Sequence[list[Tensor]], record: bool = False,
-                 zero: bool = False, direct: bool = False):
+    def __init__(
+        self,
+        deliveries: Sequence[list[Tensor]],
+        record: bool = False,
+        zero: bool = False,
+        direct: bool = False,
+    ):
         self.deliveries = deliveries
         self.direct = direct  # as DirectExchanger: dK/dV shares go back to their owner
         self.sent: list[list[Tensor]] | None = [] if record else None
@@ -89,8 +94,9 @@ class _Sequence:
             return unshard_local(parts, self.layout, seq_dim)
         return unshard_varlen(parts, self.cu_seqlens, self.layout, seq_dim)
 
-    def plan_and_blocks(self, causal: bool, window: tuple[int, int] | None, tokens: int,
-                        device: torch.device):
+    def plan_and_blocks(
+        self, causal: bool, window: tuple[int, int] | None, tokens: int, device: torch.device
+    ):
         """The plan and the engine's :class:`~dtensor_ring.engine.Blocks` (None: dense
         default) for ``tokens`` tokens in all; ``window`` normalised."""
         W = self.world_size
@@ -99,8 +105,10 @@ class _Sequence:
             return make_plan(self.layout, W, causal, window, seq_local), None
         local = tuple(varlen_local_cu_seqlens(self.cu_seqlens, self.layout, 0, W).tolist())
         if window is None:
-            return (make_plan(self.layout, W, causal),
-                    varlen_blocks(local, self.layout, W, causal, device))
+            return (
+                make_plan(self.layout, W, causal),
+                varlen_blocks(local, self.layout, W, causal, device),
+            )
         return windowed_varlen_plan(local, self.layout, W, causal, window, torch.device(device))
 
 
@@ -121,10 +129,21 @@ class RankSimulator:
     rank's dq and its contributions to its own dK/dV only.
     """
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, *, layout: str, world_size: int,
-                 rank: int, causal: bool = True, backend: str | None = None,
-                 scale: float | None = None, cu_seqlens: Sequence[int] | None = None,
-                 window_size: tuple[int, int] = (-1, -1)):
+    def __init__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        layout: str,
+        world_size: int,
+        rank: int,
+        causal: bool = True,
+        backend: str | None = None,
+        scale: float | None = None,
+        cu_seqlens: Sequence[int] | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+    ):
         self.rank, self.world_size = rank, world_size
         self.sequence = _Sequence(layout, world_size, cu_seqlens)
         tokens = q.shape[self.sequence.seq_dim]
@@ -156,8 +175,14 @@ class RankSimulator:
     def forward(self) -> tuple[Tensor, Tensor]:
         """``(out_BSHD, lse_BHS)`` of this rank's local queries."""
         self.out, self.lse = ring_forward(
-            self.q, self.k, self.v, self.steps, SimulatedExchanger(self.kv_deliveries),
-            self.kernel, self.scale, self.blocks,
+            self.q,
+            self.k,
+            self.v,
+            self.steps,
+            SimulatedExchanger(self.kv_deliveries),
+            self.kernel,
+            self.scale,
+            self.blocks,
         )
         return self.out, self.lse
 
@@ -172,18 +197,36 @@ class RankSimulator:
             [self.dkv_buffers], record=record, zero=True, direct=not self.plan.full_ring
         )
         dq, dk, dv = ring_backward(
-            dout, self.q, self.k, self.v, self.out, self.lse, self.steps,
-            SimulatedExchanger(self.kv_deliveries), dkv_exchanger, self.kernel, self.scale,
+            dout,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            self.steps,
+            SimulatedExchanger(self.kv_deliveries),
+            dkv_exchanger,
+            self.kernel,
+            self.scale,
             self.blocks,
         )
         return dq, dk, dv, dkv_exchanger.sent
 
 
-def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *,
-                  layout: str, world_size: int, causal: bool = True,
-                  backend: str | None = None, scale: float | None = None,
-                  cu_seqlens: Sequence[int] | None = None,
-                  window_size: tuple[int, int] = (-1, -1)):
+def simulate_ring(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor | None = None,
+    *,
+    layout: str,
+    world_size: int,
+    causal: bool = True,
+    backend: str | None = None,
+    scale: float | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+):
     """Every rank of the ring in turn on one device; full-sequence results in token order.
 
     Args:
@@ -194,10 +237,22 @@ def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *
         ``(out, lse)`` if ``dout`` is None, else ``(out, lse, dq, dk, dv)``; ``lse`` is
         ``[B, H, S]`` (varlen: ``[H, T]``).
     """
-    sims = [RankSimulator(q, k, v, layout=layout, world_size=world_size, rank=r, causal=causal,
-                          backend=backend, scale=scale, cu_seqlens=cu_seqlens,
-                          window_size=window_size)
-            for r in range(world_size)]
+    sims = [
+        RankSimulator(
+            q,
+            k,
+            v,
+            layout=layout,
+            world_size=world_size,
+            rank=r,
+            causal=causal,
+            backend=backend,
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+            window_size=window_size,
+        )
+        for r in range(world_size)
+    ]
     seq = sims[0].sequence
     results = [sim.forward() for sim in sims]
     out = seq.unshard([o for o, _ in results], seq.seq_dim)
@@ -213,7 +268,7 @@ def simulate_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None = None, *
         dq_parts.append(dq)
         dk_parts[r] += dk  # zeros when the own accumulator travelled the whole ring
         dv_parts[r] += dv
-        sent_steps = sim.steps[len(sim.steps) - len(sent):]  # all, or all but step 0 (direct)
+        sent_steps = sim.steps[len(sim.steps) - len(sent) :]  # all, or all but step 0 (direct)
         for step, (dk_s, dv_s) in zip(sent_steps, sent, strict=True):
             dk_parts[step.src] += dk_s
             dv_parts[step.src] += dv_s

@@ -114,8 +114,9 @@ def _gathered_order(layout: str, seq_len: int, world_size: int) -> tuple[Tensor,
     return order, torch.argsort(order)
 
 
-def _all_to_all_impl(x: Tensor, group: dist.ProcessGroup, scatter_dim: int,
-                     gather_dim: int) -> Tensor:
+def _all_to_all_impl(
+    x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
+) -> Tensor:
     """Split ``scatter_dim`` into W chunks (chunk j to rank j); concatenate the received chunks
     along ``gather_dim`` in rank order."""
     W = dist.get_world_size(group)
@@ -186,8 +187,9 @@ ulysses_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup_con
 # --- local (single-rank) attention op ------------------------------------------------------
 
 
-def _local_kernel(q: Tensor, k: Tensor, causal: bool, backend: str | None, window_left: int,
-                  window_right: int):
+def _local_kernel(
+    q: Tensor, k: Tensor, causal: bool, backend: str | None, window_left: int, window_right: int
+):
     """``(kernel, causal, window)`` of a full-sequence call (the block is the whole square, so
     the kernel's bottom-right window is the window over global positions)."""
     causal, window = normalize_window((window_left, window_right), causal, q.shape[1])
@@ -197,8 +199,14 @@ def _local_kernel(q: Tensor, k: Tensor, causal: bool, backend: str | None, windo
 
 @torch.library.custom_op("dtensor_ring::ulysses_local_attention", mutates_args=())
 def ulysses_local_attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, backend: str | None = None,
-    window_left: int = -1, window_right: int = -1,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """One block kernel on full sequences: ``q [B, S, h, D]``, ``k, v [B, S, h_kv, D]`` ->
     ``(out [B, S, h, D], lse [B, h, S])`` (lse in the accumulation dtype); an optional
@@ -218,8 +226,17 @@ def _(q, k, v, causal, scale, backend=None, window_left=-1, window_right=-1):
 
 @torch.library.custom_op("dtensor_ring::ulysses_local_attention_backward", mutates_args=())
 def ulysses_local_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-    scale: float, backend: str | None = None, window_left: int = -1, window_right: int = -1,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`ulysses_local_attention`."""
     kernel, causal, window = _local_kernel(q, k, causal, backend, window_left, window_right)
@@ -276,8 +293,16 @@ def _gathered_order_name(layout: str, causal: bool, window: tuple[int, int]) -> 
 
 @torch.library.custom_op("dtensor_ring::ulysses_attention", mutates_args=())
 def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, layout: str, causal: bool, scale: float,
-    backend: str | None = None, window_left: int = -1, window_right: int = -1,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group_name: str,
+    layout: str,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """Ulysses attention with ``dtensor_ring::ring_attention``'s signature and results.
 
@@ -293,10 +318,13 @@ def ulysses_attention(
     _check_heads(q.shape[2], W, "Ulysses attention")
     order = _gathered_order_name(layout, causal, (window_left, window_right))
     qh, kh, vh = _to_heads(q, k, v, group_name, W, order)
-    out_h, lse_h = ulysses_local_attention(qh, kh, vh, causal, scale, backend, window_left,
-                                           window_right)
-    return (ulysses_all_to_all(out_h, group_name, 1, 2, False, order),
-            ulysses_all_to_all(lse_h, group_name, 2, 1, False, order))
+    out_h, lse_h = ulysses_local_attention(
+        qh, kh, vh, causal, scale, backend, window_left, window_right
+    )
+    return (
+        ulysses_all_to_all(out_h, group_name, 1, 2, False, order),
+        ulysses_all_to_all(lse_h, group_name, 2, 1, False, order),
+    )
 
 
 @ulysses_attention.register_fake
@@ -309,8 +337,18 @@ def _(q, k, v, group_name, layout, causal, scale, backend=None, window_left=-1, 
 
 @torch.library.custom_op("dtensor_ring::ulysses_attention_backward", mutates_args=())
 def ulysses_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str,
-    layout: str, causal: bool, scale: float, backend: str | None = None, window_left: int = -1,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    group_name: str,
+    layout: str,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+    window_left: int = -1,
     window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`ulysses_attention`, all on sequence shards.
@@ -326,8 +364,9 @@ def ulysses_attention_backward(
     qh, kh, vh = _to_heads(q, k, v, group_name, W, order)
     dout_h, out_h = (ulysses_all_to_all(t, group_name, 1, 2, True, order) for t in (dout, out))
     lse_h = ulysses_all_to_all(lse, group_name, 2, 1, True, order)
-    grads_h = ulysses_local_attention_backward(dout_h, qh, kh, vh, out_h, lse_h, causal, scale,
-                                               backend, window_left, window_right)
+    grads_h = ulysses_local_attention_backward(
+        dout_h, qh, kh, vh, out_h, lse_h, causal, scale, backend, window_left, window_right
+    )
     dq, dk, dv = (ulysses_all_to_all(g, group_name, 1, 2, False, order) for g in grads_h)
     f = _kv_repeat(H_kv, W)
     if f > 1:  # repeat_interleave put the copies of a head next to each other
@@ -342,8 +381,21 @@ register_attention_autograd(ulysses_attention, ulysses_attention_backward)
 # --- Ulysses front door --------------------------------------------------------------------
 
 
-def _ulysses(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-             deterministic, return_attn_probs, group, layout, backend):
+def _ulysses(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    group,
+    layout,
+    backend,
+):
     check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     check_layout(layout)
     check_qkv_tensors(q, k, v)
@@ -357,8 +409,9 @@ def _ulysses(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slope
             f"layout={layout!r} on {W} ranks needs a global sequence length divisible by "
             f"{local_seq_divisor(layout, W)}, got S_local={q.shape[1]} x {W}"
         )
-    backend = select_backend_name(*_head_views(q, k, W), backend, deterministic=deterministic,
-                                  window=window is not None)
+    backend = select_backend_name(
+        *_head_views(q, k, W), backend, deterministic=deterministic, window=window is not None
+    )
     scale = _scale(q, softmax_scale)
     if W == 1:
         out, lse = ulysses_local_attention(q, k, v, causal, scale, backend, *window_size)
@@ -408,42 +461,99 @@ def ulysses_flash_attn_func(
     Returns:
         ``out [B, S_local, H, D]`` (or ``(out, lse, None)``).
     """
-    return _ulysses(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                    deterministic, return_attn_probs, group, layout, backend)
+    return _ulysses(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        layout,
+        backend,
+    )
 
 
 def ulysses_flash_attn_kvpacked_func(
-    q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
-    causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-    alibi_slopes: Tensor | None = None, deterministic: bool = False,
-    return_attn_probs: bool = False, group: dist.ProcessGroup | None = None, *,
-    layout: Layout = "ring", backend: str | None = None,
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: Layout = "ring",
+    backend: str | None = None,
 ):
     """:func:`ulysses_flash_attn_func` with ``kv [B, S_local, 2, H_kv, D]``."""
     _check_packed("kv", kv, 2)
-    return _ulysses(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
-                    alibi_slopes, deterministic, return_attn_probs, group, layout, backend)
+    return _ulysses(
+        q,
+        kv[:, :, 0],
+        kv[:, :, 1],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        layout,
+        backend,
+    )
 
 
 def ulysses_flash_attn_qkvpacked_func(
-    qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
-    causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-    alibi_slopes: Tensor | None = None, deterministic: bool = False,
-    return_attn_probs: bool = False, group: dist.ProcessGroup | None = None, *,
-    layout: Layout = "ring", backend: str | None = None,
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: Layout = "ring",
+    backend: str | None = None,
 ):
     """:func:`ulysses_flash_attn_func` with ``qkv [B, S_local, 3, H, D]``."""
     _check_packed("qkv", qkv, 3)
-    return _ulysses(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                    window_size, alibi_slopes, deterministic, return_attn_probs, group, layout,
-                    backend)
+    return _ulysses(
+        qkv[:, :, 0],
+        qkv[:, :, 1],
+        qkv[:, :, 2],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        layout,
+        backend,
+    )
 
 
 # --- 2-D hybrid ----------------------------------------------------------------------------
 
 
 def hybrid_token_indices(
-    layout: str, seq_len: int, ring_rank: int, ring_size: int, ulysses_rank: int,
+    layout: str,
+    seq_len: int,
+    ring_rank: int,
+    ring_size: int,
+    ulysses_rank: int,
     ulysses_size: int,
 ) -> Tensor:
     """Global token indices (int64, ``[seq_len // (ring_size * ulysses_size)]``) held by the
@@ -466,16 +576,22 @@ def hybrid_token_indices(
 
 
 def hybrid_shard_local(
-    full: Tensor, layout: Layout, ring_rank: int, ring_size: int, ulysses_rank: int,
-    ulysses_size: int, seq_dim: int = 1,
+    full: Tensor,
+    layout: Layout,
+    ring_rank: int,
+    ring_size: int,
+    ulysses_rank: int,
+    ulysses_size: int,
+    seq_dim: int = 1,
 ) -> Tensor:
     """The part of ``full`` (whole sequence along ``seq_dim``) that the rank at
     ``(ring_rank, ulysses_rank)`` holds for :func:`hybrid_flash_attn_func` (a copy).
 
     Returns ``full`` with dim ``seq_dim`` reduced to ``S // (ring_size * ulysses_size)`` tokens.
     """
-    idx = hybrid_token_indices(layout, full.shape[seq_dim], ring_rank, ring_size, ulysses_rank,
-                               ulysses_size)
+    idx = hybrid_token_indices(
+        layout, full.shape[seq_dim], ring_rank, ring_size, ulysses_rank, ulysses_size
+    )
     return full.index_select(seq_dim, idx.to(full.device))
 
 
@@ -529,12 +645,12 @@ def hybrid_flash_attn_func(
             f"zigzag needs an even ring-shard length S_local * U, got {q.shape[1]} * {U}; pad "
             "the global sequence to a multiple of 2 * ring_size * ulysses_size"
         )
-    backend = select_backend_name(*_head_views(q, k, U), backend, deterministic=deterministic,
-                                  window=window is not None)
+    backend = select_backend_name(
+        *_head_views(q, k, U), backend, deterministic=deterministic, window=window is not None
+    )
     scale = _scale(q, softmax_scale)
     qh, kh, vh = _to_heads(q, k, v, u_name, U, "ring")  # plain concatenation: no reordering
-    out_h, lse_h = ring_attention(qh, kh, vh, r_name, layout, causal, scale, backend,
-                                  *window_size)
+    out_h, lse_h = ring_attention(qh, kh, vh, r_name, layout, causal, scale, backend, *window_size)
     out = ulysses_all_to_all(out_h, u_name, 1, 2, False, "ring")
     if not return_attn_probs:
         return out
@@ -611,4 +727,3 @@ def comm_volume(
     a2a = ulysses(U)
     r = ring(W // U, n * U, H_kv * _kv_repeat(H_kv, U) // U)
     return CommVolume(a2a.forward + r.forward, a2a.backward + r.backward)
-

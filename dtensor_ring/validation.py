@@ -25,8 +25,10 @@ def check_unsupported(*, dropout_p: float, alibi_slopes: object) -> None:
 
 def check_window_size(window_size: object) -> tuple[int, int]:
     """``window_size`` as a tuple of two ints >= -1 (flash-attn's ``(left, right)``)."""
-    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
-        isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size
+    ok = (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
     )
     if not ok:
         raise ValueError(

@@ -132,9 +132,7 @@ def check_bounds(
                 f"{name}[{i}]={bounds[i]} and {name}[{i + 1}]={bounds[i + 1]}"
             )
     if bounds[-1] != total:
-        raise ValueError(
-            f"{name} must end at {what} {total}, got {name}[-1]={bounds[-1]}"
-        )
+        raise ValueError(f"{name} must end at {what} {total}, got {name}[-1]={bounds[-1]}")
 
 
 def read_cu_seqlens(cu_seqlens: Tensor, total: int, name: str = "cu_seqlens") -> tuple[int, ...]:
@@ -395,8 +393,7 @@ def unshard_varlen(
     )
     if order.numel() != sum(p.shape[seq_dim] for p in parts):
         raise ValueError(
-            f"the parts hold {sum(p.shape[seq_dim] for p in parts)} tokens, cu_seqlens "
-            f"{bounds[-1]}"
+            f"the parts hold {sum(p.shape[seq_dim] for p in parts)} tokens, cu_seqlens {bounds[-1]}"
         )
     inverse = torch.argsort(order).to(parts[0].device)
     return torch.cat(list(parts), dim=seq_dim).index_select(seq_dim, inverse)
@@ -488,15 +485,34 @@ class VarlenBlocks:
     def forward(self, kernel: BlockKernel, q, k, v, block, scale):
         rq, rk = self.rows[block.q], self.rows[block.kv]
         return kernel.forward_varlen(
-            q, k, v, rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen,
-            causal=block.causal, scale=scale, window=block.window,
+            q,
+            k,
+            v,
+            rq.cu_seqlens,
+            rk.cu_seqlens,
+            rq.max_seqlen,
+            rk.max_seqlen,
+            causal=block.causal,
+            scale=scale,
+            window=block.window,
         )
 
     def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale):
         rq, rk = self.rows[block.q], self.rows[block.kv]
         return kernel.backward_varlen(
-            dout, q, k, v, out, lse, rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen,
-            causal=block.causal, scale=scale, window=block.window,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            rq.cu_seqlens,
+            rk.cu_seqlens,
+            rq.max_seqlen,
+            rk.max_seqlen,
+            causal=block.causal,
+            scale=scale,
+            window=block.window,
         )
 
 
@@ -546,14 +562,19 @@ def varlen_blocks(
     ``bounds_local``: the rank's local ``cu_seqlens`` as ints. Index and ``cu_seqlens`` tensors
     are built on the host and copied to ``device`` once per distinct set of documents.
     """
-    return _varlen_blocks_cached(tuple(bounds_local), layout, world_size, causal,
-                                 torch.device(device))
+    return _varlen_blocks_cached(
+        tuple(bounds_local), layout, world_size, causal, torch.device(device)
+    )
 
 
 @functools.lru_cache(maxsize=64)
 def windowed_varlen_plan(
-    bounds_local: tuple[int, ...], layout: str, world_size: int, causal: bool,
-    window: tuple[int, int], device: torch.device,
+    bounds_local: tuple[int, ...],
+    layout: str,
+    world_size: int,
+    causal: bool,
+    window: tuple[int, int],
+    device: torch.device,
 ) -> tuple[Plan, VarlenBlocks]:
     """The windowed plan of ring / zigzag varlen and its :class:`VarlenBlocks` (cached).
 
@@ -585,11 +606,16 @@ def windowed_varlen_plan(
         return run_pair_blocks(q_runs, kv_runs, 1, bounds, rank == src)
 
     def blocks_of(rank: int, src: int) -> tuple[Block, ...]:
-        return merge_doc_blocks((ab, blk, start) for start, stop in docs if stop > start
-                                for ab, blk in doc_blocks(stop - start, rank, src))
+        return merge_doc_blocks(
+            (ab, blk, start)
+            for start, stop in docs
+            if stop > start
+            for ab, blk in doc_blocks(stop - start, rank, src)
+        )
 
-    plan = plan_from_blocks(layout, world_size, causal, blocks_of, window,
-                            bounds_local[-1] - bounds_local[0])
+    plan = plan_from_blocks(
+        layout, world_size, causal, blocks_of, window, bounds_local[-1] - bounds_local[0]
+    )
     return plan, span_rows((b for row in plan.steps for st in row for b in st.blocks), device)
 
 
@@ -605,8 +631,7 @@ def merge_doc_blocks(per_doc: Iterable[tuple[object, Block, int]]) -> tuple[Bloc
     # init blocks first, then by tag; the sort is stable, so masks keep document order
     return tuple(
         Block(DocSpans(tuple(qs)), DocSpans(tuple(kvs)), causal, window, init=not merges)
-        for (merges, _, causal, window), (qs, kvs) in sorted(groups.items(),
-                                                             key=lambda i: i[0][:2])
+        for (merges, _, causal, window), (qs, kvs) in sorted(groups.items(), key=lambda i: i[0][:2])
     )
 
 

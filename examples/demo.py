@@ -57,8 +57,10 @@ def main() -> None:
     k, v = (torch.randn(*shape, args.kv_heads, args.head_dim, generator=gen) for _ in "kv")
     dout = torch.randn(q.shape, generator=gen)
     if rank == 0:
-        print(f"{world} ranks, S={args.seq}, H={args.heads}, H_kv={args.kv_heads}, "
-              f"D={args.head_dim}, {dtype}, {device}")
+        print(
+            f"{world} ranks, S={args.seq}, H={args.heads}, H_kv={args.kv_heads}, "
+            f"D={args.head_dim}, {dtype}, {device}"
+        )
         print(f"{'variant':<12} {'max|out err|':>13} {'max|grad err|':>14} {'fwd+bwd ms':>11}")
     for name, fn, layout, causal in VARIANTS:
         full = [t.double().requires_grad_() for t in (q, k, v)]

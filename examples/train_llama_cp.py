@@ -76,8 +76,9 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int) -> Tensor:
     return (starts + 7 * torch.arange(seq + 1)) % vocab
 
 
-def packed_batch(step: int, batch: int, seq: int,
-                 vocab: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+def packed_batch(
+    step: int, batch: int, seq: int, vocab: int
+) -> tuple[Tensor, Tensor, Tensor, list[int]]:
     """Packed documents: ``tokens, labels, positions [batch, seq]`` and document boundaries.
 
     Each row is documents of random length in ``[8, seq // 2]`` (the last one cut to fit) back
@@ -93,22 +94,38 @@ def packed_batch(step: int, batch: int, seq: int,
         while t < seq:
             n = min(int(torch.randint(8, seq // 2 + 1, (1,), generator=gen)), seq - t)
             doc = (torch.randint(0, vocab, (1,), generator=gen) + 7 * torch.arange(n + 1)) % vocab
-            tokens[b, t:t + n], labels[b, t:t + n] = doc[:-1], doc[1:]
+            tokens[b, t : t + n], labels[b, t : t + n] = doc[:-1], doc[1:]
             labels[b, t + n - 1] = IGNORE
-            positions[b, t:t + n] = torch.arange(n)
+            positions[b, t : t + n] = torch.arange(n)
             t += n
             bounds.append(b * seq + t)
     return tokens, labels, positions, bounds
 
 
-def llama3_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
-                     window_size: tuple[int, int], **meta) -> Tensor:
+def llama3_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: dist.ProcessGroup,
+    window_size: tuple[int, int],
+    **meta,
+) -> Tensor:
     """``q [1, T_local, H, D]``, ``k, v [1, T_local, K, D]``: this rank's contiguous slice of the
     packed stream; ``meta`` from ``dr.llama3_flash_attn_prepare_cu_seqlens`` (see ``main``)."""
     return dr.llama3_flash_attn_varlen_func(
-        q[0], k[0], v[0], meta["cu_seqlens_q"], meta["cu_seqlens_k"], meta["max_seqlen_q"],
-        meta["max_seqlen_k"], k.shape[2], meta["local_k_slice"], causal=True,
-        window_size=window_size, group=group,
+        q[0],
+        k[0],
+        v[0],
+        meta["cu_seqlens_q"],
+        meta["cu_seqlens_k"],
+        meta["max_seqlen_q"],
+        meta["max_seqlen_k"],
+        k.shape[2],
+        meta["local_k_slice"],
+        causal=True,
+        window_size=window_size,
+        group=group,
     ).unsqueeze(0)
 
 
@@ -120,22 +137,37 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int = 0) -> Ten
         i, j = torch.arange(q.shape[1])[:, None], torch.arange(q.shape[1])[None, :]
         mask = (j <= i) & (j > i - window)
     return F.scaled_dot_product_attention(
-        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, is_causal=mask is None,
+        *(t.transpose(1, 2) for t in (q, k, v)),
+        attn_mask=mask,
+        is_causal=mask is None,
         enable_gqa=True,
     ).transpose(1, 2)
 
 
-def per_document_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: list[int],
-                           window: int = 0) -> Tensor:
+def per_document_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: list[int], window: int = 0
+) -> Tensor:
     """The single-process reference: :func:`causal_attention` within each document of the
     ``[1, T]`` stream."""
-    return torch.cat([causal_attention(*(t[:, a:b] for t in (q, k, v)), window=window)
-                      for a, b in itertools.pairwise(cu_seqlens)], dim=1)
+    return torch.cat(
+        [
+            causal_attention(*(t[:, a:b] for t in (q, k, v)), window=window)
+            for a, b in itertools.pairwise(cu_seqlens)
+        ],
+        dim=1,
+    )
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: Tensor,
-               labels: Tensor, positions: Tensor, total_tokens: int,
-               grad_average_size: int = 1, **attn_kwargs) -> Tensor:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: Tensor,
+    labels: Tensor,
+    positions: Tensor,
+    total_tokens: int,
+    grad_average_size: int = 1,
+    **attn_kwargs,
+) -> Tensor:
     """One optimizer step on local ``tokens, labels [B, S]``; returns the local loss sum.
 
     The loss backpropagated is ``grad_average_size * local sum / total_tokens`` (the global
@@ -143,8 +175,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: Tenso
     ``grad_average_size`` ranks gives the gradient of the global mean loss.
     """
     logits = model(tokens, positions, **attn_kwargs)
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                               ignore_index=IGNORE)
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE
+    )
     (loss_sum * (grad_average_size / total_tokens)).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -159,10 +192,10 @@ def reference_losses(args: argparse.Namespace, cfg: TinyConfig) -> list[float]:
     losses = []
     for step in range(args.steps):
         if args.layout == "llama3":  # the whole batch as one packed stream
-            tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq,
-                                                             args.vocab)
-            model.set_attention_fn(functools.partial(per_document_attention, cu_seqlens=bounds,
-                                                     window=args.window))
+            tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq, args.vocab)
+            model.set_attention_fn(
+                functools.partial(per_document_attention, cu_seqlens=bounds, window=args.window)
+            )
             tokens, labels, positions = (t.reshape(1, -1) for t in (tokens, labels, positions))
             positions = positions[0]
         else:
@@ -179,8 +212,12 @@ def reference_losses(args: argparse.Namespace, cfg: TinyConfig) -> list[float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=2, help="context-parallel size (dp = world/cp)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="zigzag",
-                        help="sequence layout; llama3: packed documents (varlen)")
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="zigzag",
+        help="sequence layout; llama3: packed documents (varlen)",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     parser.add_argument("--seq", type=int, default=128, help="global sequence length")
@@ -192,13 +229,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
-    parser.add_argument("--checkpoint", action="store_true",
-                        help="activation checkpointing of each block")
-    parser.add_argument("--window", type=int, default=0,
-                        help="sliding window: each token sees its N latest tokens (0: none)")
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="activation checkpointing of each block"
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="sliding window: each token sees its N latest tokens (0: none)",
+    )
     parser.add_argument("--cuda", action="store_true", help="CUDA + NCCL (default CPU + gloo)")
-    parser.add_argument("--verify", action="store_true",
-                        help="compare the losses with a single-process run (exit 1 if > 1e-4)")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare the losses with a single-process run (exit 1 if > 1e-4)",
+    )
     return parser.parse_args(argv)
 
 
@@ -221,15 +266,22 @@ def main() -> int:
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
     packed = args.layout == "llama3"
 
-    cfg = TinyConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
-                     n_heads=args.heads, n_kv_heads=args.kv_heads, ffn_dim=2 * args.dim,
-                     activation_checkpointing=args.checkpoint)
+    cfg = TinyConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_dim=2 * args.dim,
+        activation_checkpointing=args.checkpoint,
+    )
     torch.manual_seed(args.seed)  # same initial weights on every rank (and in --verify)
     model = TinyTransformer(cfg).to(device)
     window_size = (args.window - 1, 0) if args.window else (-1, -1)
     if packed:
-        model.set_attention_fn(functools.partial(llama3_attention, group=mesh.get_group("cp"),
-                                                 window_size=window_size))
+        model.set_attention_fn(
+            functools.partial(llama3_attention, group=mesh.get_group("cp"), window_size=window_size)
+        )
     else:
         model.set_cp_mesh(mesh["cp"])
     for block in model.layers:
@@ -241,48 +293,75 @@ def main() -> int:
 
     rows = slice(dp_rank * args.batch // dp, (dp_rank + 1) * args.batch // dp)
     if rank == 0:
-        print(f"{world} ranks: dp={dp} x cp={args.cp} ({args.layout}), batch={args.batch}, "
-              f"seq={args.seq}, dim={args.dim}, layers={args.layers}, heads={args.heads}/"
-              f"{args.kv_heads}, {device.type}, compile={args.compile}, "
-              f"checkpoint={args.checkpoint}, window={args.window or 'none'}", flush=True)
+        print(
+            f"{world} ranks: dp={dp} x cp={args.cp} ({args.layout}), batch={args.batch}, "
+            f"seq={args.seq}, dim={args.dim}, layers={args.layers}, heads={args.heads}/"
+            f"{args.kv_heads}, {device.type}, compile={args.compile}, "
+            f"checkpoint={args.checkpoint}, window={args.window or 'none'}",
+            flush=True,
+        )
     losses = []
     for step in range(args.steps):
         attn_kwargs = {}
         if packed:  # this dp row's rows as one stream; this cp rank's contiguous slice of it
-            tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq,
-                                                             args.vocab)
+            tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq, args.vocab)
             total_tokens = int((labels != IGNORE).sum())
             lo, hi = rows.start * args.seq, rows.stop * args.seq
-            cu_seqlens = torch.tensor([b - lo for b in bounds if lo <= b <= hi],
-                                      dtype=torch.int32, device=device)
-            names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                     "local_k_slice")
-            attn_kwargs = dict(zip(names, dr.llama3_flash_attn_prepare_cu_seqlens(
-                cu_seqlens, True, cp_rank, args.cp), strict=True))
+            cu_seqlens = torch.tensor(
+                [b - lo for b in bounds if lo <= b <= hi], dtype=torch.int32, device=device
+            )
+            names = (
+                "cu_seqlens_q",
+                "cu_seqlens_k",
+                "max_seqlen_q",
+                "max_seqlen_k",
+                "local_k_slice",
+            )
+            attn_kwargs = dict(
+                zip(
+                    names,
+                    dr.llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, True, cp_rank, args.cp),
+                    strict=True,
+                )
+            )
             length = (hi - lo) // args.cp
             mine = slice(cp_rank * length, (cp_rank + 1) * length)
-            tokens, labels, positions = (t[rows].reshape(1, -1)[:, mine].to(device)
-                                         for t in (tokens, labels, positions))
+            tokens, labels, positions = (
+                t[rows].reshape(1, -1)[:, mine].to(device) for t in (tokens, labels, positions)
+            )
             positions = positions[0]
             scope = contextlib.nullcontext()
         else:
             data = synthetic_batch(step, args.batch, args.seq, args.vocab)[rows]
-            tokens, labels = (dr.shard_local(t, args.layout, cp_rank, args.cp).to(device)
-                              for t in (data[:, :-1], data[:, 1:]))  # shift first, then shard
+            tokens, labels = (
+                dr.shard_local(t, args.layout, cp_rank, args.cp).to(device)
+                for t in (data[:, :-1], data[:, 1:])
+            )  # shift first, then shard
             positions = dr.token_indices(args.layout, args.seq, cp_rank, args.cp).to(device)
             total_tokens = args.batch * args.seq
             # around the step, outside compiled code
             scope = dr.ring_sdpa(layout=args.layout, window_size=window_size)
         start = time.perf_counter()
         with scope:
-            loss_sum = train_step(model, optimizer, tokens, labels, positions, total_tokens,
-                                  grad_average_size=world, **attn_kwargs)
+            loss_sum = train_step(
+                model,
+                optimizer,
+                tokens,
+                labels,
+                positions,
+                total_tokens,
+                grad_average_size=world,
+                **attn_kwargs,
+            )
         dist.all_reduce(loss_sum)
         elapsed = time.perf_counter() - start
         losses.append(loss_sum.item() / total_tokens)
         if rank == 0:
-            print(f"step {step + 1:>3}/{args.steps}  loss {losses[-1]:.4f}  "
-                  f"{args.batch * args.seq / elapsed:>9.0f} tokens/s", flush=True)
+            print(
+                f"step {step + 1:>3}/{args.steps}  loss {losses[-1]:.4f}  "
+                f"{args.batch * args.seq / elapsed:>9.0f} tokens/s",
+                flush=True,
+            )
 
     status = 0
     if args.verify:
@@ -290,9 +369,11 @@ def main() -> int:
             ref = reference_losses(args, cfg)
             diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
             ok = diff <= VERIFY_TOLERANCE
-            print(f"verify: max |loss - single-process loss| over {args.steps} steps = "
-                  f"{diff:.2e} ({'OK' if ok else 'FAILED'}, tolerance {VERIFY_TOLERANCE:.0e})",
-                  flush=True)
+            print(
+                f"verify: max |loss - single-process loss| over {args.steps} steps = "
+                f"{diff:.2e} ({'OK' if ok else 'FAILED'}, tolerance {VERIFY_TOLERANCE:.0e})",
+                flush=True,
+            )
             status = 0 if ok else 1
         dist.barrier()
     dist.destroy_process_group()

@@ -65,8 +65,13 @@ def _worker_main(rank: int, world_size: int, store_port: int, conn: Connection) 
 
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore(_HOST, store_port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        store = dist.TCPStore(
+            _HOST,
+            store_port,
+            world_size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         groups = {
             w: dist.new_group(ranks=list(range(w)), backend="gloo")
@@ -119,26 +124,38 @@ class WorkerPool:
             return
         import torch.distributed as dist
 
-        self._store = dist.TCPStore(_HOST, 0, POOL_SIZE + 1, is_master=True,
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(_HOST, 0, POOL_SIZE + 1, is_master=True, wait_for_workers=False)
         ctx = mp.get_context("spawn")
         with self._start_context():
             for rank in range(POOL_SIZE):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, name=f"dist-worker-{rank}", daemon=True,
-                                   args=(rank, POOL_SIZE, self._store.port, child))
+                proc = ctx.Process(
+                    target=_worker_main,
+                    name=f"dist-worker-{rank}",
+                    daemon=True,
+                    args=(rank, POOL_SIZE, self._store.port, child),
+                )
                 proc.start()
                 child.close()
                 self._procs.append(proc)
                 self._conns.append(parent)
-        failed = _errors(self._collect(range(POOL_SIZE), START_TIMEOUT_S, "pool start-up",
-                                     straggler_s=START_TIMEOUT_S))
+        failed = _errors(
+            self._collect(
+                range(POOL_SIZE), START_TIMEOUT_S, "pool start-up", straggler_s=START_TIMEOUT_S
+            )
+        )
         if failed:
             self.shutdown(graceful=False)
             raise PoolError(_format_failures("pool start-up failed", failed))
 
-    def run(self, fn: Callable[..., Any], world_size: int, /,
-            timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        /,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(group, **kwargs)`` on ranks ``0 .. world_size-1``; return their results.
 
         Ranks ``>= world_size`` take no part (their result would be ``None``). ``timeout_s`` is
@@ -163,8 +180,9 @@ class WorkerPool:
             raise PoolError(_format_failures(f"{what} raised", failed))
         return [replies[r][1] for r in range(world_size)]
 
-    def _collect(self, ranks, timeout_s: float, what: str,
-                 straggler_s: float = STRAGGLER_S) -> dict[int, tuple[str, Any]]:
+    def _collect(
+        self, ranks, timeout_s: float, what: str, straggler_s: float = STRAGGLER_S
+    ) -> dict[int, tuple[str, Any]]:
         """Receive one ``(kind, body)`` reply per rank.
 
         On a timeout, a straggler or a dead worker: tear the pool down and raise PoolError.
@@ -180,12 +198,17 @@ class WorkerPool:
             ready = wait([*conns, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 self.shutdown(graceful=False)
-                reason = (f"ranks {sorted(pending)} did not finish (limits: {timeout_s:.0f}s "
-                          f"in all, {straggler_s:.0f}s after the first rank finished; finished: "
-                          f"ranks {sorted(replies)})")
+                reason = (
+                    f"ranks {sorted(pending)} did not finish (limits: {timeout_s:.0f}s "
+                    f"in all, {straggler_s:.0f}s after the first rank finished; finished: "
+                    f"ranks {sorted(replies)})"
+                )
                 hung = {r: "no answer (hung, e.g. blocked in a collective)" for r in pending}
-                raise PoolError(_format_failures(f"{what}: {reason}; pool torn down",
-                                                 {**_errors(replies), **hung}))
+                raise PoolError(
+                    _format_failures(
+                        f"{what}: {reason}; pool torn down", {**_errors(replies), **hung}
+                    )
+                )
             for obj in ready:
                 if obj in conns:
                     try:
@@ -199,9 +222,12 @@ class WorkerPool:
                     self._procs[rank].join(timeout=5)
                     code = self._procs[rank].exitcode
                     self.shutdown(graceful=False)
-                    raise PoolError(_format_failures(
-                        f"{what}: worker {rank} died (exit code {code}); pool torn down",
-                        {**_errors(replies), rank: f"died with exit code {code}"}))
+                    raise PoolError(
+                        _format_failures(
+                            f"{what}: worker {rank} died (exit code {code}); pool torn down",
+                            {**_errors(replies), rank: f"died with exit code {code}"},
+                        )
+                    )
         return replies
 
     def shutdown(self, graceful: bool = True) -> None:

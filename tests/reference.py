@@ -103,8 +103,12 @@ def reference_attention_varlen(
         if end == start:
             continue
         out, lse = reference_attention(
-            q[None, start:end], k[None, start:end], v[None, start:end], causal=causal,
-            scale=scale, window_size=window_size,
+            q[None, start:end],
+            k[None, start:end],
+            v[None, start:end],
+            causal=causal,
+            scale=scale,
+            window_size=window_size,
         )
         outs.append(out[0])
         lses.append(lse[0])
@@ -127,8 +131,9 @@ def layout_indices(layout: str, rank: int, world_size: int, seq_len: int) -> Ten
         assert S % (2 * W) == 0, (S, W)
         c = S // (2 * W)
         first, second = rank, 2 * W - 1 - rank
-        return torch.cat([torch.arange(first * c, (first + 1) * c),
-                          torch.arange(second * c, (second + 1) * c)])
+        return torch.cat(
+            [torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)]
+        )
     if layout == "stripe":
         assert S % W == 0, (S, W)
         return torch.arange(rank, S, W)

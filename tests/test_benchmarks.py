@@ -11,9 +11,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_single_gpu_smoke(tmp_path):
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench_single_gpu.py"), "--smoke",
-         "--out", str(tmp_path)],
-        check=True, timeout=300, capture_output=True,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_single_gpu.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
     )
     results = json.loads((tmp_path / "bench_single_gpu.json").read_text())
     assert not results["errors"]
@@ -24,9 +31,16 @@ def test_bench_single_gpu_smoke(tmp_path):
 
 def test_bench_window_smoke(tmp_path):
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench_window.py"), "--smoke", "--out",
-         str(tmp_path)],
-        check=True, timeout=300, capture_output=True,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_window.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
     )
     results = json.loads((tmp_path / "bench_window.json").read_text())
     rows = {(r["layout"], r["window"]): r for r in results["rows"]}
@@ -39,9 +53,16 @@ def test_bench_window_smoke(tmp_path):
 def test_check_window_smoke(tmp_path):
     """tests/gpu/check_window.py on CPU: windowed kernels, simulated rings, llama3 op."""
     subprocess.run(
-        [sys.executable, str(ROOT / "tests/gpu/check_window.py"), "--smoke", "--out",
-         str(tmp_path)],
-        check=True, timeout=300, capture_output=True,
+        [
+            sys.executable,
+            str(ROOT / "tests/gpu/check_window.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
     )
     results = json.loads((tmp_path / "window.json").read_text())
     assert not results["errors"] and len(results["rows"]) >= 8

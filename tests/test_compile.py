@@ -34,12 +34,18 @@ from torch.utils.checkpoint import checkpoint
 
 import dtensor_ring
 
-OPS = (torch.ops.dtensor_ring.ring_attention.default,
-       torch.ops.dtensor_ring.ring_attention_backward.default)
+OPS = (
+    torch.ops.dtensor_ring.ring_attention.default,
+    torch.ops.dtensor_ring.ring_attention_backward.default,
+)
 # ring_sdpa's mode -> the (forward, backward) op pair its SDPA handlers call
-MODE_OPS = {"ring": OPS,
-            "ulysses": (torch.ops.dtensor_ring.ulysses_attention.default,
-                        torch.ops.dtensor_ring.ulysses_attention_backward.default)}
+MODE_OPS = {
+    "ring": OPS,
+    "ulysses": (
+        torch.ops.dtensor_ring.ulysses_attention.default,
+        torch.ops.dtensor_ring.ulysses_attention_backward.default,
+    ),
+}
 
 
 def _count(graphs, op) -> int:
@@ -66,8 +72,7 @@ def _opcheck(group, layout):
     results = {"forward": torch.library.opcheck(OPS[0], fwd_args)}
     out, lse = OPS[0](*[a.detach() if isinstance(a, torch.Tensor) else a for a in fwd_args])
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, name, layout, True, 0.35,
-                None)
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, name, layout, True, 0.35, None)
     results["backward"] = torch.library.opcheck(OPS[1], bwd_args)
     return results
 
@@ -100,8 +105,11 @@ def _functional(group, backend):
         out = fn(*leaves)
         out.sum().backward()
         results.append([out, *(t.grad for t in leaves)])
-    return {"frames": counter.frame_count, "ops": _count(counter.graphs, OPS[0]),
-            "diff": _max_diff(*results)}
+    return {
+        "frames": counter.frame_count,
+        "ops": _count(counter.graphs, OPS[0]),
+        "diff": _max_diff(*results),
+    }
 
 
 def _two_attentions(attend, q, k, v):
@@ -126,8 +134,9 @@ def _dtensor_sdpa(group, backend, mode):
     counters.clear()
     mesh = DeviceMesh.from_group(group, "cpu")
     W = mesh.size()
-    full = [t.transpose(1, 2) for t in random_qkv(1, 8 * W, 4, 2, 8, dtype=torch.float32,
-                                                   seed=3)]  # H = 4: divisible by W for Ulysses
+    full = [
+        t.transpose(1, 2) for t in random_qkv(1, 8 * W, 4, 2, 8, dtype=torch.float32, seed=3)
+    ]  # H = 4: divisible by W for Ulysses
     q, k, v = (dtensor_ring.shard_sequence(t, mesh, seq_dim=2, layout="zigzag") for t in full)
 
     def f(q, k, v):
@@ -139,6 +148,7 @@ def _dtensor_sdpa(group, backend, mode):
         def compiler(gm, example_inputs):
             graphs[which].append(gm)
             return make_boxed_func(gm.forward)
+
         return compiler
 
     if backend == "aot_eager":  # aot_eager, keeping AOTAutograd's graphs to count our ops
@@ -151,18 +161,25 @@ def _dtensor_sdpa(group, backend, mode):
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             out = fn(*leaves)
             out.sum().backward()
-            results.append([dtensor_ring.unshard_sequence(t, seq_dim=2, layout="zigzag")
-                            for t in (out, *(t.grad for t in leaves))])
+            results.append(
+                [
+                    dtensor_ring.unshard_sequence(t, seq_dim=2, layout="zigzag")
+                    for t in (out, *(t.grad for t in leaves))
+                ]
+            )
     leaves = [t.detach().double().requires_grad_() for t in full]
     out = _two_attentions(_reference_sdpa, *leaves)
     out.sum().backward()
     reference = [out, *(t.grad for t in leaves)]
     fwd_op, bwd_op = MODE_OPS[mode]
-    return {"frames": counter.frame_count, "diff": _max_diff(*results),
-            "reference_diff": _max_diff(results[1], reference),
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "forward_ops": _count(graphs["forward"], fwd_op),
-            "backward_ops": _count(graphs["backward"], bwd_op)}
+    return {
+        "frames": counter.frame_count,
+        "diff": _max_diff(*results),
+        "reference_diff": _max_diff(results[1], reference),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "forward_ops": _count(graphs["forward"], fwd_op),
+        "backward_ops": _count(graphs["backward"], bwd_op),
+    }
 
 
 def _direct_checkpointed(group, backend, mode):
@@ -171,12 +188,15 @@ def _direct_checkpointed(group, backend, mode):
     mesh = DeviceMesh.from_group(group, "cpu")
     W = mesh.size()
     q, k, v = random_qkv(1, 8 * W, 4, 4, 8, dtype=torch.float32, seed=4)
-    q, k, v = (dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="stripe")
-               for t in (q, k, v))
+    q, k, v = (
+        dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="stripe")
+        for t in (q, k, v)
+    )
 
     def block(q, k, v):
-        o = dtensor_ring.scaled_dot_product_ring_attention(q.cos(), k, v, is_causal=True,
-                                                           layout="stripe", mode=mode)
+        o = dtensor_ring.scaled_dot_product_ring_attention(
+            q.cos(), k, v, is_causal=True, layout="stripe", mode=mode
+        )
         return o.sin()
 
     def f(q, k, v):
@@ -227,30 +247,41 @@ def _dynamic_sequence_length(group, direct):
     def attend(q, k, v):
         if direct:
             return dtensor_ring.scaled_dot_product_ring_attention(
-                q, k, v, is_causal=True, enable_gqa=True, layout="zigzag", window_size=(5, 0))
+                q, k, v, is_causal=True, enable_gqa=True, layout="zigzag", window_size=(5, 0)
+            )
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    compiled = torch.compile(lambda q, k, v: attend(q, k, v).sin(), backend="aot_eager",
-                             fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v: attend(q, k, v).sin(), backend="aot_eager", fullgraph=True
+    )
     diffs = []
     for S in (8 * W, 16 * W):
-        full = [t.transpose(1, 2) for t in random_qkv(1, S, 4, 2, 8, dtype=torch.float64,
-                                                        seed=S)]
-        leaves = [dtensor_ring.shard_sequence(t, mesh, seq_dim=2, layout="zigzag")
-                  .detach().requires_grad_() for t in full]
+        full = [t.transpose(1, 2) for t in random_qkv(1, S, 4, 2, 8, dtype=torch.float64, seed=S)]
+        leaves = [
+            dtensor_ring.shard_sequence(t, mesh, seq_dim=2, layout="zigzag")
+            .detach()
+            .requires_grad_()
+            for t in full
+        ]
         with dtensor_ring.ring_sdpa(layout="zigzag", window_size=(5, 0)):
             out = compiled(*leaves)
             out.sum().backward()
-        got = [dtensor_ring.unshard_sequence(t, seq_dim=2, layout="zigzag")
-               for t in (out, *(t.grad for t in leaves))]
+        got = [
+            dtensor_ring.unshard_sequence(t, seq_dim=2, layout="zigzag")
+            for t in (out, *(t.grad for t in leaves))
+        ]
         ref_leaves = [t.detach().requires_grad_() for t in full]
-        ref, _ = reference_attention(*(t.transpose(1, 2) for t in ref_leaves), causal=True,
-                                     window_size=(5, 0))
+        ref, _ = reference_attention(
+            *(t.transpose(1, 2) for t in ref_leaves), causal=True, window_size=(5, 0)
+        )
         ref = ref.transpose(1, 2).sin()
         ref.sum().backward()
         diffs.append(_max_diff(got, [ref, *(t.grad for t in ref_leaves)]))
-    return {"diff": max(diffs), "graph_breaks": sum(counters["graph_break"].values()),
-            "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+    return {
+        "diff": max(diffs),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["sdpa_in_scope", "direct_call"])

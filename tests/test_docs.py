@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                   "quickstart.md")
+DOC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "quickstart.md"
+)
 MARK = "# runnable"
 
 

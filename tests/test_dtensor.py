@@ -44,8 +44,20 @@ def _mesh(group) -> DeviceMesh:
     return DeviceMesh.from_group(group, "cpu")
 
 
-def _sdpa_inputs(mesh, layout, *, B=2, S_local=4, H=4, H_kv=4, D=8, dtype=torch.float64,
-                 seed=0, mesh_dim=None, batch_dim=None):
+def _sdpa_inputs(
+    mesh,
+    layout,
+    *,
+    B=2,
+    S_local=4,
+    H=4,
+    H_kv=4,
+    D=8,
+    dtype=torch.float64,
+    seed=0,
+    mesh_dim=None,
+    batch_dim=None,
+):
     """Full BSHD tensors, their reference (out, grads for a fixed dout) and DTensor leaves.
 
     DTensor leaves are ``[B, H, S, D]`` (SDPA layout), sharded with ``shard_sequence``.
@@ -55,13 +67,33 @@ def _sdpa_inputs(mesh, layout, *, B=2, S_local=4, H=4, H_kv=4, D=8, dtype=torch.
     S = S_local * W
     q, k, v = random_qkv(B, S, H, H_kv, D, dtype=dtype, seed=seed)
     dout = random_qkv(B, S, H, H, D, dtype=dtype, seed=seed + 1)[0]
-    return q, k, v, dout, [
-        dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout=layout,
-                                    mesh_dim=mesh_dim, batch_dim=batch_dim)
-        .detach().requires_grad_()
-        for t in (q, k, v)
-    ], dtensor_ring.shard_sequence(dout.transpose(1, 2), mesh, seq_dim=2, layout=layout,
-                                   mesh_dim=mesh_dim, batch_dim=batch_dim)
+    return (
+        q,
+        k,
+        v,
+        dout,
+        [
+            dtensor_ring.shard_sequence(
+                t.transpose(1, 2),
+                mesh,
+                seq_dim=2,
+                layout=layout,
+                mesh_dim=mesh_dim,
+                batch_dim=batch_dim,
+            )
+            .detach()
+            .requires_grad_()
+            for t in (q, k, v)
+        ],
+        dtensor_ring.shard_sequence(
+            dout.transpose(1, 2),
+            mesh,
+            seq_dim=2,
+            layout=layout,
+            mesh_dim=mesh_dim,
+            batch_dim=batch_dim,
+        ),
+    )
 
 
 def _reference(q, k, v, dout, causal, window_size=(-1, -1)):
@@ -102,8 +134,12 @@ def test_private_handler_table_has_known_form(dist_pool):
     # If this fails, PyTorch changed DTensor._op_dispatcher._custom_op_handlers: update
     # dtensor_ring/_dtensor_compat.py (ring_sdpa cannot work without it).
     assert _dtensor_compat.HAS_OP_HANDLER_TABLE, torch.__version__
-    schema_names = {a.name for f in ATEN_SDPA_OPS
-                    for op in (f.forward_op, f.backward_op) for a in op._schema.arguments}
+    schema_names = {
+        a.name
+        for f in ATEN_SDPA_OPS
+        for op in (f.forward_op, f.backward_op)
+        for a in op._schema.arguments
+    }
     assert {"query", "key", "value", "is_causal", "scale", "logsumexp"} <= schema_names
     assert dist_pool.run(_handler_table_is_used, 1) == [(True, True, True)]
 
@@ -135,13 +171,14 @@ def _scope_install_and_remove(group):
         handlers, depth = _scope_state()
         checks["handlers installed"] = fwd_ops <= set(handlers) and not fwd_ops & set(before[0])
         checks["mode pushed"] = depth == before[1] + 1
-        checks["inside works"] = isinstance(F.scaled_dot_product_attention(q, q, q,
-                                                                           is_causal=True),
-                                            DTensor)
+        checks["inside works"] = isinstance(
+            F.scaled_dot_product_attention(q, q, q, is_causal=True), DTensor
+        )
         with dtensor_ring.ring_sdpa(layout="ring", mode="ulysses"):
             checks["nested"] = _mode_stack_len() == before[1] + 2
             checks["nested ulysses works"] = isinstance(
-                F.scaled_dot_product_attention(q, q, q, is_causal=True), DTensor)
+                F.scaled_dot_product_attention(q, q, q, is_causal=True), DTensor
+            )
         checks["nested restored"] = _scope_state() == (handlers, depth)
     checks["removed"] = _scope_state() == before
     try:
@@ -180,43 +217,61 @@ def _sdpa_numerics(group, layout):
         out = call(*leaves, dout_dt, causal, scale)
         assert isinstance(out, DTensor) and out.placements == leaves[0].placements, out
         errs = [_local_err(out, ref, layout, rank, W)]
-        errs += [_local_err(t.grad, g, layout, rank, W)
-                 for t, g in zip(leaves, (dq * factor, dk, dv), strict=True)]
+        errs += [
+            _local_err(t.grad, g, layout, rank, W)
+            for t, g in zip(leaves, (dq * factor, dk, dv), strict=True)
+        ]
         errors[name] = (max(errs), TOL[dtype])
 
     def sdpa(q, k, v, dout, causal, scale):
         with dtensor_ring.ring_sdpa(layout=layout):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
             out.backward(dout)
         return out
 
     def sdpa_keywords(q, k, v, dout, causal, scale):
         with dtensor_ring.ring_sdpa(layout=layout):
-            out = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=causal,
-                                                 scale=scale)
+            out = F.scaled_dot_product_attention(
+                query=q, key=k, value=v, is_causal=causal, scale=scale
+            )
             out.backward(dout)
         return out
 
     def aten_cpu(q, k, v, dout, causal, scale):
         with dtensor_ring.ring_sdpa(layout=layout):
-            out = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                   scale=scale)[0]
+            out = aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, scale=scale
+            )[0]
             out.backward(dout)
         return out
 
     def direct(q, k, v, dout, causal, scale):
         out = dtensor_ring.scaled_dot_product_ring_attention(
-            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-            layout=layout)
+            q,
+            k,
+            v,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+            layout=layout,
+        )
         out.backward(dout)
         return out
 
     def op(q, k, v, dout, causal, scale):
         group_name = q.device_mesh.get_group(0).group_name
         out, lse = torch.ops.dtensor_ring.ring_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group_name, layout,
-            causal, q.shape[-1] ** -0.5 if scale is None else scale, None)
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            group_name,
+            layout,
+            causal,
+            q.shape[-1] ** -0.5 if scale is None else scale,
+            None,
+        )
         B, H, S, _ = q.shape
         assert lse.placements == (Shard(2),) and lse.shape == (B, H, S), lse
         out = out.transpose(1, 2)
@@ -257,14 +312,14 @@ def _sdpa_ulysses_numerics(group, layout):
         out = call(*leaves, dout_dt, causal)
         assert isinstance(out, DTensor) and out.placements == leaves[0].placements, out
         errs = [_local_err(out, ref, layout, rank, W)]
-        errs += [_local_err(t.grad, g, layout, rank, W)
-                 for t, g in zip(leaves, grads, strict=True)]
+        errs += [_local_err(t.grad, g, layout, rank, W) for t, g in zip(leaves, grads, strict=True)]
         errors[name] = (max(errs), TOL[dtype])
 
     def sdpa(q, k, v, dout, causal):
         with dtensor_ring.ring_sdpa(layout=layout, mode="ulysses"):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
+            )
             out.backward(dout)
         return out
 
@@ -276,8 +331,14 @@ def _sdpa_ulysses_numerics(group, layout):
 
     def direct(q, k, v, dout, causal):
         out = dtensor_ring.scaled_dot_product_ring_attention(
-            q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], layout=layout,
-            mode="ulysses")
+            q,
+            k,
+            v,
+            is_causal=causal,
+            enable_gqa=q.shape[1] != k.shape[1],
+            layout=layout,
+            mode="ulysses",
+        )
         out.backward(dout)
         return out
 
@@ -302,16 +363,20 @@ def _sdpa_window_numerics(group, layout, mode):
         ref, grads = _reference(q, k, v, dout, causal, window)
         if window == (1, 0):
             out = dtensor_ring.scaled_dot_product_ring_attention(
-                *leaves, is_causal=causal, enable_gqa=True, layout=layout, mode=mode,
-                window_size=window)
+                *leaves,
+                is_causal=causal,
+                enable_gqa=True,
+                layout=layout,
+                mode=mode,
+                window_size=window,
+            )
             out.backward(dout_dt)
         else:
             with dtensor_ring.ring_sdpa(layout=layout, mode=mode, window_size=window):
                 out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
                 out.backward(dout_dt)
         errs = [_local_err(out, ref, layout, rank, W)]
-        errs += [_local_err(t.grad, g, layout, rank, W)
-                 for t, g in zip(leaves, grads, strict=True)]
+        errs += [_local_err(t.grad, g, layout, rank, W) for t, g in zip(leaves, grads, strict=True)]
         errors[f"{window} causal={causal}"] = max(errs)
     with pytest.raises(ValueError, match="window_size"):
         with dtensor_ring.ring_sdpa(layout=layout, window_size=(1, -2)):
@@ -320,12 +385,14 @@ def _sdpa_window_numerics(group, layout, mode):
 
 
 # Ulysses shards the 4 heads: world sizes dividing 4
-@pytest.mark.parametrize("mode, world_size", [("ring", w) for w in (1, 2, 3, 4)]
-                         + [("ulysses", w) for w in (1, 2, 4)])
+@pytest.mark.parametrize(
+    "mode, world_size", [("ring", w) for w in (1, 2, 3, 4)] + [("ulysses", w) for w in (1, 2, 4)]
+)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sdpa_window_numerics(dist_pool, layout, world_size, mode):
-    for rank, errors in enumerate(dist_pool.run(_sdpa_window_numerics, world_size,
-                                                layout=layout, mode=mode)):
+    for rank, errors in enumerate(
+        dist_pool.run(_sdpa_window_numerics, world_size, layout=layout, mode=mode)
+    ):
         for name, err in errors.items():
             assert err < TOL[torch.float64], f"rank {rank} {name}: max error {err:.3g}"
 
@@ -361,13 +428,16 @@ def _ulysses_ops_opcheck_and_compile(group):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v = (dtensor_ring.shard_local(t, "zigzag", rank, W).requires_grad_()
-               for t in random_qkv(1, 4 * W, 4, 2, 8, dtype=torch.float32, seed=2))
+    q, k, v = (
+        dtensor_ring.shard_local(t, "zigzag", rank, W).requires_grad_()
+        for t in random_qkv(1, 4 * W, 4, 2, 8, dtype=torch.float32, seed=2)
+    )
     ops = torch.ops.dtensor_ring
     results = {}
     for op in (ops.ulysses_attention.default,):
         results[str(op)] = torch.library.opcheck(
-            op, (q, k, v, group.group_name, "zigzag", True, 0.3, None))
+            op, (q, k, v, group.group_name, "zigzag", True, 0.3, None)
+        )
     mesh = _mesh(group)
     qf, kf, vf, dout, leaves, dout_dt = _sdpa_inputs(mesh, "zigzag", H_kv=2)
     ref, grads = _reference(qf, kf, vf, dout, causal=True)
@@ -375,15 +445,19 @@ def _ulysses_ops_opcheck_and_compile(group):
 
     def f(q, k, v):
         return dtensor_ring.scaled_dot_product_ring_attention(
-            q, k, v, is_causal=True, enable_gqa=True, layout="zigzag", mode="ulysses")
+            q, k, v, is_causal=True, enable_gqa=True, layout="zigzag", mode="ulysses"
+        )
 
     counter = CompileCounterWithBackend("aot_eager")
     out = torch.compile(f, backend=counter, fullgraph=True)(*leaves)
     out.backward(dout_dt)
     errs = [_local_err(out, ref, "zigzag", rank, W)]
     errs += [_local_err(t.grad, g, "zigzag", rank, W) for t, g in zip(leaves, grads, strict=True)]
-    return ({name: all(r == "SUCCESS" for r in res.values()) for name, res in results.items()},
-            counter.frame_count, max(errs))
+    return (
+        {name: all(r == "SUCCESS" for r in res.values()) for name, res in results.items()},
+        counter.frame_count,
+        max(errs),
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -396,8 +470,7 @@ def test_ulysses_ops_opcheck_and_compile(dist_pool, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("layout", ["ring", "zigzag"])
 def test_sdpa_ulysses_numerics(dist_pool, layout, world_size):
-    for rank, errors in enumerate(dist_pool.run(_sdpa_ulysses_numerics, world_size,
-                                                layout=layout)):
+    for rank, errors in enumerate(dist_pool.run(_sdpa_ulysses_numerics, world_size, layout=layout)):
         for name, (err, tol) in errors.items():
             assert err < tol, f"rank {rank} {name}: max error {err:.3g} >= {tol}"
 
@@ -414,9 +487,14 @@ def _sdpa_2d_mesh(group, layout, cp_first, batch_sharded):
     rows = slice(dp_rank, dp_rank + 1) if batch_sharded else slice(None)
 
     def dt(t):
-        return dtensor_ring.shard_sequence(t[rows].transpose(1, 2), mesh, seq_dim=2,
-                                           layout=layout, mesh_dim="cp",
-                                           batch_dim=0 if batch_sharded else None)
+        return dtensor_ring.shard_sequence(
+            t[rows].transpose(1, 2),
+            mesh,
+            seq_dim=2,
+            layout=layout,
+            mesh_dim="cp",
+            batch_dim=0 if batch_sharded else None,
+        )
 
     leaves = [dt(t).detach().requires_grad_() for t in (q, k, v)]
     with dtensor_ring.ring_sdpa(layout=layout):
@@ -425,8 +503,9 @@ def _sdpa_2d_mesh(group, layout, cp_first, batch_sharded):
     expected_placements = [Shard(0) if batch_sharded else Replicate()] * 2
     expected_placements[names.index("cp")] = Shard(2)
     errs = [_local_err(out, ref, layout, cp_rank, 2, rows)]
-    errs += [_local_err(t.grad, g, layout, cp_rank, 2, rows)
-             for t, g in zip(leaves, grads, strict=True)]
+    errs += [
+        _local_err(t.grad, g, layout, cp_rank, 2, rows) for t, g in zip(leaves, grads, strict=True)
+    ]
     # the global view: batch of every dp rank (or the replicated one), original token order
     full = dtensor_ring.unshard_sequence(out, seq_dim=2, layout=layout).transpose(1, 2)
     errs.append((full - ref).abs().max().item())
@@ -435,8 +514,9 @@ def _sdpa_2d_mesh(group, layout, cp_first, batch_sharded):
 
 @pytest.mark.parametrize("cp_first,batch_sharded", [(False, True), (True, False)])
 def test_sdpa_2d_mesh(dist_pool, cp_first, batch_sharded):
-    for placements_ok, err in dist_pool.run(_sdpa_2d_mesh, 4, layout="zigzag",
-                                            cp_first=cp_first, batch_sharded=batch_sharded):
+    for placements_ok, err in dist_pool.run(
+        _sdpa_2d_mesh, 4, layout="zigzag", cp_first=cp_first, batch_sharded=batch_sharded
+    ):
         assert placements_ok and err < 1e-10, err
 
 
@@ -445,8 +525,10 @@ def _sdpa_without_autograd(group):
     mesh = _mesh(group)
     q, k, v = random_qkv(1, 8 * mesh.size(), 4, 2, 8, seed=5)
     ref, _ = reference_attention(q, k, v, causal=True)
-    dts = [dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="zigzag")
-           for t in (q, k, v)]
+    dts = [
+        dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="zigzag")
+        for t in (q, k, v)
+    ]
     errors = {}
     for name, context in (("inference_mode", torch.inference_mode), ("no_grad", torch.no_grad)):
         with context(), dtensor_ring.ring_sdpa(layout="zigzag"):
@@ -472,8 +554,11 @@ def _call_with_schema(handler, op, values: dict):
         if arg.name not in values:
             assert arg.has_default_value(), (op, arg.name)
             continue
-        (kwargs.__setitem__(arg.name, values[arg.name]) if arg.kwarg_only
-         else args.append(values[arg.name]))
+        (
+            kwargs.__setitem__(arg.name, values[arg.name])
+            if arg.kwarg_only
+            else args.append(values[arg.name])
+        )
     return handler(_Config("zigzag", None), op, tuple(args), kwargs)
 
 
@@ -486,9 +571,17 @@ def _cuda_handlers(group):
     B, H, S, D = qd.shape
     results = {}
     for family in ATEN_SDPA_OPS[1:]:  # the CPU row runs end to end in _sdpa_numerics
-        fwd_values = {"query": qd, "key": kd, "value": vd, "attn_bias": None,
-                      "compute_log_sumexp": True, "dropout_p": 0.0, "is_causal": True,
-                      "return_debug_mask": False, "scale": None}
+        fwd_values = {
+            "query": qd,
+            "key": kd,
+            "value": vd,
+            "attn_bias": None,
+            "compute_log_sumexp": True,
+            "dropout_p": 0.0,
+            "is_causal": True,
+            "return_debug_mask": False,
+            "scale": None,
+        }
         outs = _call_with_schema(aten_sdpa_forward_handler, family.forward_op, fwd_values)
         names = [r.name for r in family.forward_op._schema.returns]
         assert len(outs) == len(names), (family, len(outs))
@@ -497,11 +590,22 @@ def _cuda_handlers(group):
         lse_shape = (B, H, S, 1) if family.lse_trailing_one else (B, H, S)
         assert tuple(lse.shape) == lse_shape and lse.dtype == torch.float64, lse  # fp64 in
         bwd_values = {
-            "grad_out": dout_dt, "grad_out_": dout_dt, "query": qd, "key": kd, "value": vd,
-            "out": out, "logsumexp": lse, "attn_bias": None, "dropout_p": 0.0,
-            "is_causal": True, "scale": None, "grad_input_mask": [True, True, True, False],
-            "cum_seq_q": returned.get("cum_seq_q"), "cum_seq_k": returned.get("cum_seq_k"),
-            "max_q": returned.get("max_q"), "max_k": returned.get("max_k"),
+            "grad_out": dout_dt,
+            "grad_out_": dout_dt,
+            "query": qd,
+            "key": kd,
+            "value": vd,
+            "out": out,
+            "logsumexp": lse,
+            "attn_bias": None,
+            "dropout_p": 0.0,
+            "is_causal": True,
+            "scale": None,
+            "grad_input_mask": [True, True, True, False],
+            "cum_seq_q": returned.get("cum_seq_q"),
+            "cum_seq_k": returned.get("cum_seq_k"),
+            "max_q": returned.get("max_q"),
+            "max_k": returned.get("max_k"),
             "philox_seed": returned.get("philox_seed", returned.get("rng_state")),
             "philox_offset": returned.get("philox_offset", returned.get("unused")),
         }
@@ -543,8 +647,10 @@ def _errors(group):
         "attn_mask": ((q, q, q), {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}),
         "dropout": ((q, q, q), {"dropout_p": 0.1}),
         "noncausal_zigzag": ((q, q, q), {"is_causal": False}),
-        "gqa_flag": ((q, dt([Shard(2)], torch.randn(1, 2, 8, 8)),
-                      dt([Shard(2)], torch.randn(1, 2, 8, 8))), {}),
+        "gqa_flag": (
+            (q, dt([Shard(2)], torch.randn(1, 2, 8, 8)), dt([Shard(2)], torch.randn(1, 2, 8, 8))),
+            {},
+        ),
         "mixed_types": ((q, full, full), {}),
     }
     messages = {}
@@ -556,8 +662,7 @@ def _errors(group):
                     with dtensor_ring.ring_sdpa(layout="zigzag"):
                         F.scaled_dot_product_attention(*args, **kwargs)
                 else:
-                    dtensor_ring.scaled_dot_product_ring_attention(*args, **kwargs,
-                                                                   layout="zigzag")
+                    dtensor_ring.scaled_dot_product_ring_attention(*args, **kwargs, layout="zigzag")
                 messages[f"{name}/{way}"] = "no error"
             except (ValueError, TypeError) as e:
                 messages[f"{name}/{way}"] = f"{type(e).__name__}: {e}"
@@ -571,7 +676,8 @@ def _errors(group):
                         F.scaled_dot_product_attention(q3, q3, q3, is_causal=True)
                 else:
                     dtensor_ring.scaled_dot_product_ring_attention(
-                        q3, q3, q3, is_causal=True, layout="zigzag", mode=mode)
+                        q3, q3, q3, is_causal=True, layout="zigzag", mode=mode
+                    )
                 messages[f"{name}/{way}"] = "no error"
             except ValueError as e:
                 messages[f"{name}/{way}"] = f"ValueError: {e}"
@@ -585,8 +691,9 @@ def _errors(group):
     # our op on DTensors with a group that is not the sharded mesh dim's
     bshd = dt([Shard(1)], full.transpose(1, 2).contiguous())
     try:
-        torch.ops.dtensor_ring.ring_attention(bshd, bshd, bshd, "no-such-group", "zigzag",
-                                              True, 0.3, None)
+        torch.ops.dtensor_ring.ring_attention(
+            bshd, bshd, bshd, "no-such-group", "zigzag", True, 0.3, None
+        )
         messages["op/group"] = "no error"
     except Exception as e:  # noqa: BLE001 - DTensor wraps sharding-rule errors
         messages["op/group"] = f"{type(e).__name__}: {e}"
@@ -617,8 +724,7 @@ def test_placement_and_argument_errors(dist_pool):
             for way in ("scope", "direct"):
                 message = messages[f"{name}/{way}"]
                 kind = "TypeError" if name == "mixed_types" else "ValueError"
-                assert message.startswith(kind) and expected in message, (rank, name, way,
-                                                                          message)
+                assert message.startswith(kind) and expected in message, (rank, name, way, message)
         assert "group_name='no-such-group' is not the process group" in messages["op/group"]
         assert messages["math_only"].startswith("RuntimeError: No viable backend"), messages
 
@@ -639,11 +745,19 @@ def _shard_unshard(group, layout):
     checks["global view is permuted"] = torch.equal(ids_dt.full_tensor(), ids[:, order])
     checks["unshard"] = torch.equal(dtensor_ring.unshard_sequence(ids_dt, 1, layout), ids)
     pos = dtensor_ring.shard_sequence(torch.arange(S), mesh, seq_dim=0, layout=layout)
-    checks["positions"] = torch.equal(pos.to_local(),
-                                      dtensor_ring.token_indices(layout, S, rank, W))
+    checks["positions"] = torch.equal(
+        pos.to_local(), dtensor_ring.token_indices(layout, S, rank, W)
+    )
     # differentiable both ways: each rank's gradient covers exactly its own tokens
-    x = torch.randn(1, 2, S, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
-                    requires_grad=True)
+    x = torch.randn(
+        1,
+        2,
+        S,
+        3,
+        dtype=torch.float64,
+        generator=torch.Generator().manual_seed(1),
+        requires_grad=True,
+    )
     x_dt = dtensor_ring.shard_sequence(x, mesh, seq_dim=-2, layout=layout)
     back = dtensor_ring.unshard_sequence(x_dt, seq_dim=2, layout=layout)
     checks["round trip"] = torch.equal(back, x)
@@ -670,7 +784,8 @@ def _shard_errors(group):
         "batch_dim": lambda: dtensor_ring.shard_sequence(x, mesh, seq_dim=1, batch_dim=1),
         "divisible": lambda: dtensor_ring.shard_sequence(torch.randn(2, 6), mesh),
         "unshard_replicated": lambda: dtensor_ring.unshard_sequence(
-            distribute_tensor(x, mesh, [Replicate()])),
+            distribute_tensor(x, mesh, [Replicate()])
+        ),
         "unshard_plain": lambda: dtensor_ring.unshard_sequence(x),
     }
     for name, fn in cases.items():
@@ -690,7 +805,12 @@ def _shard_errors(group):
 
 def test_shard_sequence_errors(dist_pool):
     for messages in dist_pool.run(_shard_errors, 4):
-        assert messages == {"layout": "ValueError", "mesh_dim": "ValueError",
-                            "batch_dim": "ValueError", "divisible": "ValueError",
-                            "unshard_replicated": "ValueError", "unshard_plain": "TypeError",
-                            "2d_no_mesh_dim": "ValueError"}, messages
+        assert messages == {
+            "layout": "ValueError",
+            "mesh_dim": "ValueError",
+            "batch_dim": "ValueError",
+            "divisible": "ValueError",
+            "unshard_replicated": "ValueError",
+            "unshard_plain": "TypeError",
+            "2d_no_mesh_dim": "ValueError",
+        }, messages

@@ -67,7 +67,18 @@ def _dense_forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, a
 
 
 def _varlen_forward(
-    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap,
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window,
+    softcap,
     alibi_slopes,
 ):
     """``(out [T, H, D], lse fp32 [H, T])``."""
@@ -91,7 +102,20 @@ def _write_grads(grads, dq, dk, dv, like) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _dense_backward(
-    dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, window, softcap,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window,
+    softcap,
     alibi_slopes,
 ):
     """``(dq, dk, dv, softmax_d)``."""
@@ -105,8 +129,25 @@ def _dense_backward(
 
 
 def _varlen_backward(
-    dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale,
-    causal, window, softcap, alibi_slopes,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dq,
+    dk,
+    dv,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window,
+    softcap,
+    alibi_slopes,
 ):
     """``(dq, dk, dv, softmax_d)``."""
     _check_options(dropout_p, softcap, alibi_slopes, window)
@@ -126,8 +167,9 @@ def _unused_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # --- flash-attn 2.6.x: exact signatures (2.6.0.post1 and 2.6.3) -------------------------------
-def fa26_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                 return_softmax):
+def fa26_forward(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax
+):
     assert not return_softmax
     out, lse = _dense_forward(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
@@ -135,42 +177,162 @@ def fa26_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
     return (out, q, k, v, out, lse, *_unused_outputs(q))
 
 
-def fa260_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         return_softmax, block_table):
+def fa260_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_softmax,
+    block_table,
+):
     assert not return_softmax and block_table is None
     out, lse = _varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_size, softcap, alibi_slopes,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
     )
     return (out, q, k, v, out, lse, *_unused_outputs(q))
 
 
-def fa263_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         dropout_p, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-                         alibi_slopes=None, return_softmax=False, block_table=None,
-                         leftpad_k=None, seqused_k=None):
+def fa263_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+):
     assert leftpad_k is None and seqused_k is None
     return fa260_varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax, block_table,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+        block_table,
     )
 
 
-def fa26_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                  window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+def fa26_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     return _dense_backward(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
     )
 
 
-def fa26_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                         window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+def fa26_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     return _varlen_backward(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
     )
 
 
@@ -191,7 +353,14 @@ def fa27_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     assert not return_softmax
     out, lse = _dense_forward(
-        q, k, v, dropout_p, softmax_scale, causal, (window_size_left, window_size_right), softcap,
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        (window_size_left, window_size_right),
+        softcap,
         alibi_slopes,
     )
     return (out, lse, *_unused_outputs(q))
@@ -222,8 +391,19 @@ def fa27_varlen_forward(
     assert not return_softmax and block_table is None and leftpad_k is None
     assert seqused_k is None and not zero_tensors
     out, lse = _varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, (window_size_left, window_size_right), softcap, alibi_slopes,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        (window_size_left, window_size_right),
+        softcap,
+        alibi_slopes,
     )
     return (out, lse, *_unused_outputs(q))
 
@@ -252,8 +432,21 @@ def fa27_backward(
     rng_state: Tensor | None = None,
 ) -> Tensor:
     *_, softmax_d = _dense_backward(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-        (window_size_left, window_size_right), softcap, alibi_slopes,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        (window_size_left, window_size_right),
+        softcap,
+        alibi_slopes,
     )
     return softmax_d
 
@@ -288,15 +481,32 @@ def fa27_varlen_backward(
 ) -> Tensor:
     assert not zero_tensors
     *_, softmax_d = _varlen_backward(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, dropout_p, softmax_scale, causal, (window_size_left, window_size_right),
-        softcap, alibi_slopes,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        (window_size_left, window_size_right),
+        softcap,
+        alibi_slopes,
     )
     return softmax_d
 
 
-def fa25_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                 return_softmax):
+def fa25_forward(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax
+):
     """flash-attn 2.5.x (no softcap): only used to check that it is refused."""
     raise AssertionError("flash-attn < 2.6 must not be called")
 
@@ -312,8 +522,12 @@ STAND_INS = {  # version -> (forward, varlen forward, backward, varlen backward)
 def install_flash_attn(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     """Put stand-in ``flash_attn`` and ``flash_attn.flash_attn_interface`` in ``sys.modules``."""
     interface = types.ModuleType("flash_attn.flash_attn_interface")
-    names = ("_flash_attn_forward", "_flash_attn_varlen_forward", "_flash_attn_backward",
-             "_flash_attn_varlen_backward")
+    names = (
+        "_flash_attn_forward",
+        "_flash_attn_varlen_forward",
+        "_flash_attn_backward",
+        "_flash_attn_varlen_backward",
+    )
     for name, fn in zip(names, STAND_INS[version], strict=True):
         setattr(interface, name, fn)
     package = types.ModuleType("flash_attn")
@@ -379,9 +593,7 @@ def test_flash_attn_varlen_matches_math(flash_attn_version, causal, num_kv_heads
     assert lse.shape == (H, T)
 
     lse_t = want_lse.t().contiguous().t()  # [H, T] with transposed strides
-    grads = FLASH.backward_varlen(
-        dout, q, k, v, want_out, lse_t, *args, causal=causal, scale=SCALE
-    )
+    grads = FLASH.backward_varlen(dout, q, k, v, want_out, lse_t, *args, causal=causal, scale=SCALE)
     want = MATH.backward_varlen(
         dout, q, k, v, want_out, want_lse, *args, causal=causal, scale=SCALE
     )

@@ -43,8 +43,9 @@ def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing,
     if fsdp == "flat":  # shard over the flattened (dp, cp) dims
         fsdp_mesh = init_device_mesh("cpu", (DP * CP,))
     else:  # HSDP: replicate over cp, shard over dp (FSDP2's 2-D mesh: (replicate, shard))
-        fsdp_mesh = DeviceMesh("cpu", torch.arange(DP * CP).view(DP, CP).T,
-                               mesh_dim_names=("cp_replicate", "dp_shard"))
+        fsdp_mesh = DeviceMesh(
+            "cpu", torch.arange(DP * CP).view(DP, CP).T, mesh_dim_names=("cp_replicate", "dp_shard")
+        )
     cfg = TinyConfig(activation_checkpointing=activation_checkpointing)
     torch.manual_seed(0)
     reference = TinyTransformer(cfg)
@@ -60,8 +61,9 @@ def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing,
     gen = torch.Generator().manual_seed(1)
     dp_rank = mesh.get_local_rank("dp")
     mine = slice(dp_rank * B_LOCAL, (dp_rank + 1) * B_LOCAL)
-    positions = dtensor_ring.shard_sequence(torch.arange(S), mesh["cp"], seq_dim=0,
-                                            layout=layout).to_local()
+    positions = dtensor_ring.shard_sequence(
+        torch.arange(S), mesh["cp"], seq_dim=0, layout=layout
+    ).to_local()
     losses, grad_errors = [], {}
     for step in range(STEPS):
         tokens = torch.randint(0, cfg.vocab_size, (DP * B_LOCAL, S + 1), generator=gen)
@@ -72,8 +74,9 @@ def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing,
         ref_loss.backward()
 
         ids_l, labels_l = (
-            dtensor_ring.shard_sequence(t[mine], mesh, seq_dim=1, layout=layout,
-                                        mesh_dim="cp", batch_dim=0).to_local()
+            dtensor_ring.shard_sequence(
+                t[mine], mesh, seq_dim=1, layout=layout, mesh_dim="cp", batch_dim=0
+            ).to_local()
             for t in (ids, labels)
         )
         with dtensor_ring.ring_sdpa(layout=layout, mode=mode):
@@ -86,10 +89,13 @@ def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing,
         dist.all_reduce(global_loss)
         losses.append((global_loss.item() / (DP * CP), ref_loss.item()))
         if step == 0:
-            for (name, p), ref_p in zip(model.named_parameters(), reference.parameters(),
-                                        strict=True):
-                grad_errors[name] = ((p.grad.full_tensor() - ref_p.grad).abs().max().item(),
-                                     ref_p.grad.abs().max().item())
+            for (name, p), ref_p in zip(
+                model.named_parameters(), reference.parameters(), strict=True
+            ):
+                grad_errors[name] = (
+                    (p.grad.full_tensor() - ref_p.grad).abs().max().item(),
+                    ref_p.grad.abs().max().item(),
+                )
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
@@ -99,15 +105,27 @@ def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing,
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 @pytest.mark.parametrize(
     "compile_backend,activation_checkpointing,fsdp",
-    [(None, True, "flat"), ("aot_eager", False, "flat"), ("aot_eager", True, "flat"),
-     ("aot_eager", False, "hsdp")],
+    [
+        (None, True, "flat"),
+        ("aot_eager", False, "flat"),
+        ("aot_eager", True, "flat"),
+        ("aot_eager", False, "hsdp"),
+    ],
     ids=["eager-ac", "compiled", "compiled-ac", "compiled-hsdp"],
 )
-def test_fsdp2_cp_matches_single_process(dist_pool, compile_backend, activation_checkpointing,
-                                         fsdp, mode):
-    results = dist_pool.run(_fsdp_parity, 4, timeout_s=400, layout="zigzag", mode=mode,
-                            compile_backend=compile_backend,
-                            activation_checkpointing=activation_checkpointing, fsdp=fsdp)
+def test_fsdp2_cp_matches_single_process(
+    dist_pool, compile_backend, activation_checkpointing, fsdp, mode
+):
+    results = dist_pool.run(
+        _fsdp_parity,
+        4,
+        timeout_s=400,
+        layout="zigzag",
+        mode=mode,
+        compile_backend=compile_backend,
+        activation_checkpointing=activation_checkpointing,
+        fsdp=fsdp,
+    )
     for rank, (losses, grad_errors) in enumerate(results):
         for step, (loss, ref_loss) in enumerate(losses):
             assert abs(loss - ref_loss) < 1e-5 * max(1.0, abs(ref_loss)), (rank, step, losses)

@@ -73,16 +73,29 @@ class Case:
 
     def func(self):
         """The API function of this case's layout and form."""
-        prefix = {"ring": "ring_flash_attn", "zigzag": "zigzag_ring_flash_attn",
-                  "stripe": "stripe_flash_attn"}[self.layout]
-        suffix = {"plain": "_func", "strided": "_func", "kvpacked": "_kvpacked_func",
-                  "qkvpacked": "_qkvpacked_func"}[self.form]
+        prefix = {
+            "ring": "ring_flash_attn",
+            "zigzag": "zigzag_ring_flash_attn",
+            "stripe": "stripe_flash_attn",
+        }[self.layout]
+        suffix = {
+            "plain": "_func",
+            "strided": "_func",
+            "kvpacked": "_kvpacked_func",
+            "qkvpacked": "_qkvpacked_func",
+        }[self.form]
         return getattr(dtensor_ring, prefix + suffix)
 
     def id(self, world_size: int) -> str:
         H, H_kv = self.num_heads
-        parts = [f"w{world_size}", self.variant, f"h{H}kv{H_kv}", DTYPE_NAMES[self.dtype],
-                 self.form, f"b{self.B}s{self.S_local}d{self.D}"]
+        parts = [
+            f"w{world_size}",
+            self.variant,
+            f"h{H}kv{H_kv}",
+            DTYPE_NAMES[self.dtype],
+            self.form,
+            f"b{self.B}s{self.S_local}d{self.D}",
+        ]
         if self.softmax_scale is not None:
             parts.append(f"scale{self.softmax_scale}")
         if self.backend is not None:
@@ -97,8 +110,9 @@ class Case:
 def _assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol) -> None:
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
     rtol, atol = tol
-    torch.testing.assert_close(actual.to(torch.float64), expected, rtol=rtol, atol=atol,
-                               msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(
+        actual.to(torch.float64), expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}"
+    )
 
 
 def check_attention(group: dist.ProcessGroup, case: Case) -> dict[str, float]:
@@ -115,8 +129,9 @@ def check_attention(group: dist.ProcessGroup, case: Case) -> dict[str, float]:
 
     # fp64 reference on the full sequence, and its gradients.
     full = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
-    out_ref, lse_ref = reference_attention(*full, causal=case.causal, scale=case.softmax_scale,
-                                           window_size=case.window_size)
+    out_ref, lse_ref = reference_attention(
+        *full, causal=case.causal, scale=case.softmax_scale, window_size=case.window_size
+    )
     grads_ref = torch.autograd.grad(out_ref, full, dout.to(torch.float64))
 
     def local(x: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
@@ -140,11 +155,15 @@ def check_attention(group: dist.ProcessGroup, case: Case) -> dict[str, float]:
         result = case.func()(*(x.transpose(1, 2) for x in leaves), **kwargs)
         expected_grads = [local(g).transpose(1, 2) for g in grads_ref]
     elif case.form == "kvpacked":
-        leaves = [ql.detach().clone().requires_grad_(),
-                  torch.stack([kl, vl], dim=2).requires_grad_()]
+        leaves = [
+            ql.detach().clone().requires_grad_(),
+            torch.stack([kl, vl], dim=2).requires_grad_(),
+        ]
         result = case.func()(*leaves, **kwargs)
-        expected_grads = [local(grads_ref[0]),
-                          torch.stack([local(grads_ref[1]), local(grads_ref[2])], dim=2)]
+        expected_grads = [
+            local(grads_ref[0]),
+            torch.stack([local(grads_ref[1]), local(grads_ref[2])], dim=2),
+        ]
     else:
         leaves = [torch.stack([ql, kl, vl], dim=2).requires_grad_()]
         result = case.func()(*leaves, **kwargs)
@@ -161,8 +180,12 @@ def check_attention(group: dist.ProcessGroup, case: Case) -> dict[str, float]:
     _assert_close("lse", lse, local(lse_ref, seq_dim=2), tol_out)
 
     out.backward(local(dout))
-    names = {"plain": ["dq", "dk", "dv"], "strided": ["dq", "dk", "dv"],
-             "kvpacked": ["dq", "dkv"], "qkvpacked": ["dqkv"]}
+    names = {
+        "plain": ["dq", "dk", "dv"],
+        "strided": ["dq", "dk", "dv"],
+        "kvpacked": ["dq", "dkv"],
+        "qkvpacked": ["dqkv"],
+    }
     errors = {"out": (out.double() - local(out_ref)).abs().max().item()}
     for name, leaf, expected in zip(names[case.form], leaves, expected_grads, strict=True):
         assert leaf.grad is not None, f"{name}: no gradient"
@@ -179,13 +202,18 @@ def _params(*pairs) -> list:
 
 def _cases(world_sizes, variants, heads, **fields) -> list:
     """The product of world sizes, variants and head configurations, other fields fixed."""
-    return _params(*[(w, Case(variant=v, heads=h, **fields))
-                     for w, v, h in itertools.product(world_sizes, variants, heads)])
+    return _params(
+        *[
+            (w, Case(variant=v, heads=h, **fields))
+            for w, v, h in itertools.product(world_sizes, variants, heads)
+        ]
+    )
 
 
 FP64_PLAIN = _cases(WORLD_SIZES, VARIANTS, HEADS)
 FP32 = _cases(WORLD_SIZES, VARIANTS, ("mha", "gqa"), dtype=torch.float32) + _cases(
-    (3,), VARIANTS, ("mqa",), dtype=torch.float32)
+    (3,), VARIANTS, ("mqa",), dtype=torch.float32
+)
 PACKED = (
     _cases((2,), VARIANTS, HEADS, form="kvpacked")
     + _cases((3,), VARIANTS, ("gqa",), form="kvpacked", dtype=torch.float32)
@@ -194,8 +222,11 @@ PACKED = (
     + _cases((3,), VARIANTS, ("gqa",), form="strided")
 )
 ODD_SIZES = _params(
-    *[(w, Case(variant=v, S_local=1)) for w in (2, 4) for v in ("ring_causal", "ring_full",
-                                                               "stripe")],
+    *[
+        (w, Case(variant=v, S_local=1))
+        for w in (2, 4)
+        for v in ("ring_causal", "ring_full", "stripe")
+    ],
     *[(w, Case(variant="zigzag", S_local=2)) for w in (2, 4)],
     *[(3, Case(variant=v, heads="gqa", D=8)) for v in VARIANTS],
     *[(3, Case(variant=v, H=1, H_kv=1)) for v in VARIANTS],
@@ -216,15 +247,20 @@ OPTIONS = _params(
 # zigzag chunk, equal to a rank's tokens, larger, and one-sided (left unbounded: non-causal).
 WINDOWS = ((1, 1), (3, 3), (6, 6), (9, 2), (-1, 4))
 WINDOWED = (
-    _params(*[(w, Case(variant=v, heads="gqa", window_size=win))
-              for w, v, win in itertools.product(WORLD_SIZES, VARIANTS, WINDOWS)
-])
+    _params(
+        *[
+            (w, Case(variant=v, heads="gqa", window_size=win))
+            for w, v, win in itertools.product(WORLD_SIZES, VARIANTS, WINDOWS)
+        ]
+    )
     + _cases((3,), VARIANTS, ("mqa",), window_size=(4, 0), dtype=torch.float32)
     + _cases((4,), VARIANTS, ("mha",), window_size=(2, 5), backend="math")
     + _cases((2,), VARIANTS, ("mha",), window_size=(5, 1), form="qkvpacked")
     + _cases((3,), VARIANTS, ("gqa",), window_size=(2, 2), form="kvpacked")
-    + _params((4, Case(variant="zigzag", S_local=16, window_size=(11, 0), B=2)),
-              (3, Case(variant="stripe", S_local=1, window_size=(1, 0))))
+    + _params(
+        (4, Case(variant="zigzag", S_local=16, window_size=(11, 0), B=2)),
+        (3, Case(variant="stripe", S_local=1, window_size=(1, 0))),
+    )
 )
 
 
@@ -264,11 +300,15 @@ def test_attention_window(dist_pool, world_size, case):
 def check_return_out_only(group: dist.ProcessGroup, layout: str) -> None:
     """``return_attn_probs=False`` (the default) returns ``out`` alone, same values."""
     rank, W = dist.get_rank(group), dist.get_world_size(group)
-    func = {"ring": dtensor_ring.ring_flash_attn_func,
-            "zigzag": dtensor_ring.zigzag_ring_flash_attn_func,
-            "stripe": dtensor_ring.stripe_flash_attn_func}[layout]
-    q, k, v = (dtensor_ring.shard_local(x, layout, rank, W)
-               for x in random_qkv(1, 4 * W, 4, 2, 8, torch.float64, seed=3))
+    func = {
+        "ring": dtensor_ring.ring_flash_attn_func,
+        "zigzag": dtensor_ring.zigzag_ring_flash_attn_func,
+        "stripe": dtensor_ring.stripe_flash_attn_func,
+    }[layout]
+    q, k, v = (
+        dtensor_ring.shard_local(x, layout, rank, W)
+        for x in random_qkv(1, 4 * W, 4, 2, 8, torch.float64, seed=3)
+    )
     out = func(q, k, v, causal=True, group=group)
     assert isinstance(out, torch.Tensor), type(out)
     out_full, _, _ = func(q, k, v, causal=True, group=group, return_attn_probs=True)
@@ -287,9 +327,11 @@ def check_sum_backward(group: dist.ProcessGroup, layout: str) -> None:
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     reference_attention(*full, causal=True)[0].sum().backward()
     leaves = [dtensor_ring.shard_local(x, layout, rank, W).requires_grad_() for x in (q, k, v)]
-    func = {"ring": dtensor_ring.ring_flash_attn_func,
-            "zigzag": dtensor_ring.zigzag_ring_flash_attn_func,
-            "stripe": dtensor_ring.stripe_flash_attn_func}[layout]
+    func = {
+        "ring": dtensor_ring.ring_flash_attn_func,
+        "zigzag": dtensor_ring.zigzag_ring_flash_attn_func,
+        "stripe": dtensor_ring.stripe_flash_attn_func,
+    }[layout]
     func(*leaves, causal=True, group=group).sum().backward()
     for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, full, strict=True):
         expected = shard(ref.grad, layout, rank, W)
@@ -312,8 +354,7 @@ def test_shard_local_matches_layout(layout, seq_dim, world_size):
     x = torch.randn(2, 24, 24, 3, dtype=torch.float64)
     for rank in range(world_size):
         got = dtensor_ring.shard_local(x, layout, rank, world_size, seq_dim=seq_dim)
-        torch.testing.assert_close(got, shard(x, layout, rank, world_size, seq_dim),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(got, shard(x, layout, rank, world_size, seq_dim), rtol=0, atol=0)
 
 
 def test_layout_indices_examples():
@@ -330,8 +371,9 @@ def test_layout_indices_examples():
             assert layout_indices(layout, rank, 2, 8).tolist() == expected, (layout, rank)
 
 
-def check_gather_roundtrip(group: dist.ProcessGroup, layout: str, seq_dim: int,
-                           default_group: bool) -> None:
+def check_gather_roundtrip(
+    group: dist.ProcessGroup, layout: str, seq_dim: int, default_group: bool
+) -> None:
     """``gather_sequence(shard_local(x))`` restores ``x`` (original token order) on each rank."""
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     x = torch.randn(2, 4 * W, 4 * W, 3, generator=torch.Generator().manual_seed(W))
@@ -345,8 +387,9 @@ def check_gather_roundtrip(group: dist.ProcessGroup, layout: str, seq_dim: int,
 @pytest.mark.parametrize("seq_dim", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gather_sequence_roundtrip(dist_pool, layout, seq_dim, world_size):
-    dist_pool.run(check_gather_roundtrip, world_size, layout=layout, seq_dim=seq_dim,
-                  default_group=False)
+    dist_pool.run(
+        check_gather_roundtrip, world_size, layout=layout, seq_dim=seq_dim, default_group=False
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

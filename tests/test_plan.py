@@ -9,37 +9,49 @@ from dtensor_ring.validation import normalize_window
 
 
 def test_ring_causal_table():
-    assert_expected_inline(make_plan("ring", 4, causal=True).table(), """\
+    assert_expected_inline(
+        make_plan("ring", 4, causal=True).table(),
+        """\
 rank | step 0        step 1        step 2        step 3
    0 | all/all c     -             -             -
    1 | all/all c     all/all       -             -
    2 | all/all c     all/all       all/all       -
-   3 | all/all c     all/all       all/all       all/all""")
+   3 | all/all c     all/all       all/all       all/all""",
+    )
 
 
 def test_zigzag_table():
-    assert_expected_inline(make_plan("zigzag", 4, causal=True).table(), """\
+    assert_expected_inline(
+        make_plan("zigzag", 4, causal=True).table(),
+        """\
 rank | step 0        step 1        step 2        step 3
    0 | all/all c     hi/all        hi/all        hi/all
    1 | all/all c     all/lo        hi/all        hi/all
    2 | all/all c     all/lo        all/lo        hi/all
-   3 | all/all c     all/lo        all/lo        all/lo""")
+   3 | all/all c     all/lo        all/lo        all/lo""",
+    )
 
 
 def test_stripe_table():
-    assert_expected_inline(make_plan("stripe", 3, causal=True).table(), """\
+    assert_expected_inline(
+        make_plan("stripe", 3, causal=True).table(),
+        """\
 rank | step 0        step 1        step 2
    0 | all/all c     tail/head c   tail/head c
    1 | all/all c     all/all c     tail/head c
-   2 | all/all c     all/all c     all/all c""")
+   2 | all/all c     all/all c     all/all c""",
+    )
 
 
 def test_ring_noncausal_table():
-    assert_expected_inline(make_plan("ring", 3, causal=False).table(), """\
+    assert_expected_inline(
+        make_plan("ring", 3, causal=False).table(),
+        """\
 rank | step 0        step 1        step 2
    0 | all/all       all/all       all/all
    1 | all/all       all/all       all/all
-   2 | all/all       all/all       all/all""")
+   2 | all/all       all/all       all/all""",
+    )
 
 
 WINDOWS = [None, (0, 0), (1, 0), (3, 0), (4, 0), (5, 0), (9, 0), (2, 3), (0, -1), (-1, 2)]
@@ -51,8 +63,9 @@ def _visible(q_pos: int, k_pos: int, causal: bool, window) -> bool:
     return (left < 0 or k_pos >= q_pos - left) and (right < 0 or k_pos <= q_pos + right)
 
 
-@pytest.mark.parametrize("layout,causal", [("ring", True), ("zigzag", True), ("stripe", True),
-                                           ("ring", False)])
+@pytest.mark.parametrize(
+    "layout,causal", [("ring", True), ("zigzag", True), ("stripe", True), ("ring", False)]
+)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_every_query_meets_every_visible_key_once(layout, causal, world_size, window):
@@ -98,26 +111,33 @@ def test_step0_init_blocks_cover_every_query_once(layout, window):
             assert not any(b.init for st in row[1:] for b in st.blocks)
     if window is None:
         assert make_plan(layout, 3, True).steps[1][0].blocks == (
-            Block(Part.ALL, Part.ALL, True, init=True),)
+            Block(Part.ALL, Part.ALL, True, init=True),
+        )
 
 
 def test_windowed_ring_table():
-    assert_expected_inline(make_plan("ring", 4, True, (5, 0), 8).table(), """\
+    assert_expected_inline(
+        make_plan("ring", 4, True, (5, 0), 8).table(),
+        """\
 rank | step 0           step 1
    0 | 0:8/0:8 w(5,0)   -
    1 | 0:8/0:8 w(5,0)   0:5/3:8 w(0,-1)
    2 | 0:8/0:8 w(5,0)   0:5/3:8 w(0,-1)
-   3 | 0:8/0:8 w(5,0)   0:5/3:8 w(0,-1)""")
+   3 | 0:8/0:8 w(5,0)   0:5/3:8 w(0,-1)""",
+    )
 
 
 def test_windowed_zigzag_table():
     """A small window under zigzag needs offsets 0, 1 and W - 1 (see Note [Direct exchange])."""
-    assert_expected_inline(make_plan("zigzag", 4, True, (3, 0), 8).table(), """\
+    assert_expected_inline(
+        make_plan("zigzag", 4, True, (3, 0), 8).table(),
+        """\
 rank | step 0                               step 1                               step 3
    0 | 0:4/0:4 c+4:8/4:8 c                  -                                    4:7/5:8 w(0,-1)
    1 | 0:4/0:4 c+4:8/4:8 c                  0:3/1:4 w(0,-1)                      4:7/5:8 w(0,-1)
    2 | 0:4/0:4 c+4:8/4:8 c                  0:3/1:4 w(0,-1)                      4:7/5:8 w(0,-1)
-   3 | 0:4/0:4 c+4:8/4:8 c+4:7/1:4 w(0,-1)  0:3/1:4 w(0,-1)                      -""")
+   3 | 0:4/0:4 c+4:8/4:8 c+4:7/1:4 w(0,-1)  0:3/1:4 w(0,-1)                      -""",
+    )
 
 
 def test_window_cost_grows_with_the_window_not_the_sequence():

@@ -28,11 +28,20 @@ def test_simulate_ring_matches_full_attention(layout, causal, world_size, window
         ref_out, ref_lse = MathKernel().forward(*full, causal=causal, scale=scale)
     else:  # causal sets right = 0, as flash-attn; the window over the whole sequence
         mask_window = (window[0], 0) if causal else window
-        ref_out, ref_lse = MathKernel().forward(*full, causal=False, scale=scale,
-                                                window=mask_window)
+        ref_out, ref_lse = MathKernel().forward(
+            *full, causal=False, scale=scale, window=mask_window
+        )
     ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout))
-    got = simulate_ring(q, k, v, dout, layout=layout, world_size=world_size, causal=causal,
-                        window_size=window or (-1, -1))
+    got = simulate_ring(
+        q,
+        k,
+        v,
+        dout,
+        layout=layout,
+        world_size=world_size,
+        causal=causal,
+        window_size=window or (-1, -1),
+    )
     for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12, msg=name)
 
@@ -48,8 +57,7 @@ def test_rank_simulator_forward_is_the_local_part():
 @pytest.mark.parametrize("layout,causal", [("ring", True), ("ring", False), ("zigzag", True)])
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 @pytest.mark.parametrize("window", [None, (5, 3)])
-def test_simulate_varlen_ring_matches_per_document_attention(layout, causal, world_size,
-                                                             window):
+def test_simulate_varlen_ring_matches_per_document_attention(layout, causal, world_size, window):
     unit = 2 * world_size  # zigzag cuts every document into 2W pieces
     cu_seqlens = [0, unit, 4 * unit, 5 * unit, 8 * unit]
     gen = torch.Generator().manual_seed(1)
@@ -61,10 +69,20 @@ def test_simulate_varlen_ring_matches_per_document_attention(layout, causal, wor
     cu = torch.tensor(cu_seqlens, dtype=torch.int32)
     n = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
     mask_window = None if window is None else (window[0], 0) if causal else window
-    ref_out, ref_lse = MathKernel().forward_varlen(*full, cu, cu, n, n, causal=causal,
-                                                   scale=D ** -0.5, window=mask_window)
+    ref_out, ref_lse = MathKernel().forward_varlen(
+        *full, cu, cu, n, n, causal=causal, scale=D**-0.5, window=mask_window
+    )
     ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout))
-    got = simulate_ring(q, k, v, dout, layout=layout, world_size=world_size, causal=causal,
-                        cu_seqlens=cu_seqlens, window_size=window or (-1, -1))
+    got = simulate_ring(
+        q,
+        k,
+        v,
+        dout,
+        layout=layout,
+        world_size=world_size,
+        causal=causal,
+        cu_seqlens=cu_seqlens,
+        window_size=window or (-1, -1),
+    )
     for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12, msg=name)

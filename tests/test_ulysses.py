@@ -59,18 +59,28 @@ def _run_and_check(call, idx, q, k, v, dout, causal, form="plain", window_size=(
         _close(f"grad{i}", leaf.grad, expected)
 
 
-def check_ulysses(group, layout, causal, H, H_kv, form="plain", S_local=4, B=2, D=8,
-                  window_size=(-1, -1)):
+def check_ulysses(
+    group, layout, causal, H, H_kv, form="plain", S_local=4, B=2, D=8, window_size=(-1, -1)
+):
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     S = S_local * W
     q, k, v = random_qkv(B, S, H, H_kv, D, seed=W)
     dout = random_qkv(B, S, H, H, D, seed=W + 1)[0]
-    fn = {"plain": ulysses_flash_attn_func, "kvpacked": ulysses_flash_attn_kvpacked_func,
-          "qkvpacked": ulysses_flash_attn_qkvpacked_func}[form]
+    fn = {
+        "plain": ulysses_flash_attn_func,
+        "kvpacked": ulysses_flash_attn_kvpacked_func,
+        "qkvpacked": ulysses_flash_attn_qkvpacked_func,
+    }[form]
 
     def call(*args):
-        return fn(*args, causal=causal, return_attn_probs=True, group=group, layout=layout,
-                  window_size=window_size)
+        return fn(
+            *args,
+            causal=causal,
+            return_attn_probs=True,
+            group=group,
+            layout=layout,
+            window_size=window_size,
+        )
 
     idx = layout_indices(layout, rank, W, S)
     _run_and_check(call, idx, q, k, v, dout, causal, form, window_size)
@@ -90,17 +100,21 @@ ULYSSES = [
 ]
 
 
-@pytest.mark.parametrize("world_size, layout, causal, H, H_kv", ULYSSES,
-                         ids=[f"w{w}-{lay}-{'causal' if c else 'full'}-h{h}kv{hk}"
-                              for w, lay, c, h, hk in ULYSSES])
+@pytest.mark.parametrize(
+    "world_size, layout, causal, H, H_kv",
+    ULYSSES,
+    ids=[f"w{w}-{lay}-{'causal' if c else 'full'}-h{h}kv{hk}" for w, lay, c, h, hk in ULYSSES],
+)
 def test_ulysses(dist_pool, world_size, layout, causal, H, H_kv):
     dist_pool.run(check_ulysses, world_size, layout=layout, causal=causal, H=H, H_kv=H_kv)
 
 
 ULYSSES_WINDOWS = [
     # (world_size, layout, causal, window_size, H, H_kv)
-    (1, "ring", True, (2, 0), 4, 2), (2, "zigzag", True, (1, 0), 4, 2),
-    (3, "zigzag", True, (4, 0), 6, 3), (3, "ring", False, (2, 3), 6, 3),
+    (1, "ring", True, (2, 0), 4, 2),
+    (2, "zigzag", True, (1, 0), 4, 2),
+    (3, "zigzag", True, (4, 0), 6, 3),
+    (3, "ring", False, (2, 3), 6, 3),
     (4, "stripe", True, (5, 0), 4, 2),
     (4, "zigzag", False, (3, 1), 4, 2),  # a non-causal window needs token order too
     (2, "ring", False, (-1, 2), 4, 2),
@@ -109,14 +123,28 @@ ULYSSES_WINDOWS = [
 
 @pytest.mark.parametrize("world_size, layout, causal, window_size, H, H_kv", ULYSSES_WINDOWS)
 def test_ulysses_window(dist_pool, world_size, layout, causal, window_size, H, H_kv):
-    dist_pool.run(check_ulysses, world_size, layout=layout, causal=causal, H=H, H_kv=H_kv,
-                  window_size=window_size)
+    dist_pool.run(
+        check_ulysses,
+        world_size,
+        layout=layout,
+        causal=causal,
+        H=H,
+        H_kv=H_kv,
+        window_size=window_size,
+    )
 
 
 @pytest.mark.parametrize("form", ["kvpacked", "qkvpacked"])
 def test_ulysses_packed(dist_pool, form):
-    dist_pool.run(check_ulysses, 2, layout="zigzag", causal=True, H=4, H_kv=4 if form ==
-                  "qkvpacked" else 2, form=form)
+    dist_pool.run(
+        check_ulysses,
+        2,
+        layout="zigzag",
+        causal=True,
+        H=4,
+        H_kv=4 if form == "qkvpacked" else 2,
+        form=form,
+    )
 
 
 def check_heads_error(group):
@@ -158,29 +186,44 @@ def check_hybrid(group, layout, causal, H, H_kv, S_local=4, B=1, D=8, window_siz
     torch.testing.assert_close(hybrid_shard_local(q, layout, r, R, u, U), q[:, idx])
 
     def call(*args):
-        return hybrid_flash_attn_func(*args, causal=causal, return_attn_probs=True,
-                                      ulysses_group=ulysses_group, ring_group=ring_group,
-                                      layout=layout, window_size=window_size)
+        return hybrid_flash_attn_func(
+            *args,
+            causal=causal,
+            return_attn_probs=True,
+            ulysses_group=ulysses_group,
+            ring_group=ring_group,
+            layout=layout,
+            window_size=window_size,
+        )
 
     _run_and_check(call, idx, q, k, v, dout, causal, window_size=window_size)
 
 
-HYBRID = [("zigzag", True, 4, 4), ("zigzag", True, 4, 2), ("zigzag", True, 4, 1),
-          ("ring", False, 4, 2), ("stripe", True, 2, 2)]
+HYBRID = [
+    ("zigzag", True, 4, 4),
+    ("zigzag", True, 4, 2),
+    ("zigzag", True, 4, 1),
+    ("ring", False, 4, 2),
+    ("stripe", True, 2, 2),
+]
 
 
-@pytest.mark.parametrize("layout, causal, H, H_kv", HYBRID,
-                         ids=[f"{lay}-{'causal' if c else 'full'}-h{h}kv{hk}"
-                              for lay, c, h, hk in HYBRID])
+@pytest.mark.parametrize(
+    "layout, causal, H, H_kv",
+    HYBRID,
+    ids=[f"{lay}-{'causal' if c else 'full'}-h{h}kv{hk}" for lay, c, h, hk in HYBRID],
+)
 def test_hybrid_2x2(dist_pool, layout, causal, H, H_kv):
     dist_pool.run(check_hybrid, 4, layout=layout, causal=causal, H=H, H_kv=H_kv)
 
 
-@pytest.mark.parametrize("layout, causal, window_size", [("zigzag", True, (3, 0)),
-                                                         ("ring", False, (2, 5))])
+@pytest.mark.parametrize(
+    "layout, causal, window_size", [("zigzag", True, (3, 0)), ("ring", False, (2, 5))]
+)
 def test_hybrid_2x2_window(dist_pool, layout, causal, window_size):
-    dist_pool.run(check_hybrid, 4, layout=layout, causal=causal, H=4, H_kv=2,
-                  window_size=window_size)
+    dist_pool.run(
+        check_hybrid, 4, layout=layout, causal=causal, H=4, H_kv=2, window_size=window_size
+    )
 
 
 def check_hybrid_errors(group):
@@ -215,8 +258,9 @@ def test_comm_volume():
     S, H, H_kv, D, b = 1024, 8, 2, 16, 2
     n = S // 4
     ring = comm_volume(S, H, H_kv, D, 4, "ring")
-    assert ring == CommVolume(3 * 2 * n * H_kv * D * b, 3 * 2 * n * H_kv * D * b
-                              + 4 * 2 * n * H_kv * D * 4)
+    assert ring == CommVolume(
+        3 * 2 * n * H_kv * D * b, 3 * 2 * n * H_kv * D * b + 4 * 2 * n * H_kv * D * 4
+    )
     # Ulysses on 4 ranks: K/V heads repeated to 4; 3/4 of q, k, v, out leave the rank.
     uly = comm_volume(S, H, H_kv, D, 4, "ulysses")
     assert uly.forward == uly.backward == 3 * n * D * (2 * H + 2 * 4) * b // 4
@@ -226,8 +270,10 @@ def test_comm_volume():
     assert comm_volume(S, H, H_kv, D, 1, "ulysses") == (0, 0)
     assert comm_volume(S, H, H_kv, D, 1, "ring") == (0, 0)
     # Ulysses volume per rank falls as 1/W; ring's does not
-    assert comm_volume(S, H, 8, D, 8, "ulysses").forward < comm_volume(S, H, 8, D, 4,
-                                                                        "ulysses").forward
+    assert (
+        comm_volume(S, H, 8, D, 8, "ulysses").forward
+        < comm_volume(S, H, 8, D, 4, "ulysses").forward
+    )
     with pytest.raises(ValueError, match="not divisible"):
         comm_volume(S, 4, 4, D, 8, "ulysses")
     with pytest.raises(ValueError, match="mode"):
@@ -243,15 +289,18 @@ def check_compile(group):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v = (dtensor_ring.shard_local(t, "zigzag", rank, W)
-               for t in random_qkv(1, 4 * W, 4, 1, 8, dtype=torch.float32, seed=2))
+    q, k, v = (
+        dtensor_ring.shard_local(t, "zigzag", rank, W)
+        for t in random_qkv(1, 4 * W, 4, 1, 8, dtype=torch.float32, seed=2)
+    )
     ops = torch.ops.dtensor_ring
     for args in [(q.clone().requires_grad_(), group.group_name, 1, 2, True, "zigzag")]:
         result = torch.library.opcheck(ops.ulysses_all_to_all.default, args)
         assert all(r == "SUCCESS" for r in result.values()), result
     qh, kh, vh = (t.clone().requires_grad_() for t in (q, k, v))
-    result = torch.library.opcheck(ops.ulysses_local_attention.default,
-                                   (qh, kh, vh, True, 0.3, None))
+    result = torch.library.opcheck(
+        ops.ulysses_local_attention.default, (qh, kh, vh, True, 0.3, None)
+    )
     assert all(r == "SUCCESS" for r in result.values()), result
 
     torch._dynamo.reset()

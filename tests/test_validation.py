@@ -35,48 +35,92 @@ def _qkv_packed():
 
 # name -> (call(group), regex the message must contain)
 BAD_CALLS = {
-    "q_3d": (lambda g: dr.ring_flash_attn_func(_qkv()[0][0], *_qkv()[1:], group=g),
-             r"\bq\b"),
-    "k_v_5d": (lambda g: dr.ring_flash_attn_func(
-        _qkv()[0], _qkv()[1][None], _qkv()[2][None], group=g), r"\bk\b"),
-    "head_dim_mismatch": (lambda g: dr.ring_flash_attn_func(
-        _qkv()[0], _qkv(D=4)[1], _qkv(D=4)[2], group=g), r"head dim|\bD\b"),
-    "H_not_multiple_of_H_kv": (lambda g: dr.ring_flash_attn_func(
-        *_qkv(H=4, H_kv=3), causal=True, group=g), r"H_kv|heads"),
-    "k_v_shape_mismatch": (lambda g: dr.ring_flash_attn_func(
-        _qkv()[0], _qkv()[1], _qkv(H_kv=1)[2], group=g), r"\bv\b"),
-    "q_k_seq_mismatch": (lambda g: dr.ring_flash_attn_func(
-        _qkv()[0], *_qkv(S=2)[1:], group=g), r"sequence|S_local|\bS\b"),
-    "q_k_batch_mismatch": (lambda g: dr.ring_flash_attn_func(
-        _qkv()[0], *_qkv(B=2)[1:], group=g), r"batch|\bB\b"),
-    "zigzag_odd_S_local": (lambda g: dr.zigzag_ring_flash_attn_func(
-        *_qkv(S=3), causal=True, group=g), r"S_local|sequence|even"),
-    "dtype_mismatch": (lambda g: dr.ring_flash_attn_func(
-        _qkv()[0], *_qkv(dtype=torch.float32)[1:], group=g), r"dtype"),
-    "integer_dtype": (lambda g: dr.ring_flash_attn_func(
-        *(x.long() for x in _qkv()), group=g), r"dtype|float"),
-    "device_mismatch": (lambda g: dr.ring_flash_attn_func(
-        _qkv()[0], *(x.to("meta") for x in _qkv()[1:]), group=g), r"device"),
-    "zigzag_non_causal": (lambda g: dr.zigzag_ring_flash_attn_func(
-        *_qkv(), causal=False, group=g), r"causal"),
-    "stripe_non_causal": (lambda g: dr.stripe_flash_attn_qkvpacked_func(
-        _qkv_packed(), group=g), r"causal"),
-    "empty_sequence": (lambda g: dr.ring_flash_attn_func(
-        *(x[:, :0] for x in _qkv()), group=g), r"empty|zero|numel"),
-    "empty_batch": (lambda g: dr.stripe_flash_attn_func(
-        *(x[:0] for x in _qkv()), causal=True, group=g), r"empty|zero|numel"),
-    "dropout_p": (lambda g: dr.ring_flash_attn_func(
-        *_qkv(), dropout_p=0.1, group=g), r"dropout_p"),
-    "alibi_slopes": (lambda g: dr.zigzag_ring_flash_attn_func(
-        *_qkv(), causal=True, alibi_slopes=torch.ones(4), group=g), r"alibi_slopes"),
-    "window_size": (lambda g: dr.ring_flash_attn_kvpacked_func(
-        *_kv_packed(), causal=True, window_size=(-2, 0), group=g), r"window_size=\(-2, 0\)"),
-    "unknown_backend": (lambda g: dr.ring_flash_attn_func(
-        *_qkv(), group=g, backend="no_such_kernel"), r"backend"),
-    "kv_not_packed_in_2": (lambda g: dr.ring_flash_attn_kvpacked_func(
-        _qkv()[0], torch.stack(_qkv()[1:] * 2, dim=2)[:, :, :3], group=g), r"\bkv\b"),
-    "qkv_not_packed_in_3": (lambda g: dr.zigzag_ring_flash_attn_qkvpacked_func(
-        _qkv_packed()[:, :, :2], causal=True, group=g), r"\bqkv\b"),
+    "q_3d": (lambda g: dr.ring_flash_attn_func(_qkv()[0][0], *_qkv()[1:], group=g), r"\bq\b"),
+    "k_v_5d": (
+        lambda g: dr.ring_flash_attn_func(_qkv()[0], _qkv()[1][None], _qkv()[2][None], group=g),
+        r"\bk\b",
+    ),
+    "head_dim_mismatch": (
+        lambda g: dr.ring_flash_attn_func(_qkv()[0], _qkv(D=4)[1], _qkv(D=4)[2], group=g),
+        r"head dim|\bD\b",
+    ),
+    "H_not_multiple_of_H_kv": (
+        lambda g: dr.ring_flash_attn_func(*_qkv(H=4, H_kv=3), causal=True, group=g),
+        r"H_kv|heads",
+    ),
+    "k_v_shape_mismatch": (
+        lambda g: dr.ring_flash_attn_func(_qkv()[0], _qkv()[1], _qkv(H_kv=1)[2], group=g),
+        r"\bv\b",
+    ),
+    "q_k_seq_mismatch": (
+        lambda g: dr.ring_flash_attn_func(_qkv()[0], *_qkv(S=2)[1:], group=g),
+        r"sequence|S_local|\bS\b",
+    ),
+    "q_k_batch_mismatch": (
+        lambda g: dr.ring_flash_attn_func(_qkv()[0], *_qkv(B=2)[1:], group=g),
+        r"batch|\bB\b",
+    ),
+    "zigzag_odd_S_local": (
+        lambda g: dr.zigzag_ring_flash_attn_func(*_qkv(S=3), causal=True, group=g),
+        r"S_local|sequence|even",
+    ),
+    "dtype_mismatch": (
+        lambda g: dr.ring_flash_attn_func(_qkv()[0], *_qkv(dtype=torch.float32)[1:], group=g),
+        r"dtype",
+    ),
+    "integer_dtype": (
+        lambda g: dr.ring_flash_attn_func(*(x.long() for x in _qkv()), group=g),
+        r"dtype|float",
+    ),
+    "device_mismatch": (
+        lambda g: dr.ring_flash_attn_func(_qkv()[0], *(x.to("meta") for x in _qkv()[1:]), group=g),
+        r"device",
+    ),
+    "zigzag_non_causal": (
+        lambda g: dr.zigzag_ring_flash_attn_func(*_qkv(), causal=False, group=g),
+        r"causal",
+    ),
+    "stripe_non_causal": (
+        lambda g: dr.stripe_flash_attn_qkvpacked_func(_qkv_packed(), group=g),
+        r"causal",
+    ),
+    "empty_sequence": (
+        lambda g: dr.ring_flash_attn_func(*(x[:, :0] for x in _qkv()), group=g),
+        r"empty|zero|numel",
+    ),
+    "empty_batch": (
+        lambda g: dr.stripe_flash_attn_func(*(x[:0] for x in _qkv()), causal=True, group=g),
+        r"empty|zero|numel",
+    ),
+    "dropout_p": (lambda g: dr.ring_flash_attn_func(*_qkv(), dropout_p=0.1, group=g), r"dropout_p"),
+    "alibi_slopes": (
+        lambda g: dr.zigzag_ring_flash_attn_func(
+            *_qkv(), causal=True, alibi_slopes=torch.ones(4), group=g
+        ),
+        r"alibi_slopes",
+    ),
+    "window_size": (
+        lambda g: dr.ring_flash_attn_kvpacked_func(
+            *_kv_packed(), causal=True, window_size=(-2, 0), group=g
+        ),
+        r"window_size=\(-2, 0\)",
+    ),
+    "unknown_backend": (
+        lambda g: dr.ring_flash_attn_func(*_qkv(), group=g, backend="no_such_kernel"),
+        r"backend",
+    ),
+    "kv_not_packed_in_2": (
+        lambda g: dr.ring_flash_attn_kvpacked_func(
+            _qkv()[0], torch.stack(_qkv()[1:] * 2, dim=2)[:, :, :3], group=g
+        ),
+        r"\bkv\b",
+    ),
+    "qkv_not_packed_in_3": (
+        lambda g: dr.zigzag_ring_flash_attn_qkvpacked_func(
+            _qkv_packed()[:, :, :2], causal=True, group=g
+        ),
+        r"\bqkv\b",
+    ),
 }
 
 
@@ -102,8 +146,12 @@ def test_bad_input_raises_on_every_rank(dist_pool, name, world_size):
 
 @pytest.mark.parametrize(
     "layout, seq_len, world_size, pattern",
-    [("zigzag", 9, 3, r"divisible|multiple"), ("ring", 10, 3, r"divisible|multiple"),
-     ("stripe", 7, 2, r"divisible|multiple"), ("diagonal", 8, 2, r"layout")],
+    [
+        ("zigzag", 9, 3, r"divisible|multiple"),
+        ("ring", 10, 3, r"divisible|multiple"),
+        ("stripe", 7, 2, r"divisible|multiple"),
+        ("diagonal", 8, 2, r"layout"),
+    ],
 )
 def test_shard_local_rejects_bad_layout_or_length(layout, seq_len, world_size, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -59,14 +59,19 @@ def document_lengths(kind: str, api: str, world_size: int, seed: int = 0) -> lis
     rng = random.Random(seed * 100 + W)
     if api in ("ring", "zigzag"):
         m = W if api == "ring" else 2 * W
-        units = {"single": [3], "many_short": [1] * 6,
-                 "random": [rng.randint(1, 3) for _ in range(4)]}[kind]
+        units = {
+            "single": [3],
+            "many_short": [1] * 6,
+            "random": [rng.randint(1, 3) for _ in range(4)],
+        }[kind]
         return [m * u for u in units]
     # llama3: any lengths (incl. 1), total a multiple of W, documents straddling rank borders.
-    lengths = {"single": [5 * W],
-               "many_short": [1, 2, 1, 1, 3, 1, 2, 1],
-               "random": [rng.randint(1, 3 * W + 2) for _ in range(5)],
-               "aligned": [4] * W}[kind]  # "aligned": boundaries exactly at rank borders
+    lengths = {
+        "single": [5 * W],
+        "many_short": [1, 2, 1, 1, 3, 1, 2, 1],
+        "random": [rng.randint(1, 3 * W + 2) for _ in range(5)],
+        "aligned": [4] * W,
+    }[kind]  # "aligned": boundaries exactly at rank borders
     while sum(lengths) % W:
         lengths.append(1)
     return lengths
@@ -101,8 +106,14 @@ class Case:
     seed: int = 0
 
     def id(self, world_size: int) -> str:
-        parts = [f"w{world_size}", self.variant, self.docs, self.heads, self.form,
-                 str(self.dtype).replace("torch.", "")]
+        parts = [
+            f"w{world_size}",
+            self.variant,
+            self.docs,
+            self.heads,
+            self.form,
+            str(self.dtype).replace("torch.", ""),
+        ]
         if self.stride is not None:
             parts.append(f"stride{self.stride}")
         if self.max_seqlen != "exact":
@@ -112,8 +123,11 @@ class Case:
         return "-".join(parts)
 
 
-_FUNCS = {"ring": "ring_flash_attn_varlen", "zigzag": "zigzag_ring_flash_attn_varlen",
-          "llama3": "llama3_flash_attn_varlen"}
+_FUNCS = {
+    "ring": "ring_flash_attn_varlen",
+    "zigzag": "zigzag_ring_flash_attn_varlen",
+    "llama3": "llama3_flash_attn_varlen",
+}
 
 
 def _call(api: str, form: str, q, k, v, meta_args: tuple, **kwargs):
@@ -124,8 +138,7 @@ def _call(api: str, form: str, q, k, v, meta_args: tuple, **kwargs):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         return fn(*leaves, *meta_args, **kwargs), leaves
     if form == "kvpacked":
-        leaves = [q.detach().clone().requires_grad_(),
-                  torch.stack([k, v], dim=1).requires_grad_()]
+        leaves = [q.detach().clone().requires_grad_(), torch.stack([k, v], dim=1).requires_grad_()]
         return fn(*leaves, *meta_args, **kwargs), leaves
     leaves = [torch.stack([q, k, v], dim=1).requires_grad_()]
     return fn(*leaves, *meta_args, **kwargs), leaves
@@ -143,13 +156,15 @@ def check_varlen(group: dist.ProcessGroup, case: Case) -> float:
     cu = torch.tensor(cumulative(lengths), dtype=torch.int32)
     T = int(cu[-1])
     gen = torch.Generator().manual_seed(case.seed)
-    q, k, v = (torch.randn(T, h, case.D, generator=gen, dtype=torch.float64)
-               for h in (H, H_kv, H_kv))
+    q, k, v = (
+        torch.randn(T, h, case.D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv)
+    )
     dout = torch.randn(T, H, case.D, generator=gen, dtype=torch.float64)
 
     full = [x.clone().requires_grad_() for x in (q, k, v)]
-    out_ref, lse_ref = reference_attention_varlen(*full, cu, causal=causal,
-                                                  window_size=case.window_size)
+    out_ref, lse_ref = reference_attention_varlen(
+        *full, cu, causal=causal, window_size=case.window_size
+    )
     grads_ref = torch.autograd.grad(out_ref, full, dout)
     idx = torch.tensor(expected_indices(lengths, api, rank, W))
 
@@ -158,7 +173,8 @@ def check_varlen(group: dist.ProcessGroup, case: Case) -> float:
         assert torch.equal(got, x[idx].to(case.dtype))
     if api == "llama3":
         cu_q, cu_k, max_q, max_k, k_slice = dr.llama3_flash_attn_prepare_cu_seqlens(
-            cu, causal, rank, W)
+            cu, causal, rank, W
+        )
         if case.max_seqlen == "none":
             max_q = max_k = None
         elif case.max_seqlen == "loose":
@@ -167,12 +183,14 @@ def check_varlen(group: dist.ProcessGroup, case: Case) -> float:
     else:
         cu_local = dr.shard_varlen(q, cu, api, rank, W)[1]
         assert cu_local.tolist() == [c // W for c in cumulative(lengths)]
-        max_seqlen = {"exact": max(lengths) // W, "none": None,
-                      "loose": max(lengths)}[case.max_seqlen]
+        max_seqlen = {"exact": max(lengths) // W, "none": None, "loose": max(lengths)}[
+            case.max_seqlen
+        ]
         meta = (cu_local, max_seqlen)
     kwargs = {} if case.window_size == (-1, -1) else {"window_size": case.window_size}
-    result, leaves = _call(api, case.form, *local, meta, causal=causal, group=group,
-                           return_attn_probs=True, **kwargs)
+    result, leaves = _call(
+        api, case.form, *local, meta, causal=causal, group=group, return_attn_probs=True, **kwargs
+    )
     out, lse, probs = result
     assert probs is None
     assert out.shape == (len(idx), H, case.D) and out.dtype == case.dtype
@@ -182,8 +200,9 @@ def check_varlen(group: dist.ProcessGroup, case: Case) -> float:
     errors = []
 
     def compare(name, actual, expected):
-        torch.testing.assert_close(actual.double(), expected.detach(), rtol=tol, atol=tol,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual.double(), expected.detach(), rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}"
+        )
         errors.append((actual.double() - expected).abs().max().item())
 
     compare("out", out, out_ref[idx])
@@ -213,27 +232,38 @@ def _docs_for(variant: str) -> tuple[str, ...]:
 
 FP64 = _params(
     (w, Case(variant=v, docs=d, heads=h, seed=w))
-    for w in (1, 2, 3, 4) for v in VARIANTS for d in _docs_for(v) for h in ("mha", "gqa")
+    for w in (1, 2, 3, 4)
+    for v in VARIANTS
+    for d in _docs_for(v)
+    for h in ("mha", "gqa")
 )
 # Sliding windows within documents: smaller than, about equal to and larger than a rank's
 # piece of a document and than the documents.
 WINDOWED = _params(
     (w, Case(variant=v, docs=d, heads=h, window_size=win, seed=w))
-    for w in (1, 2, 3, 4) for v in VARIANTS for d in _docs_for(v)
+    for w in (1, 2, 3, 4)
+    for v in VARIANTS
+    for d in _docs_for(v)
     for h, win in (("gqa", (1, 0)), ("mha", (3, 2)), ("gqa", (6, 1)), ("mqa", (40, 40)))
     if d != "single"
 )
-EXTRA = _params([
-    *[(w, Case(variant=v, heads="mqa")) for w in (2, 3) for v in VARIANTS],
-    *[(w, Case(variant=v, form=f)) for w in (2, 3) for v in VARIANTS
-      for f in ("kvpacked", "qkvpacked")],
-    *[(w, Case(variant=v, dtype=torch.float32, seed=5)) for w in (2, 4) for v in VARIANTS],
-    *[(3, Case(variant=v, max_seqlen=m)) for v in VARIANTS for m in ("none", "loose")],
-    (4, Case(variant="llama3_causal", heads="mha", stride=1, docs="many_short")),
-    (4, Case(variant="llama3_full", heads="mha", stride=4)),
-    (3, Case(variant="llama3_causal", heads="gqa", stride=2, docs="single")),
-    (4, Case(variant="zigzag", docs="many_short", heads="mha", D=4, seed=3)),
-])
+EXTRA = _params(
+    [
+        *[(w, Case(variant=v, heads="mqa")) for w in (2, 3) for v in VARIANTS],
+        *[
+            (w, Case(variant=v, form=f))
+            for w in (2, 3)
+            for v in VARIANTS
+            for f in ("kvpacked", "qkvpacked")
+        ],
+        *[(w, Case(variant=v, dtype=torch.float32, seed=5)) for w in (2, 4) for v in VARIANTS],
+        *[(3, Case(variant=v, max_seqlen=m)) for v in VARIANTS for m in ("none", "loose")],
+        (4, Case(variant="llama3_causal", heads="mha", stride=1, docs="many_short")),
+        (4, Case(variant="llama3_full", heads="mha", stride=4)),
+        (3, Case(variant="llama3_causal", heads="gqa", stride=2, docs="single")),
+        (4, Case(variant="zigzag", docs="many_short", heads="mha", D=4, seed=3)),
+    ]
+)
 
 
 @pytest.mark.parametrize("world_size, case", FP64)
@@ -261,11 +291,11 @@ def check_out_only_and_cu_on_device(group: dist.ProcessGroup) -> None:
     cu = torch.tensor(cumulative([2 * W, 4 * W]), dtype=torch.int32)
     x = torch.randn(int(cu[-1]), 2, 4, dtype=torch.float64, generator=torch.Generator())
     q, cu_local = dr.shard_varlen(x, cu, "zigzag", rank, W)
-    out = dr.zigzag_ring_flash_attn_varlen_func(q, q, q, cu_local, None, causal=True,
-                                                 group=group)
+    out = dr.zigzag_ring_flash_attn_varlen_func(q, q, q, cu_local, None, causal=True, group=group)
     assert isinstance(out, torch.Tensor)
-    again, _, _ = dr.zigzag_ring_flash_attn_varlen_func(q, q, q, cu_local, None, causal=True,
-                                                         group=group, return_attn_probs=True)
+    again, _, _ = dr.zigzag_ring_flash_attn_varlen_func(
+        q, q, q, cu_local, None, causal=True, group=group, return_attn_probs=True
+    )
     torch.testing.assert_close(out, again, rtol=0, atol=0)
 
 
@@ -285,12 +315,19 @@ def _ring_inputs(lengths_local=(4, 2), H=4, H_kv=2, D=8, dtype=torch.float64):
     return q, k, v, torch.tensor(cumulative(list(lengths_local)), dtype=torch.int32)
 
 
-def _ring(g, *, fn=dr.ring_flash_attn_varlen_func, cu=None, max_seqlen=None, qkv=None,
-          **kwargs):
+def _ring(g, *, fn=dr.ring_flash_attn_varlen_func, cu=None, max_seqlen=None, qkv=None, **kwargs):
     q, k, v, cu_ok = _ring_inputs()
     q, k, v = qkv if qkv is not None else (q, k, v)
-    return fn(q, k, v, cu_ok if cu is None else cu, max_seqlen, causal=kwargs.pop("causal", True),
-              group=g, **kwargs)
+    return fn(
+        q,
+        k,
+        v,
+        cu_ok if cu is None else cu,
+        max_seqlen,
+        causal=kwargs.pop("causal", True),
+        group=g,
+        **kwargs,
+    )
 
 
 def _llama3(g, *, stride=1, cu_q=None, cu_k=None, k_slice=None, causal=True, **kwargs):
@@ -300,8 +337,19 @@ def _llama3(g, *, stride=1, cu_q=None, cu_k=None, k_slice=None, causal=True, **k
     L = int(cu[-1]) // W
     q, k, v, _ = _ring_inputs((L,))
     return dr.llama3_flash_attn_varlen_func(
-        q, k, v, q_cu if cu_q is None else cu_q, k_cu if cu_k is None else cu_k, mq, mk,
-        stride, sl if k_slice is None else k_slice, causal=causal, group=g, **kwargs)
+        q,
+        k,
+        v,
+        q_cu if cu_q is None else cu_q,
+        k_cu if cu_k is None else cu_k,
+        mq,
+        mk,
+        stride,
+        sl if k_slice is None else k_slice,
+        causal=causal,
+        group=g,
+        **kwargs,
+    )
 
 
 def _bad(*values):
@@ -313,8 +361,10 @@ BAD_CALLS = {
     "cu_int64": (lambda g: _ring(g, cu=_bad(0, 4, 6).long()), r"cu_seqlens must be int32"),
     "cu_2d": (lambda g: _ring(g, cu=_bad(0, 4, 6)[None]), r"cu_seqlens must be 1-D"),
     "cu_one_entry": (lambda g: _ring(g, cu=_bad(0)), r"at least 2 entries"),
-    "cu_not_increasing": (lambda g: _ring(g, cu=_bad(0, 4, 4, 6)),
-                          r"strictly increasing.*cu_seqlens\[1\]=4 and cu_seqlens\[2\]=4"),
+    "cu_not_increasing": (
+        lambda g: _ring(g, cu=_bad(0, 4, 4, 6)),
+        r"strictly increasing.*cu_seqlens\[1\]=4 and cu_seqlens\[2\]=4",
+    ),
     "cu_decreasing": (lambda g: _ring(g, cu=_bad(0, 5, 3, 6)), r"strictly increasing"),
     "cu_not_from_0": (lambda g: _ring(g, cu=_bad(1, 4, 6)), r"start at 0.*cu_seqlens\[0\]=1"),
     "cu_not_to_T": (lambda g: _ring(g, cu=_bad(0, 4, 5)), r"end at the number of tokens 6"),
@@ -322,40 +372,59 @@ BAD_CALLS = {
     "cu_not_tensor": (lambda g: _ring(g, cu=[0, 4, 6]), r"cu_seqlens must be an int32 tensor"),
     "zigzag_odd_document": (
         lambda g: _ring(g, fn=dr.zigzag_ring_flash_attn_varlen_func, cu=_bad(0, 3, 6)),
-        r"document 0 has 3 tokens.*multiple of 2 \* world_size.*llama3"),
+        r"document 0 has 3 tokens.*multiple of 2 \* world_size.*llama3",
+    ),
     "zigzag_non_causal": (
         lambda g: _ring(g, fn=dr.zigzag_ring_flash_attn_varlen_func, causal=False),
-        r"causal.*ring_flash_attn_varlen_func"),
+        r"causal.*ring_flash_attn_varlen_func",
+    ),
     "max_seqlen_too_small": (lambda g: _ring(g, max_seqlen=3), r"max_seqlen=3 is smaller.*4"),
     "max_seqlen_not_int": (lambda g: _ring(g, max_seqlen="8"), r"max_seqlen must be an int"),
-    "q_4d": (lambda g: _ring(g, qkv=tuple(x[None] for x in _ring_inputs()[:3])),
-             r"q must be 3-D \[T_local, H, D\]"),
+    "q_4d": (
+        lambda g: _ring(g, qkv=tuple(x[None] for x in _ring_inputs()[:3])),
+        r"q must be 3-D \[T_local, H, D\]",
+    ),
     "q_k_tokens_mismatch": (
         lambda g: _ring(g, qkv=(_ring_inputs()[0], *_ring_inputs((4, 3))[1:3])),
-        r"packed length"),
+        r"packed length",
+    ),
     "heads_not_multiple": (lambda g: _ring(g, qkv=_ring_inputs(H=4, H_kv=3)[:3]), r"H_kv=3"),
-    "dtype_mismatch": (lambda g: _ring(g, qkv=(_ring_inputs()[0].float(), *_ring_inputs()[1:3])),
-                       r"dtypes differ"),
+    "dtype_mismatch": (
+        lambda g: _ring(g, qkv=(_ring_inputs()[0].float(), *_ring_inputs()[1:3])),
+        r"dtypes differ",
+    ),
     "dropout": (lambda g: _ring(g, dropout_p=0.1), r"dropout_p"),
     "window": (lambda g: _ring(g, window_size=(4, -3)), r"window_size=\(4, -3\) must be two"),
     "alibi": (lambda g: _ring(g, alibi_slopes=torch.ones(4)), r"alibi_slopes"),
     "backend_without_varlen": (lambda g: _ring(g, backend="cpu_flash"), r"varlen"),
-    "kv_packed_shape": (lambda g: dr.ring_flash_attn_varlen_kvpacked_func(
-        _ring_inputs()[0], _ring_inputs()[1], _ring_inputs()[3], None, group=g),
-        r"kv must be \[T_local, 2, H_kv, D\]"),
-    "qkv_packed_shape": (lambda g: dr.zigzag_ring_flash_attn_varlen_qkvpacked_func(
-        _ring_inputs()[0], _ring_inputs()[3], None, causal=True, group=g),
-        r"qkv must be \[T_local, 3, H, D\]"),
+    "kv_packed_shape": (
+        lambda g: dr.ring_flash_attn_varlen_kvpacked_func(
+            _ring_inputs()[0], _ring_inputs()[1], _ring_inputs()[3], None, group=g
+        ),
+        r"kv must be \[T_local, 2, H_kv, D\]",
+    ),
+    "qkv_packed_shape": (
+        lambda g: dr.zigzag_ring_flash_attn_varlen_qkvpacked_func(
+            _ring_inputs()[0], _ring_inputs()[3], None, causal=True, group=g
+        ),
+        r"qkv must be \[T_local, 3, H, D\]",
+    ),
     "llama3_stride": (lambda g: _llama3(g, stride=3), r"heads_k_stride=3.*H_kv=2"),
     "llama3_stride_zero": (lambda g: _llama3(g, stride=0), r"heads_k_stride=0"),
     "llama3_cu_q_not_to_L": (lambda g: _llama3(g, cu_q=_bad(0, 1)), r"cu_seqlens_q must end"),
-    "llama3_cu_q_int64": (lambda g: _llama3(g, cu_q=_bad(0, 1).long()),
-                          r"cu_seqlens_q must be int32"),
-    "llama3_cu_k_not_to_slice_end": (lambda g: _llama3(g, cu_k=_bad(0, 9999)),
-                                     r"cu_seqlens_k must end at the length of local_k_slice"),
+    "llama3_cu_q_int64": (
+        lambda g: _llama3(g, cu_q=_bad(0, 1).long()),
+        r"cu_seqlens_q must be int32",
+    ),
+    "llama3_cu_k_not_to_slice_end": (
+        lambda g: _llama3(g, cu_k=_bad(0, 9999)),
+        r"cu_seqlens_k must end at the length of local_k_slice",
+    ),
     "llama3_slice_type": (lambda g: _llama3(g, k_slice=(0, 4)), r"local_k_slice must be a slice"),
-    "llama3_slice_out_of_range": (lambda g: _llama3(g, k_slice=slice(0, 10_000)),
-                                  r"local_k_slice=slice\(0, 10000\)"),
+    "llama3_slice_out_of_range": (
+        lambda g: _llama3(g, k_slice=slice(0, 10_000)),
+        r"local_k_slice=slice\(0, 10000\)",
+    ),
     "llama3_dropout": (lambda g: _llama3(g, dropout_p=0.5), r"dropout_p"),
     "llama3_window_malformed": (lambda g: _llama3(g, window_size=(2, 0, 1)), r"window_size"),
 }
@@ -378,21 +447,28 @@ def test_bad_input_raises_on_every_rank(dist_pool, name):
         assert re.search(BAD_CALLS[name][1], message, re.S), message
 
 
-@pytest.mark.parametrize("layout, lengths, world_size, multiple", [
-    ("ring", [4, 6, 10], 4, 4),
-    ("zigzag", [4, 6, 8], 2, 4),
-    ("zigzag", [8, 8, 12], 4, 8),
-])
+@pytest.mark.parametrize(
+    "layout, lengths, world_size, multiple",
+    [
+        ("ring", [4, 6, 10], 4, 4),
+        ("zigzag", [4, 6, 8], 2, 4),
+        ("zigzag", [8, 8, 12], 4, 8),
+    ],
+)
 def test_documents_not_divisible(layout, lengths, world_size, multiple):
     """The message names the document, the multiple needed, and points to llama3."""
     cu = torch.tensor(cumulative(lengths), dtype=torch.int32)
     bad = next(i for i, n in enumerate(lengths) if n % multiple)
-    pattern = (rf"document {bad} \(tokens \[{cu[bad]}, {cu[bad + 1]}\), length "
-               rf"{lengths[bad]}\) is not a multiple of {multiple}.*llama3")
+    pattern = (
+        rf"document {bad} \(tokens \[{cu[bad]}, {cu[bad + 1]}\), length "
+        rf"{lengths[bad]}\) is not a multiple of {multiple}.*llama3"
+    )
     x = torch.zeros(int(cu[-1]), 2)
-    for call in (lambda: dr.shard_varlen(x, cu, layout, 0, world_size),
-                 lambda: dr.varlen_local_cu_seqlens(cu, layout, 0, world_size),
-                 lambda: dr.varlen_token_indices(cu, layout, 0, world_size)):
+    for call in (
+        lambda: dr.shard_varlen(x, cu, layout, 0, world_size),
+        lambda: dr.varlen_local_cu_seqlens(cu, layout, 0, world_size),
+        lambda: dr.varlen_token_indices(cu, layout, 0, world_size),
+    ):
         with pytest.raises(ValueError, match=pattern):
             call()
 
@@ -409,20 +485,27 @@ def test_llama3_non_causal_metadata_for_causal_call():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)  # document 1 straddles ranks 0 and 1
     q, k, v, _ = _ring_inputs((L,))
     meta = dr.llama3_flash_attn_prepare_cu_seqlens(cu, False, 0, W)
-    with pytest.raises(ValueError, match=r"llama3_flash_attn_prepare_cu_seqlens\(cu_seqlens, "
-                                         r"causal=True.*cu_seqlens_k\[1:\] == \[3, 4\]"):
-        check_llama3_call(q, k, v, *meta[:4], 1, meta[4].start, meta[4].stop, causal=True,
-                          rank=0, world_size=W)
+    with pytest.raises(
+        ValueError,
+        match=r"llama3_flash_attn_prepare_cu_seqlens\(cu_seqlens, "
+        r"causal=True.*cu_seqlens_k\[1:\] == \[3, 4\]",
+    ):
+        check_llama3_call(
+            q, k, v, *meta[:4], 1, meta[4].start, meta[4].stop, causal=True, rank=0, world_size=W
+        )
     meta = dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, 0, W)
-    check_llama3_call(q, k, v, *meta[:4], 1, meta[4].start, meta[4].stop, causal=True, rank=0,
-                      world_size=W)
+    check_llama3_call(
+        q, k, v, *meta[:4], 1, meta[4].start, meta[4].stop, causal=True, rank=0, world_size=W
+    )
 
 
 def test_total_not_divisible():
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    for call in (lambda: dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, 0, 2),
-                 lambda: dr.shard_varlen(torch.zeros(7), cu, "llama3", 0, 2),
-                 lambda: dr.varlen_balance(cu, 2)):
+    for call in (
+        lambda: dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, 0, 2),
+        lambda: dr.shard_varlen(torch.zeros(7), cu, "llama3", 0, 2),
+        lambda: dr.varlen_balance(cu, 2),
+    ):
         with pytest.raises(ValueError, match=r"T=7 .* not divisible by world_size=2"):
             call()
 
@@ -467,11 +550,11 @@ def _prepare_port(cu_seqlens, causal, rank, world_size):
     if cu_seqlens[left] != rank * length_per_rank:
         left -= 1
     left, right = left.item(), right.item()
-    cu_seqlens_q = cu_seqlens[left:right + 1].clone()
+    cu_seqlens_q = cu_seqlens[left : right + 1].clone()
     cu_seqlens_q -= rank * length_per_rank
     cu_seqlens_q[0] = 0
     cu_seqlens_q[-1] = length_per_rank
-    cu_seqlens_k = cu_seqlens[left:right + 1].clone()
+    cu_seqlens_k = cu_seqlens[left : right + 1].clone()
     if causal:
         slice_right = (rank + 1) * length_per_rank
         cu_seqlens_k[-1] = slice_right
@@ -488,8 +571,9 @@ def _prepare_port(cu_seqlens, causal, rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_llama3_prepare_matches_ring_flash_attention(world_size, causal):
     for kind in ("single", "many_short", "random", "aligned"):
-        cu = torch.tensor(cumulative(document_lengths(kind, "llama3", world_size, seed=3)),
-                          dtype=torch.int32)
+        cu = torch.tensor(
+            cumulative(document_lengths(kind, "llama3", world_size, seed=3)), dtype=torch.int32
+        )
         for rank in range(world_size):
             got = dr.llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, world_size)
             want = _prepare_port(cu, causal, rank, world_size)
@@ -526,8 +610,9 @@ def test_varlen_balance_counts():
     assert set(report) == {"llama3"}
     doc_start = {t: s for s, e in zip(cu[:-1], cu[1:], strict=True) for t in range(s, e)}
     L = cu[-1] // W
-    assert report["llama3"] == [float(sum(t - doc_start[t] + 1 for t in range(r * L, r * L + L)))
-                                for r in range(W)]
+    assert report["llama3"] == [
+        float(sum(t - doc_start[t] + 1 for t in range(r * L, r * L + L))) for r in range(W)
+    ]
     full = dr.varlen_balance([0, 8, 16], 2, causal=False)
     assert set(full) == {"ring", "llama3"}  # zigzag is causal-only
     assert full["ring"] == full["llama3"] == [64.0, 64.0]
@@ -548,16 +633,40 @@ def check_opcheck(group: dist.ProcessGroup, op_name: str) -> None:
         x = torch.randn(int(cu[-1]), 4, 8, dtype=torch.float64, generator=torch.Generator())
         q, cu_local = dr.shard_varlen(x, cu, "zigzag", rank, W)
         k = q[:, :2].clone()
-        args = (q.requires_grad_(), k.requires_grad_(), k.clone().requires_grad_(), cu_local,
-                None, name, "zigzag", True, 0.5, None)
+        args = (
+            q.requires_grad_(),
+            k.requires_grad_(),
+            k.clone().requires_grad_(),
+            cu_local,
+            None,
+            name,
+            "zigzag",
+            True,
+            0.5,
+            None,
+        )
         op = torch.ops.dtensor_ring.ring_attention_varlen.default
     else:
         cu = torch.tensor(cumulative([3, 2 * W - 1, 2 * W - 2]), dtype=torch.int32)
         cu_q, cu_k, mq, mk, sl = dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
         x = torch.randn(int(cu[-1]) // W, 4, 8, dtype=torch.float64, generator=torch.Generator())
         k = x[:, :2].clone()
-        args = (x.requires_grad_(), k.requires_grad_(), k.clone().requires_grad_(), cu_q, cu_k,
-                mq, mk, 1, sl.start, sl.stop, name, True, 0.5, None)
+        args = (
+            x.requires_grad_(),
+            k.requires_grad_(),
+            k.clone().requires_grad_(),
+            cu_q,
+            cu_k,
+            mq,
+            mk,
+            1,
+            sl.start,
+            sl.stop,
+            name,
+            True,
+            0.5,
+            None,
+        )
         op = torch.ops.dtensor_ring.llama3_attention.default
     torch.library.opcheck(op, args)
 
@@ -576,14 +685,14 @@ def check_compile(group: dist.ProcessGroup) -> None:
     q, cu_local = dr.shard_varlen(x, cu, "zigzag", rank, W)
     k = q[:, :2].clone()
     meta = dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
-    ql = x[rank * (x.shape[0] // W):(rank + 1) * (x.shape[0] // W)]
+    ql = x[rank * (x.shape[0] // W) : (rank + 1) * (x.shape[0] // W)]
     kl = ql[:, :2].clone()
 
     def fn(q, k, ql, kl):
-        a = dr.zigzag_ring_flash_attn_varlen_func(q, k, k, cu_local, None, causal=True,
-                                                  group=group)
-        b = dr.llama3_flash_attn_varlen_func(ql, kl, kl, *meta[:4], 1, meta[4], causal=True,
-                                             group=group)
+        a = dr.zigzag_ring_flash_attn_varlen_func(q, k, k, cu_local, None, causal=True, group=group)
+        b = dr.llama3_flash_attn_varlen_func(
+            ql, kl, kl, *meta[:4], 1, meta[4], causal=True, group=group
+        )
         return a.sum() + b.sum()
 
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)

@@ -51,7 +51,8 @@ def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
         reasons.append(f"  {b.name}: {reason}")
     what = "no attention backend" if backend is None else f"backend={backend!r}"
     raise ValueError(
-        f"{what} supports this call ({call}):\n" + "\n".join(reasons)
+        f"{what} supports this call ({call}):\n"
+        + "\n".join(reasons)
         + "\nPass a supported dtype/device/head dim, or another backend= "
         f"(one of {BACKEND_NAMES})."
     )

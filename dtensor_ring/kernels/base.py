@@ -58,12 +58,23 @@ class KernelCall:
 
     @classmethod
     def of(
-        cls, q: Tensor, k: Tensor, *, varlen: bool = False, deterministic: bool = False,
+        cls,
+        q: Tensor,
+        k: Tensor,
+        *,
+        varlen: bool = False,
+        deterministic: bool = False,
         window: bool = False,
     ) -> KernelCall:
         """Describe a call from ``q`` and ``k`` (``[..., H, D]`` layouts)."""
         return cls(
-            q.device.type, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], varlen, deterministic,
+            q.device.type,
+            q.dtype,
+            q.shape[-1],
+            q.shape[-2],
+            k.shape[-2],
+            varlen,
+            deterministic,
             window,
         )
 
@@ -115,7 +126,13 @@ class BlockKernel:
 
     # --- dense blocks, [B, S, H, D] -------------------------------------------------------
     def forward(
-        self, q_BSHD: Tensor, k_BSHD: Tensor, v_BSHD: Tensor, *, causal: bool, scale: float,
+        self,
+        q_BSHD: Tensor,
+        k_BSHD: Tensor,
+        v_BSHD: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Return ``(out_BSHD, lse_BHS)`` of one block."""
@@ -179,8 +196,11 @@ class BlockKernel:
 
 def window_mask(s_q: int, s_k: int, window: tuple[int, int], device: torch.device) -> Tensor:
     """``[S_q, S_k]`` bool mask (True = visible) of a bottom-right aligned ``window``."""
-    d = (torch.arange(s_k, device=device)[None, :] - torch.arange(s_q, device=device)[:, None]
-         - (s_k - s_q))
+    d = (
+        torch.arange(s_k, device=device)[None, :]
+        - torch.arange(s_q, device=device)[:, None]
+        - (s_k - s_q)
+    )
     return in_window(d, window)
 
 

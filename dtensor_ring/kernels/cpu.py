@@ -53,8 +53,9 @@ class CpuFlashKernel(BlockKernel):
         )
         return out_BHSD.transpose(1, 2), lse_BHS.to(accumulation_dtype(q_BSHD.dtype))
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
-                 window=None):
+    def backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    ):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout_BSHD.transpose(1, 2),
             q_BSHD.transpose(1, 2),

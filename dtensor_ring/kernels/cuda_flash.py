@@ -117,8 +117,9 @@ class TorchFlashKernel(BlockKernel):
         )
         return out_BSHD, lse_BHS
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
-                 window=None):
+    def backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    ):
         rng_state, unused = _no_dropout_rng(q_BSHD.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout_BSHD,
@@ -141,8 +142,18 @@ class TorchFlashKernel(BlockKernel):
         return dq, dk, dv
 
     def forward_varlen(
-        self, q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        *, causal, scale, window=None,
+        self,
+        q_THD,
+        k_THD,
+        v_THD,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        scale,
+        window=None,
     ):
         out_THD, lse_HT, *_ = torch.ops.aten._flash_attention_forward(
             unit_last_stride(q_THD),
@@ -161,8 +172,21 @@ class TorchFlashKernel(BlockKernel):
         return out_THD, lse_HT
 
     def backward_varlen(
-        self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, *, causal, scale, window=None,
+        self,
+        dout_THD,
+        q_THD,
+        k_THD,
+        v_THD,
+        out_THD,
+        lse_HT,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        scale,
+        window=None,
     ):
         rng_state, unused = _no_dropout_rng(q_THD.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(

@@ -86,8 +86,9 @@ class CudnnKernel(BlockKernel):
         )
         return out_BHSD.transpose(1, 2), lse_BHS1.view(B, H, S_q)
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
-                 window=None):
+    def backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    ):
         _no_window(window)
         philox = torch.empty((), dtype=torch.long, device=q_BSHD.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(

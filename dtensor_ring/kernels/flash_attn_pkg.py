@@ -99,7 +99,11 @@ def _options(
     else:
         window_args = {"window_size_left": left, "window_size_right": right}
     return dict(
-        dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        softcap=0.0,
+        alibi_slopes=None,
         **window_args,
     )
 
@@ -143,46 +147,96 @@ class FlashAttnKernel(BlockKernel):
     def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
         fn = _interface()._flash_attn_forward
         result = fn(
-            q_BSHD, k_BSHD, v_BSHD, return_softmax=False,
+            q_BSHD,
+            k_BSHD,
+            v_BSHD,
+            return_softmax=False,
             **_options(fn, causal=causal, scale=scale, window=window),
         )
         return _out_and_lse(fn, result)
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
-                 window=None):
+    def backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    ):
         fn = _interface()._flash_attn_backward
         dq, dk, dv = _grad_buffers(q_BSHD, k_BSHD, v_BSHD)
         fn(
-            dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD,
-            softmax_lse=lse_BHS.contiguous(), dq=dq, dk=dk, dv=dv,
+            dout_BSHD,
+            q_BSHD,
+            k_BSHD,
+            v_BSHD,
+            out_BSHD,
+            softmax_lse=lse_BHS.contiguous(),
+            dq=dq,
+            dk=dk,
+            dv=dv,
             deterministic=torch.are_deterministic_algorithms_enabled(),
             **_options(fn, causal=causal, scale=scale, window=window),
         )
         return dq, dk, dv
 
     def forward_varlen(
-        self, q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        *, causal, scale, window=None,
+        self,
+        q_THD,
+        k_THD,
+        v_THD,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        scale,
+        window=None,
     ):
         fn = _interface()._flash_attn_varlen_forward
         result = fn(
-            q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            return_softmax=False, block_table=None,
+            q_THD,
+            k_THD,
+            v_THD,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            return_softmax=False,
+            block_table=None,
             **_options(fn, causal=causal, scale=scale, window=window),
         )
         return _out_and_lse(fn, result)
 
     def backward_varlen(
-        self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, *, causal, scale, window=None,
+        self,
+        dout_THD,
+        q_THD,
+        k_THD,
+        v_THD,
+        out_THD,
+        lse_HT,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        scale,
+        window=None,
     ):
         fn = _interface()._flash_attn_varlen_backward
         dq, dk, dv = _grad_buffers(q_THD, k_THD, v_THD)
         fn(
-            dout_THD, q_THD, k_THD, v_THD, out_THD,
-            softmax_lse=lse_HT.contiguous(), dq=dq, dk=dk, dv=dv,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            dout_THD,
+            q_THD,
+            k_THD,
+            v_THD,
+            out_THD,
+            softmax_lse=lse_HT.contiguous(),
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
             deterministic=torch.are_deterministic_algorithms_enabled(),
             **_options(fn, causal=causal, scale=scale, window=window),
         )

@@ -44,7 +44,11 @@ def _dense_mask(
 
 
 def _varlen_mask(
-    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, t_q: int, t_k: int, causal: bool,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    t_q: int,
+    t_k: int,
+    causal: bool,
     window: tuple[int, int] | None = None,
 ) -> Tensor:
     """``[T_q, T_k]`` mask: same document, and key position <= query position if causal; a
@@ -125,28 +129,60 @@ class MathKernel(BlockKernel):
         mask = _dense_mask(q_BSHD.shape[1], k_BSHD.shape[1], causal, window, q_BSHD.device)
         return _forward(q_BSHD, k_BSHD, v_BSHD, scale, mask)
 
-    def backward(self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
-                 window=None):
+    def backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    ):
         mask = _dense_mask(q_BSHD.shape[1], k_BSHD.shape[1], causal, window, q_BSHD.device)
         return _backward(dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, scale, mask)
 
     def forward_varlen(
-        self, q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        *, causal, scale, window=None,
+        self,
+        q_THD,
+        k_THD,
+        v_THD,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        scale,
+        window=None,
     ):
-        mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q_THD.shape[0], k_THD.shape[0], causal,
-                            window)
+        mask = _varlen_mask(
+            cu_seqlens_q, cu_seqlens_k, q_THD.shape[0], k_THD.shape[0], causal, window
+        )
         out, lse = _forward(q_THD[None], k_THD[None], v_THD[None], scale, mask)
         return out[0], lse[0]
 
     def backward_varlen(
-        self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, *, causal, scale, window=None,
+        self,
+        dout_THD,
+        q_THD,
+        k_THD,
+        v_THD,
+        out_THD,
+        lse_HT,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        scale,
+        window=None,
     ):
-        mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q_THD.shape[0], k_THD.shape[0], causal,
-                            window)
+        mask = _varlen_mask(
+            cu_seqlens_q, cu_seqlens_k, q_THD.shape[0], k_THD.shape[0], causal, window
+        )
         grads = _backward(
-            dout_THD[None], q_THD[None], k_THD[None], v_THD[None], out_THD[None], lse_HT[None],
-            scale, mask,
+            dout_THD[None],
+            q_THD[None],
+            k_THD[None],
+            v_THD[None],
+            out_THD[None],
+            lse_HT[None],
+            scale,
+            mask,
         )
         return tuple(g[0] for g in grads)

@@ -27,8 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import dtensor_ring
 from dtensor_ring.testing import TinyConfig, TinyTransformer
 
-BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.CUDNN_ATTENTION)
+BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
 
 
 def _reference(q, k, v):
@@ -36,8 +35,9 @@ def _reference(q, k, v):
     q, k, v = (t.double() for t in (q, k, v))
     g = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                          v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
 
 
 def _qkv(seed, S, H, H_kv, D, dtype, device):
@@ -49,8 +49,12 @@ def _qkv(seed, S, H, H_kv, D, dtype, device):
 def _attention(mesh, backend, dtype, H_kv, compiled=False) -> str:
     W, device = mesh.size(), torch.device("cuda", torch.cuda.current_device())
     q, k, v = _qkv(0, 256 * W, 8, H_kv, 64, dtype, device)
-    leaves = [dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="zigzag")
-              .detach().requires_grad_() for t in (q, k, v)]
+    leaves = [
+        dtensor_ring.shard_sequence(t.transpose(1, 2), mesh, seq_dim=2, layout="zigzag")
+        .detach()
+        .requires_grad_()
+        for t in (q, k, v)
+    ]
 
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H_kv != 8)
@@ -64,15 +68,15 @@ def _attention(mesh, backend, dtype, H_kv, compiled=False) -> str:
     full = dtensor_ring.unshard_sequence(out, seq_dim=2, layout="zigzag").transpose(1, 2)
     grads = all(t.grad is not None and t.grad.placements == t.placements for t in leaves)
     return f"{(full.double() - _reference(q, k, v)).abs().max().item():.2e}" + (
-        "" if grads else " (grads missing)")
+        "" if grads else " (grads missing)"
+    )
 
 
 def _tiny_model_ac(mesh, backend) -> str:
     device = torch.device("cuda", torch.cuda.current_device())
     W = mesh.size()
     torch.manual_seed(0)
-    cfg = TinyConfig(dim=128, n_heads=2, n_kv_heads=2, ffn_dim=256,
-                     activation_checkpointing=True)
+    cfg = TinyConfig(dim=128, n_heads=2, n_kv_heads=2, ffn_dim=256, activation_checkpointing=True)
     ref = TinyTransformer(cfg).to(device, torch.bfloat16)
     model = copy.deepcopy(ref).set_cp_mesh(mesh)
     S = 256 * W
@@ -88,8 +92,9 @@ def _tiny_model_ac(mesh, backend) -> str:
     for p, r in zip(model.parameters(), ref.parameters(), strict=True):
         g = p.grad.float()
         dist.all_reduce(g)  # sum of the cp ranks' partial gradients
-        errs.append((g - r.grad.float()).abs().max().item() / (r.grad.float().abs().max().item()
-                                                                + 1e-6))
+        errs.append(
+            (g - r.grad.float()).abs().max().item() / (r.grad.float().abs().max().item() + 1e-6)
+        )
     return f"rel grad err {max(errs):.2e}"
 
 
@@ -111,14 +116,31 @@ def main() -> None:
 
     for backend in BACKENDS:
         for dtype, H_kv in ((torch.bfloat16, 8), (torch.bfloat16, 2), (torch.float32, 8)):
-            row(f"sdpa {str(dtype)[6:]} H_kv={H_kv}", backend, _attention, mesh, backend,
-                dtype, H_kv)
-        row("sdpa bfloat16 H_kv=2 compiled", backend, _attention, mesh, backend,
-            torch.bfloat16, 2, compiled=True)
+            row(
+                f"sdpa {str(dtype)[6:]} H_kv={H_kv}",
+                backend,
+                _attention,
+                mesh,
+                backend,
+                dtype,
+                H_kv,
+            )
+        row(
+            "sdpa bfloat16 H_kv=2 compiled",
+            backend,
+            _attention,
+            mesh,
+            backend,
+            torch.bfloat16,
+            2,
+            compiled=True,
+        )
         row("tiny model, eager AC", backend, _tiny_model_ac, mesh, backend)
     if dist.get_rank() == 0:
-        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
-              f"world size {dist.get_world_size()}")
+        print(
+            f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+            f"world size {dist.get_world_size()}"
+        )
         width = max(len(r[0]) for r in rows)
         for name, backend, result in rows:
             print(f"{name:<{width}} | {backend:<19} | {result}")

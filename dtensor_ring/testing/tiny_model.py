@@ -69,8 +69,7 @@ class TinyConfig:
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """RoPE tables for ``positions [S]`` (int, global token indices) -> ``cos, sin [S, D/2]``."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device).float()
-                         / head_dim)
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
@@ -90,8 +89,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) \
-            * self.weight
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
 
 
 class Attention(nn.Module):
@@ -106,13 +106,14 @@ class Attention(nn.Module):
         self.cp_mesh: DeviceMesh | None = None  # set by TinyTransformer.set_cp_mesh
         self.attention_fn: Callable[..., Tensor] | None = None  # TinyTransformer.set_attention_fn
 
-    def forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor,
-                attn_kwargs: dict[str, Any]) -> Tensor:
+    def forward(
+        self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor, attn_kwargs: dict[str, Any]
+    ) -> Tensor:
         B, S, _ = x_BSE.shape
-        q_BSHD = apply_rope(self.wq(x_BSE).view(B, S, self.n_heads, self.head_dim), cos_SD,
-                            sin_SD)
-        k_BSKD = apply_rope(self.wk(x_BSE).view(B, S, self.n_kv_heads, self.head_dim), cos_SD,
-                            sin_SD)
+        q_BSHD = apply_rope(self.wq(x_BSE).view(B, S, self.n_heads, self.head_dim), cos_SD, sin_SD)
+        k_BSKD = apply_rope(
+            self.wk(x_BSE).view(B, S, self.n_kv_heads, self.head_dim), cos_SD, sin_SD
+        )
         v_BSKD = self.wv(x_BSE).view(B, S, self.n_kv_heads, self.head_dim)
         if self.attention_fn is not None:  # a custom attention on the local tensors
             o_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, **attn_kwargs)
@@ -151,16 +152,19 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.activation_checkpointing = cfg.activation_checkpointing
 
-    def _forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor,
-                 attn_kwargs: dict[str, Any]) -> Tensor:
+    def _forward(
+        self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor, attn_kwargs: dict[str, Any]
+    ) -> Tensor:
         h_BSE = x_BSE + self.attn(self.attn_norm(x_BSE), cos_SD, sin_SD, attn_kwargs)
         return h_BSE + self.mlp(self.mlp_norm(h_BSE))
 
-    def forward(self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor,
-                attn_kwargs: dict[str, Any]) -> Tensor:
+    def forward(
+        self, x_BSE: Tensor, cos_SD: Tensor, sin_SD: Tensor, attn_kwargs: dict[str, Any]
+    ) -> Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_BSE, cos_SD, sin_SD, attn_kwargs,
-                              use_reentrant=False)
+            return checkpoint(
+                self._forward, x_BSE, cos_SD, sin_SD, attn_kwargs, use_reentrant=False
+            )
         return self._forward(x_BSE, cos_SD, sin_SD, attn_kwargs)
 
 
@@ -203,8 +207,9 @@ class TinyTransformer(nn.Module):
 
         ``attn_kwargs`` go to the attention function of :meth:`set_attention_fn` (if any).
         """
-        cos_SD, sin_SD = rope_cos_sin(positions_S, self.cfg.dim // self.cfg.n_heads,
-                                      self.cfg.rope_theta)
+        cos_SD, sin_SD = rope_cos_sin(
+            positions_S, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta
+        )
         h_BSE = self.embed(ids_BS)
         for layer in self.layers:
             h_BSE = layer(h_BSE, cos_SD, sin_SD, attn_kwargs)

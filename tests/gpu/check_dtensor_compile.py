@@ -46,7 +46,8 @@ def sdpa(q, k, v):
 def functional(q, k, v):
     """The functional API on ``[B, H, S, D]`` tensors (flash layout inside)."""
     out = dr.zigzag_ring_flash_attn_func(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True
+    )
     return out.transpose(1, 2)
 
 
@@ -55,8 +56,9 @@ def check_size(S: int, mesh) -> list[dict]:
     B, H, H_kv, D = 1, 32, 8, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-            for _ in "kv")
+    k, v = (
+        torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv"
+    )
     dout = torch.randn_like(q)
     ref = sdpa(q, k, v)
 
@@ -84,8 +86,15 @@ def check_size(S: int, mesh) -> list[dict]:
         try:
             out = fwd()
             out = out.to_local() if hasattr(out, "to_local") else out
-            rows.append(dict(S=S, path=name, max_err_vs_sdpa=(out - ref).abs().max().item(),
-                             fwd_ms=timed(fwd), fwd_bwd_ms=timed(fwd_bwd)))
+            rows.append(
+                dict(
+                    S=S,
+                    path=name,
+                    max_err_vs_sdpa=(out - ref).abs().max().item(),
+                    fwd_ms=timed(fwd),
+                    fwd_bwd_ms=timed(fwd_bwd),
+                )
+            )
         except Exception as e:  # record and go on
             rows.append(dict(S=S, path=name, error=f"{type(e).__name__}: {e}"[:300]))
     return rows
@@ -111,15 +120,19 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "dtensor_compile.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print(f"\n{results['device']}, torch {results['torch']}; graph breaks: "
-          f"{ {k: v for k, v in results.items() if k.startswith('graph')} }")
+    print(
+        f"\n{results['device']}, torch {results['torch']}; graph breaks: "
+        f"{ {k: v for k, v in results.items() if k.startswith('graph')} }"
+    )
     print(f"{'S':>6} {'path':<24}{'max err':>10}{'fwd ms':>9}{'f+b ms':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['S']:>6} {r['path']:<24} ERROR {r['error']}")
         else:
-            print(f"{r['S']:>6} {r['path']:<24}{r['max_err_vs_sdpa']:>10.2e}{r['fwd_ms']:>9.3f}"
-                  f"{r['fwd_bwd_ms']:>9.3f}")
+            print(
+                f"{r['S']:>6} {r['path']:<24}{r['max_err_vs_sdpa']:>10.2e}{r['fwd_ms']:>9.3f}"
+                f"{r['fwd_bwd_ms']:>9.3f}"
+            )
     dist.destroy_process_group()
 
 

@@ -208,7 +208,9 @@ def reference(x: Inputs, causal: bool, ref_heads: int) -> dict[str, Tensor]:
         hq, hk = slice(j * group, (j + kv_step) * group), slice(j, j + kv_step)
         chunk = Inputs(
             *(t[..., h, :].double() for t, h in ((x.q, hq), (x.k, hk), (x.v, hk), (x.dout, hq))),
-            x.scale, x.cu_seqlens, x.max_seqlen,
+            x.scale,
+            x.cu_seqlens,
+            x.max_seqlen,
         )
         for name, t in _run(MATH, chunk, causal, backward=True).items():
             parts.setdefault(name, []).append(t)
@@ -359,12 +361,27 @@ def op_layouts() -> dict[str, str]:
     kv = q[:, :, :2]  # GQA: 2 KV heads
     probes = {
         "cudnn": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2), None, True, 0.0, True,
-            False, scale=0.125,
+            q.transpose(1, 2),
+            kv.transpose(1, 2),
+            kv.transpose(1, 2),
+            None,
+            True,
+            0.0,
+            True,
+            False,
+            scale=0.125,
         )[1],
         "cuda_flash_varlen": lambda: torch.ops.aten._flash_attention_forward(
-            q[0], kv[0], kv[0], *[torch.tensor([0, 20, 64], device="cuda", dtype=torch.int32)] * 2,
-            44, 44, 0.0, True, False, scale=0.125,
+            q[0],
+            kv[0],
+            kv[0],
+            *[torch.tensor([0, 20, 64], device="cuda", dtype=torch.int32)] * 2,
+            44,
+            44,
+            0.0,
+            True,
+            False,
+            scale=0.125,
         )[1],
     }
     for name, probe in probes.items():
@@ -447,8 +464,12 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "kernels.json")
-    result = {"environment": environment(cfg), "config": _jsonable(asdict(cfg)),
-              "rows": [asdict(r) for r in rows], "seconds": time.perf_counter() - start}
+    result = {
+        "environment": environment(cfg),
+        "config": _jsonable(asdict(cfg)),
+        "rows": [asdict(r) for r in rows],
+        "seconds": time.perf_counter() - start,
+    }
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")

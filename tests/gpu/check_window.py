@@ -32,14 +32,21 @@ MATH = MathKernel()
 NAMES = ("out", "dq", "dk", "dv")
 # (S_q, S_k, window): shapes and bands like those the windowed plans produce (trimmed: no row
 # or column fully masked, both sides < S_k: flash kernels take a side >= S_k as unbounded)
-DENSE = [(4096, 4096, (512, 0)), (2048, 2048, (0, -1)), (3000, 2000, (40, 1000)),
-         (1536, 4096, (-1, 7)), (4096, 3500, (600, 2000))]
+DENSE = [
+    (4096, 4096, (512, 0)),
+    (2048, 2048, (0, -1)),
+    (3000, 2000, (40, 1000)),
+    (1536, 4096, (-1, 7)),
+    (4096, 3500, (600, 2000)),
+]
 
 
 def _inputs(s_q, s_k, a, gen):
     q = torch.randn(1, s_q, a.heads, a.head_dim, generator=gen, device=a.device, dtype=a.dtype)
-    k, v = (torch.randn(1, s_k, a.kv_heads, a.head_dim, generator=gen, device=a.device,
-                        dtype=a.dtype) for _ in "kv")
+    k, v = (
+        torch.randn(1, s_k, a.kv_heads, a.head_dim, generator=gen, device=a.device, dtype=a.dtype)
+        for _ in "kv"
+    )
     return q, k, v, torch.randn_like(q)
 
 
@@ -63,17 +70,20 @@ def check_dense(backend, a, gen) -> list[dict]:
     rows = []
     for s_q, s_k, window in DENSE:
         q, k, v, dout = _inputs(s_q, s_k, a, gen)
-        scale = a.head_dim ** -0.5
-        want, lse_ref = _grads(MATH, *(t.double() for t in (q, k, v, dout)), scale,
-                               window=window)
+        scale = a.head_dim**-0.5
+        want, lse_ref = _grads(MATH, *(t.double() for t in (q, k, v, dout)), scale, window=window)
         got, lse = _grads(backend, q, k, v, dout, scale, window=window)
         base = _sdpa(q, k, v, dout, scale, window_mask(s_q, s_k, window, q.device))
         err, base_err = _errors(got, want), _errors(base, want)
-        rows.append(dict(backend=backend.name, case=f"{s_q}x{s_k} w{window}",
-                         lse_err=(lse.double() - lse_ref).abs().max().item(),
-                         **{n: e for n, e in zip(NAMES, err, strict=True)},
-                         ratio=max(e / max(b, 1e-30) for e, b in zip(err, base_err,
-                                                                     strict=True))))
+        rows.append(
+            dict(
+                backend=backend.name,
+                case=f"{s_q}x{s_k} w{window}",
+                lse_err=(lse.double() - lse_ref).abs().max().item(),
+                **{n: e for n, e in zip(NAMES, err, strict=True)},
+                ratio=max(e / max(b, 1e-30) for e, b in zip(err, base_err, strict=True)),
+            )
+        )
     return rows
 
 
@@ -82,13 +92,15 @@ def check_varlen(backend, a, gen) -> list[dict]:
     cu = torch.tensor(bounds, dtype=torch.int32, device=a.device)
     T, n_max = bounds[-1], max(b - c for c, b in zip(bounds[:-1], bounds[1:], strict=True))
     q, k, v, dout = (t[0] for t in _inputs(T, T, a, gen))
-    scale, window = a.head_dim ** -0.5, (200, 0) if not a.smoke else (3, 0)
+    scale, window = a.head_dim**-0.5, (200, 0) if not a.smoke else (3, 0)
 
     def run(kernel, q, k, v, dout):
-        out, lse = kernel.forward_varlen(q, k, v, cu, cu, n_max, n_max, causal=False,
-                                         scale=scale, window=window)
-        grads = kernel.backward_varlen(dout, q, k, v, out, lse, cu, cu, n_max, n_max,
-                                       causal=False, scale=scale, window=window)
+        out, lse = kernel.forward_varlen(
+            q, k, v, cu, cu, n_max, n_max, causal=False, scale=scale, window=window
+        )
+        grads = kernel.backward_varlen(
+            dout, q, k, v, out, lse, cu, cu, n_max, n_max, causal=False, scale=scale, window=window
+        )
         return [out, *grads], lse
 
     want, lse_ref = run(MATH, *(t.double() for t in (q, k, v, dout)))
@@ -96,10 +108,15 @@ def check_varlen(backend, a, gen) -> list[dict]:
     mask = _varlen_mask(cu, cu, T, T, False, window)
     base = [t[0] for t in _sdpa(q[None], k[None], v[None], dout[None], scale, mask)]
     err, base_err = _errors(got, want), _errors(base, want)
-    return [dict(backend=backend.name, case=f"varlen {bounds} w{window}",
-                 lse_err=(lse.double() - lse_ref).abs().max().item(),
-                 **{n: e for n, e in zip(NAMES, err, strict=True)},
-                 ratio=max(e / max(b, 1e-30) for e, b in zip(err, base_err, strict=True)))]
+    return [
+        dict(
+            backend=backend.name,
+            case=f"varlen {bounds} w{window}",
+            lse_err=(lse.double() - lse_ref).abs().max().item(),
+            **{n: e for n, e in zip(NAMES, err, strict=True)},
+            ratio=max(e / max(b, 1e-30) for e, b in zip(err, base_err, strict=True)),
+        )
+    ]
 
 
 def check_rings(a, gen) -> list[dict]:
@@ -110,7 +127,7 @@ def check_rings(a, gen) -> list[dict]:
     import dtensor_ring as dr
     from dtensor_ring.simulate import simulate_ring
 
-    W, scale, rows = 4, a.head_dim ** -0.5, []
+    W, scale, rows = 4, a.head_dim**-0.5, []
     unit = 2 * W * (64 if not a.smoke else 1)
     bounds = [0, 3 * unit, 4 * unit, 9 * unit]
     T = bounds[-1]
@@ -121,34 +138,60 @@ def check_rings(a, gen) -> list[dict]:
     def reference(causal, window):
         x = [t.double().requires_grad_() for t in (q, k, v)]
         win = (window[0], 0) if causal else window
-        out, _ = MATH.forward_varlen(*x, cu, cu, n_max, n_max, causal=False, scale=scale,
-                                     window=win)
+        out, _ = MATH.forward_varlen(
+            *x, cu, cu, n_max, n_max, causal=False, scale=scale, window=win
+        )
         return [out, *torch.autograd.grad(out, x, dout.double())]
 
-    for layout, causal, window in (("ring", True, (100, 0)), ("ring", False, (70, 30)),
-                                   ("zigzag", True, (300, 0))):
-        got = simulate_ring(q, k, v, dout, layout=layout, world_size=W, causal=causal,
-                            cu_seqlens=bounds, window_size=window)
+    for layout, causal, window in (
+        ("ring", True, (100, 0)),
+        ("ring", False, (70, 30)),
+        ("zigzag", True, (300, 0)),
+    ):
+        got = simulate_ring(
+            q,
+            k,
+            v,
+            dout,
+            layout=layout,
+            world_size=W,
+            causal=causal,
+            cu_seqlens=bounds,
+            window_size=window,
+        )
         err = _errors([got[0], *got[2:]], reference(causal, window))
-        rows.append(dict(backend="simulated", case=f"{layout} varlen W={W} w{window}",
-                         lse_err=float("nan"), **dict(zip(NAMES, err, strict=True)),
-                         ratio=float("nan")))
+        rows.append(
+            dict(
+                backend="simulated",
+                case=f"{layout} varlen W={W} w{window}",
+                lse_err=float("nan"),
+                **dict(zip(NAMES, err, strict=True)),
+                ratio=float("nan"),
+            )
+        )
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl" if a.device.type == "cuda" else "gloo", rank=0,
-                                world_size=1)
+        dist.init_process_group("nccl" if a.device.type == "cuda" else "gloo", rank=0, world_size=1)
     for causal, window in ((True, (100, 0)), (False, (70, 30))):
         cu_q, cu_k, max_q, max_k, k_slice = dr.llama3_flash_attn_prepare_cu_seqlens(
-            cu, causal, 0, 1)
+            cu, causal, 0, 1
+        )
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = dr.llama3_flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, 1, k_slice,
-                                               causal=causal, window_size=window)
+        out = dr.llama3_flash_attn_varlen_func(
+            *leaves, cu_q, cu_k, max_q, max_k, 1, k_slice, causal=causal, window_size=window
+        )
         out.backward(dout)
         err = _errors([out, *(t.grad for t in leaves)], reference(causal, window))
-        rows.append(dict(backend="llama3 op", case=f"W=1 causal={causal} w{window}",
-                         lse_err=float("nan"), **dict(zip(NAMES, err, strict=True)),
-                         ratio=float("nan")))
+        rows.append(
+            dict(
+                backend="llama3 op",
+                case=f"W=1 causal={causal} w{window}",
+                lse_err=float("nan"),
+                **dict(zip(NAMES, err, strict=True)),
+                ratio=float("nan"),
+            )
+        )
     return rows
 
 
@@ -182,13 +225,27 @@ def main() -> None:
         errors.append(f"rings: {type(e).__name__}: {e}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "window.json"), "w") as f:
-        json.dump(dict(torch=torch.__version__, device=str(a.device) if a.smoke else
-                       torch.cuda.get_device_name(), rows=rows, errors=errors), f, indent=1)
-    print(f"{'backend':<11}{'case':<34}{'lse err':>9}" + "".join(f"{n:>9}" for n in NAMES)
-          + f"{'ratio':>7}")
+        json.dump(
+            dict(
+                torch=torch.__version__,
+                device=str(a.device) if a.smoke else torch.cuda.get_device_name(),
+                rows=rows,
+                errors=errors,
+            ),
+            f,
+            indent=1,
+        )
+    print(
+        f"{'backend':<11}{'case':<34}{'lse err':>9}"
+        + "".join(f"{n:>9}" for n in NAMES)
+        + f"{'ratio':>7}"
+    )
     for r in rows:
-        print(f"{r['backend']:<11}{r['case']:<34}{r['lse_err']:>9.1e}"
-              + "".join(f"{r[n]:>9.1e}" for n in NAMES) + f"{r['ratio']:>7.2f}")
+        print(
+            f"{r['backend']:<11}{r['case']:<34}{r['lse_err']:>9.1e}"
+            + "".join(f"{r[n]:>9.1e}" for n in NAMES)
+            + f"{r['ratio']:>7.2f}"
+        )
     if errors or not rows:
         raise SystemExit("\n".join(errors) or "no window-capable backend")
 
