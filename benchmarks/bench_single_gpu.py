@@ -237,7 +237,7 @@ def precision(backend: str, a, device, gen) -> list[dict]:
 
 def merge_bench(tokens: int, a, device, gen) -> list[dict]:
     """The merge alone: the default (fused on CUDA) against eager torch ops, time and agreement."""
-    from dtensor_ring.merge import merge_, merge_eager_
+    from dtensor_ring.kernels.merge import merge_, merge_eager_
 
     shape = (1, tokens, a.heads, a.head_dim)
     acc = torch.randn(shape, generator=gen, device=device)
@@ -260,8 +260,8 @@ def merge_bench(tokens: int, a, device, gen) -> list[dict]:
 
 def eager_merge_rings(backend: str, tokens: int, a, device, gen) -> list[dict]:
     """The zigzag ring with the eager merge, to show what the fused merge buys."""
-    import dtensor_ring.engine as engine
-    from dtensor_ring.merge import merge_eager_
+    import dtensor_ring.engine.blocks as engine
+    from dtensor_ring.kernels.merge import merge_eager_
 
     default, engine.merge_ = engine.merge_, merge_eager_
     try:
@@ -294,8 +294,9 @@ class _LocalGather:
 
 def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
     """ring / zigzag varlen (simulated slowest rank) and llama3 (forward) vs one full call."""
-    import dtensor_ring.llama3 as llama3
+    import dtensor_ring.engine.llama3 as llama3
     from dtensor_ring import llama3_flash_attn_prepare_cu_seqlens, varlen_balance
+    from dtensor_ring.schedule.llama3 import llama3_meta
 
     W, backend = a.world_size, "cuda_flash" if device.type == "cuda" else "math"
     kernel = get_kernel(backend)
@@ -339,7 +340,7 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
     rank = max(range(W), key=balance["llama3"].__getitem__)
     cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
     L = bounds[-1] // W
-    meta = llama3.llama3_meta(
+    meta = llama3_meta(
         cu_q, cu_k, max_q, max_k, k_slice.start, k_slice.stop, L, True, rank, W, device
     )
     ql, kl, vl = (t[rank * L : (rank + 1) * L] for t in (q, k, v))

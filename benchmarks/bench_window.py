@@ -32,8 +32,8 @@ from bench_single_gpu import qkv, timed
 from dtensor_ring import make_plan, shard_local
 from dtensor_ring.kernels import KernelCall, select_kernel
 from dtensor_ring.kernels.math import MathKernel
+from dtensor_ring.resolve import normalize_window
 from dtensor_ring.simulate import RankSimulator, simulate_ring
-from dtensor_ring.validation import normalize_window
 
 
 def full_kernel_times(kernel, q, k, v, dout, window, reps) -> tuple[float, float]:

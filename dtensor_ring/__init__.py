@@ -4,7 +4,8 @@ Public names:
     * functional API (ring-flash-attention compatible): ``ring_flash_attn_func``,
       ``zigzag_ring_flash_attn_func``, ``stripe_flash_attn_func`` and their ``_kvpacked`` /
       ``_qkvpacked`` forms;
-    * sequence sharding: ``shard_local``, ``unshard_local``, ``gather_sequence``,
+    * sequence layouts and sharding: ``LAYOUTS``, ``Layout``, ``get_layout``,
+      ``register_layout``, ``shard_local``, ``unshard_local``, ``gather_sequence``,
       ``token_indices``;
     * schedules: ``make_plan`` (per-rank blocks and FLOPs);
     * single-device simulation: ``RankSimulator``, ``simulate_ring``;
@@ -22,13 +23,14 @@ Public names:
       ``hybrid_shard_local``, ``hybrid_token_indices``, ``comm_volume``.
 """
 
-from .dtensor import (
+from . import ops  # noqa: F401  (registers the dtensor_ring:: ops)
+from .api.dtensor import (
     ring_sdpa,
     scaled_dot_product_ring_attention,
     shard_sequence,
     unshard_sequence,
 )
-from .functional import (
+from .api.functional import (
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
@@ -39,7 +41,15 @@ from .functional import (
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
 )
-from .functional_varlen import (
+from .api.ulysses import (
+    hybrid_flash_attn_func,
+    hybrid_shard_local,
+    hybrid_token_indices,
+    ulysses_flash_attn_func,
+    ulysses_flash_attn_kvpacked_func,
+    ulysses_flash_attn_qkvpacked_func,
+)
+from .api.varlen import (
     llama3_flash_attn_varlen_func,
     llama3_flash_attn_varlen_kvpacked_func,
     llama3_flash_attn_varlen_qkvpacked_func,
@@ -51,34 +61,35 @@ from .functional_varlen import (
     zigzag_ring_flash_attn_varlen_qkvpacked_func,
 )
 from .kernels import BACKEND_NAMES
-from .layouts import LAYOUTS, gather_sequence, shard_local, token_indices, unshard_local
-from .llama3 import llama3_flash_attn_prepare_cu_seqlens
-from .plan import make_plan
-from .simulate import RankSimulator, simulate_ring
-from .ulysses import (
-    comm_volume,
-    hybrid_flash_attn_func,
-    hybrid_shard_local,
-    hybrid_token_indices,
-    ulysses_flash_attn_func,
-    ulysses_flash_attn_kvpacked_func,
-    ulysses_flash_attn_qkvpacked_func,
-)
-from .varlen import (
+from .layouts import (
+    LAYOUTS,
     VARLEN_LAYOUTS,
+    Layout,
+    gather_sequence,
+    get_layout,
+    register_layout,
+    shard_local,
     shard_varlen,
+    token_indices,
+    unshard_local,
     unshard_varlen,
-    varlen_balance,
     varlen_local_cu_seqlens,
     varlen_token_indices,
 )
+from .schedule.cost import comm_volume, varlen_balance
+from .schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
+from .schedule.plan import make_plan
+from .simulate import RankSimulator, simulate_ring
 
 __all__ = [
     "RankSimulator",
     "simulate_ring",
     "BACKEND_NAMES",
     "LAYOUTS",
+    "Layout",
     "gather_sequence",
+    "get_layout",
+    "register_layout",
     "make_plan",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",

@@ -1,6 +1,6 @@
 """Run the real ring engine of any rank of a W-rank ring on one device, without a process group.
 
-A :class:`SimulatedExchanger` stands in for :class:`~dtensor_ring.comm.RingExchanger`: at each
+A :class:`SimulatedExchanger` stands in for :class:`~dtensor_ring.comm.p2p.RingExchanger`: at each
 step it hands the engine what the ring would deliver (built from the full tensors), and it can
 record what the engine sends. Two uses:
 
@@ -20,18 +20,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .engine import ring_backward, ring_forward
+from .engine.blocks import varlen_blocks
+from .engine.ring import ring_backward, ring_forward
 from .kernels import KernelCall, accumulation_dtype, select_kernel
-from .layouts import shard_local, unshard_local
-from .plan import make_plan
-from .validation import normalize_window
-from .varlen import (
-    shard_varlen,
-    unshard_varlen,
-    varlen_blocks,
-    varlen_local_cu_seqlens,
-    windowed_varlen_plan,
-)
+from .layouts import shard_local, shard_varlen, unshard_local, unshard_varlen
+from .layouts.varlen import varlen_local_cu_seqlens
+from .resolve import normalize_window
+from .schedule.plan import make_plan
+from .schedule.varlen import varlen_plan
 
 
 class _Delivered:
@@ -50,7 +46,7 @@ class SimulatedExchanger:
 
     ``zero=True`` zeroes a delivery when it is waited for (for dK/dV accumulators, which the
     engine adds to in place); ``direct`` mirrors the real exchanger of the plan
-    (:func:`~dtensor_ring.comm.backward_exchangers`).
+    (:func:`~dtensor_ring.comm.p2p.backward_exchangers`).
     """
 
     def __init__(
@@ -97,19 +93,14 @@ class _Sequence:
     def plan_and_blocks(
         self, causal: bool, window: tuple[int, int] | None, tokens: int, device: torch.device
     ):
-        """The plan and the engine's :class:`~dtensor_ring.engine.Blocks` (None: dense
+        """The plan and the engine's :class:`~dtensor_ring.engine.blocks.Blocks` (None: dense
         default) for ``tokens`` tokens in all; ``window`` normalised."""
         W = self.world_size
         if self.cu_seqlens is None:
-            seq_local = tokens // W if window else None
-            return make_plan(self.layout, W, causal, window, seq_local), None
+            return make_plan(self.layout, W, causal, window, tokens // W), None
         local = tuple(varlen_local_cu_seqlens(self.cu_seqlens, self.layout, 0, W).tolist())
-        if window is None:
-            return (
-                make_plan(self.layout, W, causal),
-                varlen_blocks(local, self.layout, W, causal, device),
-            )
-        return windowed_varlen_plan(local, self.layout, W, causal, window, torch.device(device))
+        plan = varlen_plan(local, self.layout, W, causal, window)
+        return plan, varlen_blocks(plan, local, device)
 
 
 class RankSimulator:

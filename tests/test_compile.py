@@ -30,6 +30,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import dtensor_ring
@@ -57,7 +58,7 @@ def _max_diff(xs, ys) -> float:
 
 
 def _full(t):
-    return t.full_tensor() if isinstance(t, dtensor_ring.dtensor.DTensor) else t
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,11 +69,23 @@ def _opcheck(group, layout):
     q, k, v = random_qkv(1, 4 * W, 2, 1, 8, dtype=torch.float32, seed=0)
     q, k, v = (dtensor_ring.shard_local(t, layout, rank, W).requires_grad_() for t in (q, k, v))
     name = group.group_name
-    fwd_args = (q, k, v, name, layout, True, 0.35, None)
+    fwd_args = (q, k, v, name, layout, True, 0.35, "cpu_flash")
     results = {"forward": torch.library.opcheck(OPS[0], fwd_args)}
     out, lse = OPS[0](*[a.detach() if isinstance(a, torch.Tensor) else a for a in fwd_args])
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, name, layout, True, 0.35, None)
+    bwd_args = (
+        dout,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out,
+        lse,
+        name,
+        layout,
+        True,
+        0.35,
+        "cpu_flash",
+    )
     results["backward"] = torch.library.opcheck(OPS[1], bwd_args)
     return results
 

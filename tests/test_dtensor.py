@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring
-from dtensor_ring import _dtensor_compat
-from dtensor_ring.dtensor import (
+from dtensor_ring._compat import dtensor as _dtensor_compat
+from dtensor_ring.api.dtensor import (
     ATEN_SDPA_OPS,
     _Config,
     aten_sdpa_backward_handler,
@@ -132,7 +132,7 @@ def _handler_table_is_used(group):
 
 def test_private_handler_table_has_known_form(dist_pool):
     # If this fails, PyTorch changed DTensor._op_dispatcher._custom_op_handlers: update
-    # dtensor_ring/_dtensor_compat.py (ring_sdpa cannot work without it).
+    # dtensor_ring/_compat/dtensor.py (ring_sdpa cannot work without it).
     assert _dtensor_compat.HAS_OP_HANDLER_TABLE, torch.__version__
     schema_names = {
         a.name
@@ -270,7 +270,7 @@ def _sdpa_numerics(group, layout):
             layout,
             causal,
             q.shape[-1] ** -0.5 if scale is None else scale,
-            None,
+            "cpu_flash",
         )
         B, H, S, _ = q.shape
         assert lse.placements == (Shard(2),) and lse.shape == (B, H, S), lse
@@ -436,7 +436,7 @@ def _ulysses_ops_opcheck_and_compile(group):
     results = {}
     for op in (ops.ulysses_attention.default,):
         results[str(op)] = torch.library.opcheck(
-            op, (q, k, v, group.group_name, "zigzag", True, 0.3, None)
+            op, (q, k, v, group.group_name, "zigzag", True, 0.3, "cpu_flash")
         )
     mesh = _mesh(group)
     qf, kf, vf, dout, leaves, dout_dt = _sdpa_inputs(mesh, "zigzag", H_kv=2)
@@ -692,7 +692,7 @@ def _errors(group):
     bshd = dt([Shard(1)], full.transpose(1, 2).contiguous())
     try:
         torch.ops.dtensor_ring.ring_attention(
-            bshd, bshd, bshd, "no-such-group", "zigzag", True, 0.3, None
+            bshd, bshd, bshd, "no-such-group", "zigzag", True, 0.3, "cpu_flash"
         )
         messages["op/group"] = "no error"
     except Exception as e:  # noqa: BLE001 - DTensor wraps sharding-rule errors

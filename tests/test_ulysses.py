@@ -15,9 +15,7 @@ import torch.distributed as dist
 from reference import layout_indices, random_qkv, reference_attention
 
 import dtensor_ring
-from dtensor_ring.ulysses import (
-    CommVolume,
-    comm_volume,
+from dtensor_ring.api.ulysses import (
     hybrid_flash_attn_func,
     hybrid_shard_local,
     hybrid_token_indices,
@@ -25,6 +23,7 @@ from dtensor_ring.ulysses import (
     ulysses_flash_attn_kvpacked_func,
     ulysses_flash_attn_qkvpacked_func,
 )
+from dtensor_ring.schedule.cost import CommVolume, comm_volume
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -299,7 +298,7 @@ def check_compile(group):
         assert all(r == "SUCCESS" for r in result.values()), result
     qh, kh, vh = (t.clone().requires_grad_() for t in (q, k, v))
     result = torch.library.opcheck(
-        ops.ulysses_local_attention.default, (qh, kh, vh, True, 0.3, None)
+        ops.ulysses_local_attention.default, (qh, kh, vh, True, 0.3, "cpu_flash")
     )
     assert all(r == "SUCCESS" for r in result.values()), result
 

@@ -479,7 +479,7 @@ def test_llama3_non_causal_metadata_for_causal_call():
     Only on ranks whose slice ends inside a document: elsewhere the two are the same, so this
     is a single-process check of the validation (in a pool the last rank would not raise).
     """
-    from dtensor_ring.llama3 import check_llama3_call
+    from dtensor_ring.schedule.llama3 import llama3_meta
 
     W, L = 2, 4
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)  # document 1 straddles ranks 0 and 1
@@ -490,13 +490,9 @@ def test_llama3_non_causal_metadata_for_causal_call():
         match=r"llama3_flash_attn_prepare_cu_seqlens\(cu_seqlens, "
         r"causal=True.*cu_seqlens_k\[1:\] == \[3, 4\]",
     ):
-        check_llama3_call(
-            q, k, v, *meta[:4], 1, meta[4].start, meta[4].stop, causal=True, rank=0, world_size=W
-        )
+        llama3_meta(*meta[:4], meta[4].start, meta[4].stop, L, True, 0, W, q.device)
     meta = dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, 0, W)
-    check_llama3_call(
-        q, k, v, *meta[:4], 1, meta[4].start, meta[4].stop, causal=True, rank=0, world_size=W
-    )
+    llama3_meta(*meta[:4], meta[4].start, meta[4].stop, L, True, 0, W, q.device)
 
 
 def test_total_not_divisible():
@@ -623,7 +619,6 @@ def test_varlen_balance_counts():
 
 def check_opcheck(group: dist.ProcessGroup, op_name: str) -> None:
     """``torch.library.opcheck`` (schema, fake, autograd registration, AOT dispatch)."""
-    import dtensor_ring.ops_varlen  # noqa: F401  (registers the ops)
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     name = group.group_name
@@ -643,7 +638,7 @@ def check_opcheck(group: dist.ProcessGroup, op_name: str) -> None:
             "zigzag",
             True,
             0.5,
-            None,
+            "math",
         )
         op = torch.ops.dtensor_ring.ring_attention_varlen.default
     else:
@@ -663,9 +658,10 @@ def check_opcheck(group: dist.ProcessGroup, op_name: str) -> None:
             sl.start,
             sl.stop,
             name,
+            "llama3",
             True,
             0.5,
-            None,
+            "math",
         )
         op = torch.ops.dtensor_ring.llama3_attention.default
     torch.library.opcheck(op, args)

@@ -13,16 +13,17 @@ for causal blocks with ``S_q == S_k``). Contract:
   (fp32, or fp64 for fp64 inputs).
 * ``backward(dout, q, k, v, out, lse)`` -> ``(dq, dk, dv)`` in the input dtype, with ``out`` and
   ``lse`` the *global* (fully merged) values of these query rows: the block gradients of ring
-  attention are then exact (see Note [Ring backward] in ``engine.py``).
+  attention are then exact (see Note [Ring backward] in ``engine/ring.py``).
 * ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA, ``H % H_kv == 0``); ``dk``/``dv`` have
   ``H_kv`` heads.
 * Inputs may be non-contiguous views (e.g. halves of a buffer); outputs are fresh tensors.
 * ``window=(left, right)`` (dense blocks, ``supports_window`` backends, never with ``causal``):
   flash-attn's sliding window, aligned bottom-right: key ``j`` is visible to query ``i`` iff
   ``-left <= j - i - (S_k - S_q) <= right``, -1 unbounded. The engine trims its blocks so that
-  no row or column is fully masked (Note [Windowed schedules] in ``plan.py``), and then both
-  sides are < ``S_k`` (a test enumerates the plans): flash kernels treat a side >= ``S_k`` as
-  unbounded, which is wrong when ``S_q > S_k`` (measured: ``tests/gpu/check_window.py``).
+  no row or column is fully masked (Note [Windowed schedules] in ``schedule/plan.py``), and
+  then both sides are < ``S_k`` (a test enumerates the plans): flash kernels treat a side
+  >= ``S_k`` as unbounded, which is wrong when ``S_q > S_k`` (measured:
+  ``tests/gpu/check_window.py``).
   :func:`window_mask` is the mask as a tensor.
 
 Varlen kernels (``supports_varlen``) take packed ``[T, H, D]`` tensors with int32

@@ -1,7 +1,7 @@
 """Point-to-point exchange of K/V and dK/dV between the ranks of a ring.
 
 The engine only ever asks "send these tensors on and give me what arrives for the next step",
-so the communicator is small, and :mod:`dtensor_ring.simulate` can stand in for it on one
+so the communicator is small, and the simulator (``simulate.py``) can stand in for it on one
 device. Receive buffers are allocated once per exchanger and reused (double buffering: the
 buffers being sent are never the ones being received into).
 
@@ -10,17 +10,17 @@ the block kernels the engine launches on the compute stream between ``start`` an
 
 Note [Direct exchange]
 ~~~~~~~~~~~~~~~~~~~~~~
-A windowed plan may skip steps (Note [Windowed schedules] in ``plan.py``): zigzag under a small
-window needs only offsets {0, 1, W-1}. K/V passed hop by hop would still have to visit every
-rank in between, so a sparse plan sends them straight to where they are needed, and the
-gradients straight back:
+A windowed plan may skip steps (Note [Windowed schedules] in ``schedule/plan.py``): zigzag
+under a small window needs only offsets {0, 1, W-1}. K/V passed hop by hop would still have
+to visit every rank in between, so a sparse plan sends them straight to where they are needed,
+and the gradients straight back:
 
     step with offset o, rank r:   K/V:   own K/V  -> r + o        K/V of r - o   <- r - o
                                   dK/dV: grads for r - o -> r - o  own share <- r + o
 
 Each step moves one K/V chunk per rank, as a ring hop does (the volume is the same; the peers
 are farther apart). The owner sums the dK/dV shares it receives; full plans keep the ring and
-its travelling accumulators (Note [Ring backward] in ``engine.py``).
+its travelling accumulators (Note [Ring backward] in ``engine/ring.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-from .plan import Plan
+from ..schedule.plan import Plan
 
 
 class PendingExchange:
@@ -157,7 +157,7 @@ def backward_exchangers(group: dist.ProcessGroup, plan: Plan):
     """The backward's K/V exchanger and its dK/dV exchanger for ``plan``.
 
     Full ring: the dK/dV accumulators travel with their K/V, and the step-0 accumulator is
-    recycled as a receive buffer (Note [Ring backward] in ``engine.py``). Sparse plan: each
+    recycled as a receive buffer (Note [Ring backward] in ``engine/ring.py``). Sparse plan: each
     step's dK/dV go straight back to their owner (Note [Direct exchange]).
     """
     if plan.full_ring:

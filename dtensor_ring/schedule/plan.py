@@ -66,113 +66,16 @@ rank, ``window_size = (5, 0)``:
 Zigzag under a small window needs offsets {0, 1, W-1} (a rank's late chunk borders the late
 chunk of rank r+1): a plan whose offsets are not all of 0..W-1 exchanges K/V *directly* with
 the rank ``offset`` hops away instead of passing them along the ring (Note [Direct exchange]
-in ``comm.py``).
+in ``comm/p2p.py``).
 """
 
 from __future__ import annotations
 
-import enum
+import functools
 from dataclasses import dataclass
 
-from .validation import check_layout_causal
-
-UNBOUNDED = 1 << 62  # a band edge that never bites (exact integer arithmetic throughout)
-
-
-class Part(enum.Enum):
-    """A contiguous part of a rank's local sequence of n tokens."""
-
-    ALL = "all"  # [0, n)
-    LO = "lo"  # [0, n/2)
-    HI = "hi"  # [n/2, n)
-    TAIL = "tail"  # [1, n)
-    HEAD = "head"  # [0, n-1)
-
-    def bounds(self, n: int) -> tuple[int, int]:
-        """``(start, stop)`` of this part in a local sequence of ``n`` tokens."""
-        return {
-            Part.ALL: (0, n),
-            Part.LO: (0, n // 2),
-            Part.HI: (n // 2, n),
-            Part.TAIL: (1, n),
-            Part.HEAD: (0, n - 1),
-        }[self]
-
-    def size(self, n: int) -> int:
-        """Number of tokens of this part in a local sequence of ``n`` tokens."""
-        start, stop = self.bounds(n)
-        return stop - start
-
-
-@dataclass(frozen=True)
-class Span:
-    """Local tokens ``[start, stop)``: a part of a windowed plan (built for one local length)."""
-
-    start: int
-    stop: int
-
-    @property
-    def value(self) -> str:
-        return f"{self.start}:{self.stop}"
-
-    def bounds(self, n: int) -> tuple[int, int]:
-        """``(start, stop)``; ``n`` is ignored (a Span is absolute)."""
-        return self.start, self.stop
-
-    def size(self, n: int) -> int:
-        """Number of tokens of the span."""
-        return self.stop - self.start
-
-
-def band_pairs(s_q: int, s_k: int, lo: int, hi: int) -> int:
-    """Number of (i, j) in ``[0, s_q) x [0, s_k)`` with ``lo <= j - i <= hi``."""
-
-    def at_most(c: int) -> int:  # pairs with j - i <= c: row i has clamp(i + c + 1, 0, s_k)
-        i0 = min(max(0, -c), s_q)  # first row with a visible key
-        i1 = min(max(s_k - c - 1, i0), s_q)  # first row that sees all s_k keys
-        return (i1 - i0) * (i0 + i1 - 1 + 2 * (c + 1)) // 2 + (s_q - i1) * s_k
-
-    return max(0, at_most(hi) - at_most(lo - 1))
-
-
-@dataclass(frozen=True)
-class Block:
-    """Local queries ``q`` attend to visiting keys/values ``kv``.
-
-    ``causal``: square top-left causal mask. ``window``: flash-attn ``(left, right)`` window,
-    bottom-right aligned (key j visible to query i iff ``-left <= j - i - (S_k - S_q) <= right``,
-    -1 unbounded); never together with ``causal``. ``init``: the block's result initialises the
-    accumulator rows of ``q`` instead of merging into them (the diagonal blocks of step 0).
-    """
-
-    q: Part | Span
-    kv: Part | Span
-    causal: bool
-    window: tuple[int, int] | None = None
-    init: bool = False
-
-    def __str__(self) -> str:
-        mask = (
-            " c" if self.causal else f" w({self.window[0]},{self.window[1]})" if self.window else ""
-        )
-        return f"{self.q.value}/{self.kv.value}{mask}"
-
-    def band(self, n: int) -> tuple[int, int]:
-        """The mask as ``lo <= j - i <= hi`` in block coordinates (local length ``n``)."""
-        s_q, s_k = self.q.size(n), self.kv.size(n)
-        if self.causal:
-            return -UNBOUNDED, 0
-        if self.window is None:
-            return -UNBOUNDED, UNBOUNDED
-        left, right = self.window
-        return (
-            -UNBOUNDED if left < 0 else s_k - s_q - left,
-            UNBOUNDED if right < 0 else s_k - s_q + right,
-        )
-
-    def score_pairs(self, n: int) -> int:
-        """Number of (query, key) pairs computed, for local sequences of ``n`` tokens."""
-        return band_pairs(self.q.size(n), self.kv.size(n), *self.band(n))
+from ..layouts import Layout, get_layout
+from .blocks import UNBOUNDED, Block, Span
 
 
 @dataclass(frozen=True)
@@ -189,7 +92,8 @@ class Plan:
 
     At step i every rank r holds the K/V of rank ``(r - offsets[i]) % world_size``;
     ``offsets`` is ``0..W-1`` unless a window lets steps be dropped (Note [Windowed schedules]).
-    ``window`` and ``seq_local`` are set for windowed plans (their blocks depend on them).
+    ``window`` is set for windowed plans; ``seq_local`` for plans built for one local length
+    (windowed, or of a layout without a part table: their blocks depend on it).
     """
 
     layout: str
@@ -241,39 +145,9 @@ class Plan:
         return len(self.offsets) - 1
 
 
-def _block(layout: str, causal: bool, rank: int, src: int) -> Block | None:
-    A, LO, HI, TAIL, HEAD = Part.ALL, Part.LO, Part.HI, Part.TAIL, Part.HEAD
-    if src == rank:
-        return Block(A, A, causal, init=True)
-    if not causal:
-        return Block(A, A, False)
-    if layout == "ring":
-        return Block(A, A, False) if src < rank else None
-    if layout == "zigzag":
-        return Block(A, LO, False) if src < rank else Block(HI, A, False)
-    return Block(A, A, True) if src < rank else Block(TAIL, HEAD, True)  # stripe
-
-
-def layout_runs(
-    layout: str, world_size: int, rank: int, n: int
-) -> tuple[tuple[int, int, int], ...]:
-    """A rank's ``n`` local tokens as runs ``(local start, length, global start)``; stride
-    :func:`_stride` (Note [Sequence layouts])."""
-    if layout == "ring":
-        return ((0, n, rank * n),)
-    if layout == "zigzag":
-        c = n // 2
-        return ((0, c, rank * c), (c, c, (2 * world_size - 1 - rank) * c))
-    return ((0, n, rank),)  # stripe
-
-
-def _stride(layout: str, world_size: int) -> int:
-    return world_size if layout == "stripe" else 1
-
-
-def window_bounds(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
-    """The global mask ``lo <= key - query <= hi`` of ``causal`` and a window."""
-    left, right = window
+def window_bounds(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """The global mask ``lo <= key - query <= hi`` of ``causal`` and a window (or None)."""
+    left, right = (-1, -1) if window is None else window
     lo = -UNBOUNDED if left < 0 else -left
     hi = 0 if causal else UNBOUNDED if right < 0 else right
     return lo, hi
@@ -330,25 +204,36 @@ def run_pair_blocks(
     return [(ab, blk) for ab, blk in blocks if blk is not None]
 
 
-def _windowed_blocks(
-    layout: str, world_size: int, causal: bool, window: tuple[int, int], n: int, rank: int, src: int
+def _run_blocks(
+    layout: Layout,
+    world_size: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    n: int,
+    rank: int,
+    src: int,
 ) -> tuple[Block, ...]:
-    plain = _block(layout, causal, rank, src)
-    q_runs = layout_runs(layout, world_size, rank, n)
-    kv_runs = layout_runs(layout, world_size, src, n)
-    blocks = tuple(
-        b
-        for _, b in run_pair_blocks(
-            q_runs, kv_runs, _stride(layout, world_size), window_bounds(causal, window), src == rank
-        )
-    )
-    if plain is not None and sum(b.score_pairs(n) for b in blocks) == plain.score_pairs(n):
+    """The trimmed blocks of every pair of runs of ``rank`` and ``src`` (``n`` tokens a rank);
+    the layout's part block instead when the mask keeps all of it."""
+    plain = layout.part_block(causal, world_size, rank, src)
+    q_runs, kv_runs = (layout.runs(n, r, world_size) for r in (rank, src))
+    bounds = window_bounds(causal, window)
+    pairs = run_pair_blocks(q_runs, kv_runs, layout.stride(world_size), bounds, src == rank)
+    blocks = tuple(b for _, b in pairs)
+    if plain is None or plain is NotImplemented:
+        return blocks
+    if sum(b.score_pairs(n) for b in blocks) == plain.score_pairs(n):
         return (plain,)  # the window keeps the whole block
     return blocks
 
 
+def has_part_table(layout: Layout) -> bool:
+    """Whether ``layout`` gives length-free :class:`Part` blocks (``Layout.part_block``)."""
+    return layout.part_block(True, 1, 0, 0) is not NotImplemented
+
+
 def make_plan(
-    layout: str,
+    layout: str | Layout,
     world_size: int,
     causal: bool,
     window: tuple[int, int] | None = None,
@@ -357,29 +242,50 @@ def make_plan(
     """Build the schedule of ``layout`` on ``world_size`` ranks (see Note [Ring schedules]).
 
     Args:
-        window: a normalised sliding window ``(left, right)`` (:func:`normalize_window`), or
-            None; windowed plans need ``seq_local`` (tokens per rank) and drop the steps no
-            rank needs (Note [Windowed schedules]).
+        window: a normalised sliding window ``(left, right)``
+            (:func:`dtensor_ring.resolve.normalize_window`), or None.
+        seq_local: tokens per rank. Needed by windowed plans (they drop the steps no rank
+            needs: Note [Windowed schedules]) and by layouts without a part table; ignored
+            otherwise, so one plan serves every length.
 
-    Raises ``ValueError`` for an unknown layout, a non-causal zigzag/stripe, world_size < 1, or
-    a window without ``seq_local``.
+    Plans are cached. Raises ``ValueError`` for an unknown layout, a mask the layout does not
+    support, ``world_size < 1``, or a length-dependent plan without ``seq_local``.
     """
-    check_layout_causal(layout, causal)
+    lay = get_layout(layout, "dense")
+    lay.check_mask(causal)
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    if window is not None and seq_local is None:
-        raise ValueError("a windowed plan depends on the local length: pass seq_local")
-    if window is None:
-        return plan_from_blocks(
-            layout, world_size, causal, lambda r, src: (_block(layout, causal, r, src),)
+    if window is None and has_part_table(lay):
+        return _part_plan(lay, world_size, causal)
+    if seq_local is None:
+        raise ValueError(
+            f"the plan of layout={lay.name!r} with window={window} depends on the local "
+            "length: pass seq_local"
         )
+    return _run_plan(lay, world_size, causal, window, seq_local)
+
+
+@functools.lru_cache(maxsize=256)
+def _part_plan(layout: Layout, world_size: int, causal: bool) -> Plan:
     return plan_from_blocks(
-        layout,
+        layout.name,
         world_size,
         causal,
-        lambda r, src: _windowed_blocks(layout, world_size, causal, window, seq_local, r, src),
+        lambda r, src: (layout.part_block(causal, world_size, r, src),),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _run_plan(
+    layout: Layout, world_size: int, causal: bool, window: tuple[int, int] | None, n: int
+) -> Plan:
+    return plan_from_blocks(
+        layout.name,
+        world_size,
+        causal,
+        lambda r, src: _run_blocks(layout, world_size, causal, window, n, r, src),
         window,
-        seq_local,
+        n,
     )
 
 
@@ -404,6 +310,4 @@ def plan_from_blocks(
     steps = tuple(
         tuple(Step((r - s) % world_size, row[s]) for s in offsets) for r, row in enumerate(table)
     )
-    return Plan(
-        layout, world_size, causal, steps, offsets, window, None if window is None else seq_local
-    )
+    return Plan(layout, world_size, causal, steps, offsets, window, seq_local)

@@ -52,9 +52,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .kernels import BlockKernel, accumulation_dtype
-from .merge import merge_
-from .plan import Block, Part, Step
+from ..kernels import BlockKernel, accumulation_dtype
+from ..schedule.plan import Step
+from .blocks import Blocks, DenseBlocks
 
 
 class Exchanger(Protocol):
@@ -67,76 +67,6 @@ class Exchanger(Protocol):
     direct: bool
 
     def start(self, tensors: Sequence[Tensor]): ...  # -> object with .wait() -> list[Tensor]
-
-
-class Blocks(Protocol):
-    """How the engine takes a :class:`Part` of the local tensors and runs one block on it.
-
-    The ring loops (:func:`ring_forward`, :func:`ring_backward`) are the same for dense and
-    variable-length sequences; only these steps differ:
-
-    * :class:`DenseBlocks` (the default): ``[B, S, H, D]`` tensors, ``lse [B, H, S]``; a Part is
-      a slice of S, the kernel's dense ``forward``/``backward`` runs on it.
-    * ``VarlenBlocks`` (:mod:`dtensor_ring.varlen`): packed ``[T, H, D]`` tensors,
-      ``lse [H, T]``; a Part is that part of *every document's* local piece, the kernel's
-      ``forward_varlen``/``backward_varlen`` runs on it with that Part's ``cu_seqlens``.
-
-    ``take`` may return a view or a copy, so accumulators are only updated through ``add_`` and
-    ``merge_``.
-    """
-
-    def new_lse(self, q: Tensor, dtype: torch.dtype) -> Tensor:
-        """An uninitialised lse accumulator for the local queries ``q``."""
-        ...
-
-    def is_empty(self, block: Block) -> bool:
-        """Whether ``block`` computes nothing (an empty query/key part)."""
-        ...
-
-    def take(self, x: Tensor, part: Part) -> Tensor:
-        """The rows of ``part`` of a token-major tensor (q, k, v, out, dout and the like)."""
-        ...
-
-    def take_lse(self, lse: Tensor, part: Part) -> Tensor:
-        """The rows of ``part`` of an lse tensor."""
-        ...
-
-    def add_(self, acc: Tensor, part: Part, x: Tensor) -> None:
-        """``acc[part] += x`` in place."""
-        ...
-
-    def init_(
-        self, out_acc: Tensor, lse_acc: Tensor, part: Part, out_b: Tensor, lse_b: Tensor
-    ) -> None:
-        """Set the accumulator rows of ``part`` to a block result (its first)."""
-        ...
-
-    def merge_(
-        self, out_acc: Tensor, lse_acc: Tensor, part: Part, out_b: Tensor, lse_b: Tensor
-    ) -> None:
-        """Fold a block result into the accumulator rows of ``part`` (online-softmax merge)."""
-        ...
-
-    def forward(
-        self, kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, block: Block, scale: float
-    ) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` of ``block`` on parts already taken with :meth:`take`."""
-        ...
-
-    def backward(
-        self,
-        kernel: BlockKernel,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        block: Block,
-        scale: float,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dq, dk, dv)`` of ``block`` on parts already taken with :meth:`take`."""
-        ...
 
 
 class _SideStream:
@@ -166,50 +96,6 @@ class _SideStream:
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
-
-
-def _part(x: Tensor, part: Part, dim: int) -> Tensor:
-    start, stop = part.bounds(x.shape[dim])
-    return x.narrow(dim, start, stop - start)
-
-
-class DenseBlocks:
-    """:class:`Blocks` of dense ``[B, S, H, D]`` tensors with ``seq_local`` tokens a rank."""
-
-    def __init__(self, seq_local: int):
-        self.seq_local = seq_local
-
-    def new_lse(self, q_BSHD: Tensor, dtype: torch.dtype) -> Tensor:
-        B, S, H, _ = q_BSHD.shape
-        return torch.empty(B, H, S, dtype=dtype, device=q_BSHD.device)
-
-    def is_empty(self, block: Block) -> bool:
-        n = self.seq_local
-        return min(block.q.size(n), block.kv.size(n)) == 0
-
-    def take(self, x_BSHD: Tensor, part: Part) -> Tensor:
-        return _part(x_BSHD, part, 1)
-
-    def take_lse(self, lse_BHS: Tensor, part: Part) -> Tensor:
-        return _part(lse_BHS, part, 2)
-
-    def add_(self, acc_BSHD: Tensor, part: Part, x_BSHD: Tensor) -> None:
-        _part(acc_BSHD, part, 1).add_(x_BSHD)
-
-    def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
-        _part(out_acc, part, 1).copy_(out_b)
-        _part(lse_acc, part, 2).copy_(lse_b)
-
-    def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
-        merge_(_part(out_acc, part, 1), _part(lse_acc, part, 2), out_b, lse_b)
-
-    def forward(self, kernel, q, k, v, block, scale):
-        return kernel.forward(q, k, v, causal=block.causal, scale=scale, window=block.window)
-
-    def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
-        return kernel.backward(
-            dout, q, k, v, out, lse, causal=block.causal, scale=scale, window=block.window
-        )
 
 
 def ring_forward(

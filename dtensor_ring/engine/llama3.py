@@ -41,295 +41,22 @@ group's kernels. K/V are gathered in their input dtype (exact).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .kernels import BlockKernel, accumulation_dtype
-from .merge import merge_
-from .plan import UNBOUNDED, Block, run_block, window_bounds
-from .validation import check_qkv_tensors
-from .varlen import (
-    VarlenBlocks,
-    check_bounds,
-    check_cu_seqlens_device,
-    check_cu_seqlens_tensor,
-    check_divisible,
-    check_max_seqlen,
-    host_values,
-    merge_doc_blocks,
-    span_rows,
-)
+from ..kernels import BlockKernel, accumulation_dtype
+from ..kernels.merge import merge_
+from ..schedule.blocks import Block
+from ..schedule.llama3 import Llama3Meta
+from .blocks import varlen_blocks
 
 # all_gather_into_tensor / reduce_scatter_tensor are deprecated in newer torch in favour of
 # the *_single names (same signature); use whichever this torch has.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def llama3_flash_attn_prepare_cu_seqlens(
-    cu_seqlens: Tensor, causal: bool, rank: int, world_size: int
-) -> tuple[Tensor, Tensor, int, int, slice]:
-    """Per-rank metadata of the llama3 layout, as ring-flash-attention's function of this name.
-
-    Args:
-        cu_seqlens: *global* document boundaries ``[N + 1]``, int32, ``cu_seqlens[-1] = T``
-            with ``T % world_size == 0``. Read on the host (a sync if it is on a GPU).
-        causal: the attention will be causal (then ``cu_seqlens_k`` stops at the rank's slice
-            end; otherwise the last local document's keys run to the document's end).
-        rank, world_size: position in, and size of, the context-parallel group.
-
-    Returns:
-        ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice)``:
-        ``cu_seqlens_q`` int32 ``[n + 1]``, the rank's local documents (its slice of L = T/W
-        tokens cut at document boundaries); ``cu_seqlens_k`` int32 ``[n + 1]``, each local
-        document's keys within the all-gathered K/V restricted to ``local_k_slice`` (a
-        ``slice`` of the T gathered tokens: from the first local document's start); the
-        ``max_seqlen_*`` are Python ints. Tensors are on ``cu_seqlens``'s device.
-
-    Raises:
-        ValueError: bad ``cu_seqlens``, ``T % world_size != 0``, or a rank out of range.
-    """
-    check_cu_seqlens_tensor(cu_seqlens)
-    bounds = host_values(cu_seqlens)
-    check_bounds(bounds, bounds[-1])
-    check_divisible(bounds, "llama3", world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
-    length = bounds[-1] // world_size
-    lo, hi = rank * length, (rank + 1) * length
-    left = max(i for i, b in enumerate(bounds) if b <= lo)  # the document holding token lo
-    right = min(i for i, b in enumerate(bounds) if b >= hi)  # first boundary at/after hi
-    docs = list(bounds[left : right + 1])
-    cu_q = [0, *(b - lo for b in docs[1:-1]), length]
-    slice_left = docs[0]
-    slice_right = hi if causal else docs[-1]
-    cu_k = [b - slice_left for b in docs[:-1]] + [slice_right - slice_left]
-
-    def tensor(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=cu_seqlens.device)
-
-    return (
-        tensor(cu_q),
-        tensor(cu_k),
-        max(b - a for a, b in zip(cu_q[:-1], cu_q[1:], strict=True)),
-        max(b - a for a, b in zip(cu_k[:-1], cu_k[1:], strict=True)),
-        slice(slice_left, slice_right),
-    )
-
-
-@dataclass(frozen=True)
-class Llama3Meta:
-    """Checked metadata of one rank's llama3 call (built by :func:`llama3_meta`).
-
-    ``cu_q``/``cu_k`` are on the tensors' device; ``prefix`` (causal only) is the number of
-    keys of the first local document before this rank's slice (0: it starts here), and
-    ``first_len`` that document's local length. ``window``: the causal sliding window
-    ``(left, 0)`` or None; ``prefix_block``: the first document's queries against its keys on
-    earlier ranks, spans relative to the document's local queries and to its prefix keys
-    (None: nothing to compute). Non-causal: ``blocks`` (:class:`DocSpans` parts: query rows,
-    and key rows of the ``local_k_slice``) and their ``rows``.
-    """
-
-    causal: bool
-    rank: int
-    world_size: int
-    local_len: int
-    k_start: int
-    k_stop: int
-    cu_q: Tensor
-    cu_k: Tensor
-    max_q: int
-    max_k: int
-    prefix: int
-    first_len: int
-    window: tuple[int, int] | None
-    prefix_block: Block | None
-    blocks: tuple[Block, ...]
-    rows: VarlenBlocks | None
-
-
-def llama3_meta(
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
-    k_start: int,
-    k_stop: int,
-    local_len: int,
-    causal: bool,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    window: tuple[int, int] | None = None,
-) -> Llama3Meta:
-    """Check the llama3 metadata against this rank's ``local_len`` tokens; raise ValueError.
-
-    ``window``: a normalised sliding window (``validation.normalize_window``).
-    """
-    check_cu_seqlens_tensor(cu_seqlens_q, "cu_seqlens_q")
-    check_cu_seqlens_tensor(cu_seqlens_k, "cu_seqlens_k")
-    bq = host_values(cu_seqlens_q)
-    bk = host_values(cu_seqlens_k)
-    check_bounds(bq, local_len, "cu_seqlens_q")
-    if not 0 <= k_start < k_stop <= world_size * local_len:
-        raise ValueError(
-            f"local_k_slice=slice({k_start}, {k_stop}) must lie within the "
-            f"{world_size * local_len} gathered tokens and be non-empty"
-        )
-    check_bounds(bk, k_stop - k_start, "cu_seqlens_k", "the length of local_k_slice")
-    if len(bk) != len(bq):
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same documents, got {len(bq)} and "
-            f"{len(bk)} entries"
-        )
-    prefix = rank * local_len - k_start
-    if causal:
-        shifted = [b + prefix for b in bq[1:]]
-        if prefix < 0 or list(bk[1:]) != shifted:
-            raise ValueError(
-                "causal llama3 attention needs cu_seqlens_k and local_k_slice as "
-                "llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal=True, rank, world_size) "
-                f"returns them for rank {rank}: with local_k_slice.start={k_start} the keys of "
-                f"local document i must end where its queries end, i.e. cu_seqlens_k[1:] == "
-                f"{shifted}, got {list(bk[1:])}"
-            )
-    hint = "what llama3_flash_attn_prepare_cu_seqlens returns"
-    check_max_seqlen("max_seqlen_q", max_seqlen_q, bq, hint)
-    check_max_seqlen("max_seqlen_k", max_seqlen_k, bk, hint)
-    return _llama3_meta_cached(
-        tuple(bq),
-        tuple(bk),
-        k_start,
-        k_stop,
-        local_len,
-        causal,
-        rank,
-        world_size,
-        torch.device(device),
-        window,
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def _llama3_meta_cached(
-    bq: tuple[int, ...],
-    bk: tuple[int, ...],
-    k_start: int,
-    k_stop: int,
-    local_len: int,
-    causal: bool,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    window: tuple[int, int] | None,
-) -> Llama3Meta:
-    # Cached on the values: the cu_seqlens tensors are copied to ``device`` once per batch.
-    prefix = rank * local_len - k_start if causal else 0
-    prefix_block, blocks, rows = None, (), None
-    if prefix:  # queries at document positions prefix + i, keys at positions 0..prefix-1
-        lo = -UNBOUNDED if window is None else -window[0]
-        prefix_block = run_block((0, bq[1], prefix), (0, prefix, 0), 1, lo, 0, init=False)
-    if not causal:  # document i: its local queries (from position a_i) against all its keys
-        bounds = window_bounds(False, window) if window else (-UNBOUNDED, UNBOUNDED)
-        per_doc = [
-            (
-                (),
-                run_block(
-                    (bq[i], bq[i + 1] - bq[i], rank * local_len - k_start if i == 0 else 0),
-                    (bk[i], bk[i + 1] - bk[i], 0),
-                    1,
-                    *bounds,
-                    init=True,
-                ),
-                0,
-            )
-            for i in range(len(bq) - 1)
-            if bq[i + 1] > bq[i]
-        ]
-        blocks = merge_doc_blocks(per_doc)
-        rows = span_rows(blocks, device)
-    return Llama3Meta(
-        causal=causal,
-        rank=rank,
-        world_size=world_size,
-        local_len=local_len,
-        k_start=k_start,
-        k_stop=k_stop,
-        cu_q=torch.tensor(bq, dtype=torch.int32, device=device),
-        cu_k=torch.tensor(bk, dtype=torch.int32, device=device),
-        max_q=max(b - a for a, b in zip(bq[:-1], bq[1:], strict=True)),
-        max_k=max(b - a for a, b in zip(bk[:-1], bk[1:], strict=True)),
-        prefix=prefix,
-        first_len=bq[1],
-        window=window,
-        prefix_block=prefix_block,
-        blocks=blocks,
-        rows=rows,
-    )
-
-
-def check_heads_k_stride(heads_k_stride: int, num_kv_heads: int) -> None:
-    """``heads_k_stride`` must be a positive divisor of the number of KV heads."""
-    if (
-        not isinstance(heads_k_stride, int)
-        or heads_k_stride < 1
-        or (num_kv_heads % heads_k_stride != 0)
-    ):
-        raise ValueError(
-            f"heads_k_stride={heads_k_stride} must be a positive divisor of the number of "
-            f"key/value heads H_kv={num_kv_heads} (K/V are all-gathered heads_k_stride heads "
-            "at a time)"
-        )
-
-
-def check_llama3_call(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
-    heads_k_stride: int,
-    k_start: int,
-    k_stop: int,
-    *,
-    causal: bool,
-    rank: int,
-    world_size: int,
-    window: tuple[int, int] | None = None,
-) -> Llama3Meta:
-    """Every check of one rank's llama3 call (no communication); returns its metadata.
-
-    ``q [L, H, D]``, ``k``/``v [L, H_kv, D]``; the rest as :func:`llama3_meta`.
-
-    Raises:
-        ValueError: naming the offending argument and how to fix it.
-    """
-    check_qkv_tensors(q, k, v, seq_dims="T_local")
-    check_heads_k_stride(heads_k_stride, k.shape[1])
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        check_cu_seqlens_tensor(cu, name)
-        check_cu_seqlens_device(cu, q, name)
-    return llama3_meta(
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        k_start,
-        k_stop,
-        q.shape[0],
-        causal,
-        rank,
-        world_size,
-        q.device,
-        window,
-    )
 
 
 class _KVGather:
@@ -443,7 +170,8 @@ def llama3_forward(
                 out[rows, hq] = out_rows.to(out.dtype)
         else:
             keys = slice(m.k_start, m.k_stop)
-            k_keys, v_keys, rows = k_full[keys], v_full[keys], m.rows
+            k_keys, v_keys = k_full[keys], v_full[keys]
+            rows = varlen_blocks(m.blocks, (), q_THD.device)
             for blk in m.blocks:  # every query row in exactly one block
                 out_b, lse_b = rows.forward(
                     kernel,
@@ -537,7 +265,8 @@ def llama3_backward(
                 dkv_full[keys, 1] = dv_p[0]
         else:
             keys = slice(m.k_start, m.k_stop)
-            k_keys, v_keys, rows = k_full[keys], v_full[keys], m.rows
+            k_keys, v_keys = k_full[keys], v_full[keys]
+            rows = varlen_blocks(m.blocks, (), q_THD.device)
             for blk in m.blocks:
                 dq_b, dk_b, dv_b = rows.backward(
                     kernel,

@@ -12,7 +12,7 @@ Note [DTensor global view of a permuted layout]
 DTensor has no notion of token order: a DTensor sharded ``Shard(seq_dim)`` over the W ranks of
 the context-parallel mesh dim means "the global tensor is the concatenation of the rank shards
 in rank order". With the ring layout that *is* the sequence. With zigzag or stripe
-(Note [Sequence layouts] in ``layouts.py``) each rank holds a permuted selection of tokens, so
+(Note [Sequence layouts] in ``layouts/base.py``) each rank holds a permuted selection of tokens, so
 the DTensor's global view is the **permuted** sequence, e.g. S = 8, W = 2, zigzag:
 
     original order          0 1 2 3 4 5 6 7
@@ -41,7 +41,7 @@ Note [How SDPA on DTensors reaches ring attention]
 ``_scaled_dot_product_flash_attention``, ``_efficient_attention``, ``_cudnn_attention``),
 whose autograd formula later calls the matching ``..._backward`` op. On DTensors both reach
 DTensor's dispatcher, which offers a table of custom op handlers (private; walled off in
-``_dtensor_compat.py``). ``with ring_sdpa(layout=...)`` installs, and removes on exit:
+``_compat/dtensor.py``). ``with ring_sdpa(layout=...)`` installs, and removes on exit:
 
 1. Handlers for all four SDPA op families, forward and backward (:data:`ATEN_SDPA_OPS`, one
    row per family; arguments are bound by schema name, so one forward and one backward
@@ -78,7 +78,7 @@ The sharding rules of our own ops stay registered (they concern only ``dtensor_r
 Note [Ulysses in the DTensor path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``ring_sdpa(..., mode="ulysses")`` and ``scaled_dot_product_ring_attention(..., mode=
-"ulysses")`` run Ulysses attention (Note [Ulysses attention] in ``ulysses.py``) instead of ring
+"ulysses")`` run Ulysses attention (Note [Ulysses attention] in ``ops/ulysses.py``) instead of ring
 attention. Everything above stays as it is; only the op pair changes (:data:`_MODE_OPS`):
 ``dtensor_ring::ulysses_attention`` / ``_backward`` have the schemas of ``ring_attention`` /
 ``_backward`` (sequence shards in and out, lse ``[B, H, S_local]``), so the handlers, the
@@ -98,7 +98,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -109,12 +109,12 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from . import _dtensor_compat
-from ._compat import select_backend_name
-from .layouts import Layout, check_layout, local_seq_divisor, shard_local, token_indices
-from .ops import ring_attention, ring_attention_backward
-from .ulysses import _check_heads, _head_views, ulysses_attention, ulysses_attention_backward
-from .validation import check_window_size, normalize_window
+from .._compat import dtensor as _dtensor_compat
+from ..layouts import LayoutName, get_layout, shard_local
+from ..layouts.sharding import restore_order
+from ..ops.ring import ring_attention, ring_attention_backward
+from ..ops.ulysses import ulysses_attention, ulysses_attention_backward
+from ..resolve import AttentionSpec, check_heads, check_window_size, resolve_call
 
 __all__ = [
     "ATEN_SDPA_OPS",
@@ -244,7 +244,7 @@ def _check_even_shards(
 ) -> None:
     """``(name, shape)`` pairs split evenly: sequence by the layout's divisor, batch by
     ``batch_ways``. Plain comparisons, so symbolic sizes (dynamic shapes) only add guards."""
-    divisor = local_seq_divisor(layout, world)
+    divisor = get_layout(layout, "dense").divisor(world)
     for name, shape in shapes:
         S, B = shape[seq_dim], shape[BATCH_DIM]
         if S % divisor != 0:
@@ -317,7 +317,7 @@ def _check_sdpa_metadata(
     Returns:
         ``(cp_dim, group_name, world, batch_ways)``.
     """
-    check_layout(layout)
+    get_layout(layout, "dense")
     _check_mode(mode)
     if has_mask:
         raise ValueError(
@@ -335,11 +335,8 @@ def _check_sdpa_metadata(
                 f"{name} is a {meta}, not a DTensor, while other SDPA inputs are DTensors; "
                 "make q, k and v DTensors on one mesh (DTensor.from_local for local shards)"
             )
-    if mode == "ring" and layout != "ring" and not is_causal:
-        raise ValueError(
-            f"ring_sdpa(layout={layout!r}) is for causal attention only, got is_causal=False; "
-            "use layout='ring' for non-causal attention"
-        )
+    if mode == "ring":
+        get_layout(layout).check_mask(is_causal, ring_func="ring_sdpa(layout='ring')")
     xs = [_Sharded(n, *meta) for n, meta in zip(names, metadata, strict=True)]
     cp_dim, batch_ways = _cp_mesh_dim(xs, seq_dim=SDPA_SEQ_DIM, layout_names="[B, H, S, D]")
     mesh = xs[0].mesh
@@ -374,7 +371,7 @@ def _check_sdpa_shapes(
     if H % H_kv != 0:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv}")
     if mode == "ulysses":
-        _check_heads(H, world, "ring_sdpa(mode='ulysses')")
+        check_heads(H, world, "ring_sdpa(mode='ulysses')")
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,7 +387,7 @@ def scaled_dot_product_ring_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    layout: Layout = "ring",
+    layout: LayoutName = "ring",
     backend: str | None = None,
     mode: Mode = "ring",
     window_size: tuple[int, int] = (-1, -1),
@@ -431,42 +428,43 @@ def scaled_dot_product_ring_attention(
         query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode
     )
     q, k, v = _to_op_layout(query, key, value)
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    window_size = check_window_size(window_size)
-    backend = _resolve_backend(
-        q,
-        k,
-        backend,
-        mode,
-        query.device_mesh.size(cp_dim),
-        _windowed(window_size, is_causal, query.shape[2]),
-    )
-    out, _ = _MODE_OPS[mode][0](
-        q, k, v, group_name, layout, bool(is_causal), scale, backend, *window_size
-    )
+    config = _Config(layout, backend, mode, window_size)
+    world = query.device_mesh.size(cp_dim)
+    spec = _resolve(config, q, k, v, is_causal, scale, group_name, world, global_len=q.shape[1])
+    out, _ = _MODE_OPS[mode][0](q, k, v, *spec.op_args())
     return _swap_seq_heads(out)
 
 
-def _windowed(window_size: tuple[int, int], is_causal: bool, seq_len: int) -> bool:
-    return normalize_window(window_size, bool(is_causal), seq_len)[1] is not None
-
-
-def _resolve_backend(
+def _resolve(
+    config: _Config,
     q: Tensor,
     k: Tensor,
-    backend: str | None,
-    mode: str = "ring",
-    world_size: int = 1,
-    window: bool = False,
-) -> str:
-    """Pick the block kernel now, so that an unsupported call fails before communication.
-
-    Ulysses runs the kernel on ``H / W`` query heads (and the matching K/V heads).
-    """
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    if mode == "ulysses":
-        q, k = _head_views(q, k, world_size)
-    return select_backend_name(q, k, backend, deterministic=deterministic, window=window)
+    v: Tensor,
+    is_causal: bool,
+    scale: float | None,
+    group_name: str,
+    world_size: int,
+    global_len: int | None = None,
+) -> AttentionSpec:
+    """The call resolution of an SDPA call in op layout ``[B, S, H, D]`` (Note [Call
+    resolution]); Ulysses runs the kernel on ``H / W`` query heads."""
+    ulysses = config.mode == "ulysses"
+    return resolve_call(
+        q,
+        k,
+        v,
+        layout=config.layout,
+        causal=bool(is_causal),
+        softmax_scale=scale,
+        window_size=config.window_size,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        backend=config.backend,
+        group_name=group_name,
+        world_size=world_size,
+        ring_func=None if ulysses else "ring_sdpa(layout='ring')",
+        head_split=world_size if ulysses else 1,
+        global_len=global_len,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -635,20 +633,11 @@ def _replicated_like(like: DTensor, local: Tensor) -> DTensor:
     )
 
 
-class _SDPACall(NamedTuple):
-    """What both SDPA handlers derive from the aten op's arguments."""
-
-    qkv: tuple[Tensor, Tensor, Tensor]  # local shards in the op layout [B, S, H, D]
-    is_causal: bool
-    scale: float
-    group_name: str
-    backend: str
-
-
 def _bind_sdpa_call(
     config: _Config, op: torch._ops.OpOverload, args: tuple, kwargs: dict
-) -> tuple[dict, _SDPACall]:
-    """Bind an SDPA aten op's arguments by name, check them, and derive the ring call."""
+) -> tuple[dict, tuple[Tensor, Tensor, Tensor], AttentionSpec]:
+    """Bind an SDPA aten op's arguments by name, check them, and resolve the call: the bound
+    arguments, the local shards in the op layout ``[B, S, H, D]``, and the spec."""
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
@@ -664,16 +653,9 @@ def _bind_sdpa_call(
         config.mode,
     )
     q, k, v = _to_op_layout(query.to_local(), key.to_local(), value.to_local())
-    scale = query.shape[-1] ** -0.5 if a.get("scale") is None else float(a["scale"])
-    backend = _resolve_backend(
-        q,
-        k,
-        config.backend,
-        config.mode,
-        query.device_mesh.size(cp_dim),
-        _windowed(config.window_size, is_causal, query.shape[2]),
-    )
-    return a, _SDPACall((q, k, v), is_causal, scale, group_name, backend)
+    world = query.device_mesh.size(cp_dim)
+    spec = _resolve(config, q, k, v, is_causal, a.get("scale"), group_name, world)
+    return a, (q, k, v), spec
 
 
 def aten_sdpa_forward_handler(
@@ -681,20 +663,9 @@ def aten_sdpa_forward_handler(
 ) -> tuple:
     """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
     family = _FAMILY_OF[op]
-    a, call = _bind_sdpa_call(config, op, args, kwargs)
-    query, mesh, (q, k, v) = a["query"], a["query"].device_mesh, call.qkv
-    forward_op = _MODE_OPS[config.mode][0]
-    out, lse = forward_op(
-        q,
-        k,
-        v,
-        call.group_name,
-        config.layout,
-        call.is_causal,
-        call.scale,
-        call.backend,
-        *config.window_size,
-    )
+    a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
+    query, mesh = a["query"], a["query"].device_mesh
+    out, lse = _MODE_OPS[config.mode][0](q, k, v, *spec.op_args())
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(_swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -716,8 +687,7 @@ def aten_sdpa_backward_handler(
 ) -> tuple:
     """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
     family = _FAMILY_OF[op]
-    a, call = _bind_sdpa_call(config, op, args, kwargs)
-    q, k, v = call.qkv
+    a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
     mesh, placements = a["query"].device_mesh, a["query"].placements
     dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
     dout, out, lse = (
@@ -736,12 +706,7 @@ def aten_sdpa_backward_handler(
         v,
         out_l,
         lse_l.contiguous(),
-        call.group_name,
-        config.layout,
-        call.is_causal,
-        call.scale,
-        call.backend,
-        *config.window_size,
+        *spec.op_args(),
     )
     grads = [
         DTensor.from_local(_swap_seq_heads(g), mesh, placements, run_check=False)
@@ -830,7 +795,7 @@ def _check_dtensor_sdpa_call(
 
 @contextlib.contextmanager
 def ring_sdpa(
-    layout: Layout = "zigzag",
+    layout: LayoutName = "zigzag",
     backend: str | None = None,
     mode: Mode = "ring",
     window_size: tuple[int, int] = (-1, -1),
@@ -866,7 +831,7 @@ def ring_sdpa(
         RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
             when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
     """
-    check_layout(layout)
+    get_layout(layout, "dense")
     _check_mode(mode)
     if torch.compiler.is_compiling():
         raise RuntimeError(
@@ -904,7 +869,7 @@ def shard_sequence(
     tensor: Tensor,
     mesh: DeviceMesh,
     seq_dim: int = 1,
-    layout: Layout = "zigzag",
+    layout: LayoutName = "zigzag",
     mesh_dim: int | str | None = None,
     *,
     batch_dim: int | None = None,
@@ -933,7 +898,7 @@ def shard_sequence(
         DTensor placed ``Shard(seq_dim)`` on ``mesh_dim``; its local tensor is
         :func:`dtensor_ring.shard_local` of ``tensor`` for this rank (``S // W`` tokens).
     """
-    check_layout(layout)
+    get_layout(layout, "dense")
     cp_dim = _resolve_mesh_dim(mesh, mesh_dim)
     seq_dim = seq_dim % tensor.dim()
     if batch_dim is not None:
@@ -947,7 +912,7 @@ def shard_sequence(
     return DTensor.from_local(local, mesh, placements, run_check=False)
 
 
-def unshard_sequence(dtensor: DTensor, seq_dim: int = 1, layout: Layout = "zigzag") -> Tensor:
+def unshard_sequence(dtensor: DTensor, seq_dim: int = 1, layout: LayoutName = "zigzag") -> Tensor:
     """The full tensor of a sequence-sharded DTensor, in the original token order.
 
     Inverse of :func:`shard_sequence`: ``DTensor.full_tensor()`` (gathering every sharded
@@ -963,7 +928,7 @@ def unshard_sequence(dtensor: DTensor, seq_dim: int = 1, layout: Layout = "zigza
     Returns:
         Plain tensor of ``dtensor``'s global shape with the sequence in original order.
     """
-    check_layout(layout)
+    get_layout(layout, "dense")
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"unshard_sequence needs a DTensor, got {type(dtensor).__name__}")
     seq_dim = seq_dim % dtensor.dim()
@@ -978,7 +943,4 @@ def unshard_sequence(dtensor: DTensor, seq_dim: int = 1, layout: Layout = "zigza
             "on exactly one mesh dim (the context-parallel dim)"
         )
     world = dtensor.device_mesh.size(cp_dims[0])
-    S = dtensor.shape[seq_dim]
-    order = torch.cat([token_indices(layout, S, r, world) for r in range(world)])
-    inverse = torch.argsort(order).to(dtensor.device)
-    return dtensor.full_tensor().index_select(seq_dim, inverse)
+    return restore_order(dtensor.full_tensor(), layout, world, seq_dim)

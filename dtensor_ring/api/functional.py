@@ -1,0 +1,406 @@
+"""Drop-in functional API with ring-flash-attention's names and arguments.
+
+Layout of every tensor (flash-attn convention), per rank:
+    q ``[B, S_local, H, D]``, k/v ``[B, S_local, H_kv, D]`` (``H % H_kv == 0``: GQA/MQA),
+    kv (kv-packed) ``[B, S_local, 2, H_kv, D]``, qkv (qkv-packed) ``[B, S_local, 3, H, D]``.
+    Returns ``out [B, S_local, H, D]``; with ``return_attn_probs=True``,
+    ``(out, lse, None)`` where ``lse [B, H, S_local]`` is the natural-log log-sum-exp (fp32, or
+    fp64 for fp64 inputs), without gradient.
+
+Which tokens a rank holds depends on the function's layout (Note [Sequence layouts] in
+``layouts/base.py``): ``ring_*`` contiguous, ``zigzag_ring_*`` zigzag, ``stripe_*`` stripe;
+shard with :func:`dtensor_ring.shard_local`.
+
+Arguments common to every function here:
+    dropout_p: must be 0.0.  alibi_slopes: must be None.
+    softmax_scale: defaults to ``D ** -0.5``.
+    causal: causal mask over the *global* sequence (zigzag and stripe: must be True).
+    window_size: ``(left, right)``: query at global position p sees keys in
+        ``[p - left, p + right]`` (-1: unbounded; ``causal`` sets ``right = 0``), as flash-attn
+        (Note [Windowed schedules]; docs/window.md).
+    deterministic: require a block kernel with a deterministic backward.
+    return_attn_probs: also return ``lse [B, H, S_local]`` (as ``(out, lse, None)``).
+    group: the context-parallel process group (default: the default group).
+    backend (keyword only): block-kernel backend name, or None for the fastest able one.
+
+Every argument is checked on every rank before any communication (Note [Call resolution]):
+bad input raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .._compat import group_name
+from ..ops.ring import ring_attention
+from ..resolve import resolve_call, unpack
+
+Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
+
+
+def ring_attention_func(
+    layout: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention in any registered dense ``layout`` (the functions below fix it):
+    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``."""
+    spec = resolve_call(
+        q,
+        k,
+        v,
+        layout=layout,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        backend=backend,
+        group_name=group_name(group),
+        world_size=dist.get_world_size(group),
+    )
+    out, lse = ring_attention(q, k, v, *spec.op_args())
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ring_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, ring layout (contiguous shards).
+
+    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    return ring_attention_func(
+        "ring",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def ring_flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, ring layout (contiguous shards).
+
+    ``q [B, S_local, H, D]``, ``kv [B, S_local, 2, H_kv, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    k, v = unpack("kv", kv, 2)
+    return ring_attention_func(
+        "ring",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def ring_flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, ring layout (contiguous shards).
+
+    ``qkv [B, S_local, 3, H, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    q, k, v = unpack("qkv", qkv, 3)
+    return ring_attention_func(
+        "ring",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def zigzag_ring_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, zigzag layout; causal only.
+
+    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    return ring_attention_func(
+        "zigzag",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def zigzag_ring_flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, zigzag layout; causal only.
+
+    ``q [B, S_local, H, D]``, ``kv [B, S_local, 2, H_kv, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    k, v = unpack("kv", kv, 2)
+    return ring_attention_func(
+        "zigzag",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def zigzag_ring_flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, zigzag layout; causal only.
+
+    ``qkv [B, S_local, 3, H, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    q, k, v = unpack("qkv", qkv, 3)
+    return ring_attention_func(
+        "zigzag",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def stripe_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, stripe layout; causal only.
+
+    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    return ring_attention_func(
+        "stripe",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def stripe_flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, stripe layout; causal only.
+
+    ``q [B, S_local, H, D]``, ``kv [B, S_local, 2, H_kv, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    k, v = unpack("kv", kv, 2)
+    return ring_attention_func(
+        "stripe",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def stripe_flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention, stripe layout; causal only.
+
+    ``qkv [B, S_local, 3, H, D]`` -> ``out [B, S_local, H, D]``
+    (other arguments: module docstring).
+    """
+    q, k, v = unpack("qkv", qkv, 3)
+    return ring_attention_func(
+        "stripe",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )

@@ -1,0 +1,363 @@
+"""Hugging Face transformers integration: ``attn_implementation="dtensor_ring"``.
+
+    import dtensor_ring.hf as drhf
+    drhf.setup(group=cp_group, layout="zigzag")      # registers the attention implementation
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="dtensor_ring")
+    out = model(**drhf.shard_batch(batch, group=cp_group, layout="zigzag"))
+
+Every rank of ``group`` holds ``S / W`` tokens of each sequence (Note [Sequence layouts] in
+``layouts/base.py``); the model's attention layers call ring attention over ``group`` on them, and
+everything else (embeddings, norms, MLPs, RoPE with the *global* position ids that
+:func:`shard_batch` provides, the token-level loss) runs on the local tokens unchanged.
+
+Packed sequences (one row of documents back to back, ``position_ids`` restarting at 0 at each
+document, as ``DataCollatorWithFlattening`` builds them) run the varlen attention, as
+flash-attention-2 does in transformers: :func:`shard_batch` derives the *global* document
+boundaries from the full ``position_ids`` and returns them as ``cu_seq_lens_q`` /
+``cu_seq_lens_k``, which transformers passes through to the attention function (Note
+[Varlen layouts] in ``layouts/varlen.py``: "llama3" cuts the packed stream into W contiguous slices;
+"ring" / "zigzag" cut every document into W / 2W pieces).
+
+Limits (each raises ``ValueError`` rather than computing something else): causal attention
+only, no attention mask (padding) or 4-D masks, packed sequences only with B == 1, the
+"llama3" layout only with B == 1 and "stripe" not packed, position ids only as
+:func:`shard_batch` builds them (positions restarting without the ``cu_seq_lens_*`` metadata
+are rejected), no softcap, no dropout, no KV cache. Sliding windows (``sliding_window``) are
+supported, dense and packed.
+
+``transformers`` is imported only inside the functions here; ``import dtensor_ring`` never
+imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..layouts import LAYOUTS, Layout, get_layout, layout_names, shard_local, token_indices
+from ..layouts.varlen import host_values, varlen_local_cu_seqlens, varlen_token_indices
+from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
+from .functional import ring_attention_func
+from .varlen import llama3_attention_func, ring_varlen_attention_func
+
+__all__ = ["ATTN_IMPLEMENTATION", "HF_LAYOUTS", "setup", "shard_batch", "ring_attention_forward"]
+
+ATTN_IMPLEMENTATION = "dtensor_ring"
+IGNORE_INDEX = -100
+HFLayout = Literal["ring", "zigzag", "stripe", "llama3"]
+HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3")
+
+
+@dataclass
+class _Config:
+    group: dist.ProcessGroup | None
+    layout: str
+    backend: str | None
+
+
+_config: _Config | None = None
+
+
+def _varlen_layout(layout: str) -> Layout:
+    """The layout of a packed batch; ``ValueError`` if ``layout`` has no varlen form."""
+    lay = get_layout(layout)
+    if lay.varlen is None:
+        raise ValueError(
+            f"dtensor_ring has no packed (varlen) form for layout={layout!r}; "
+            f"use one of {layout_names('varlen')}"
+        )
+    return lay
+
+
+def setup(
+    group: dist.ProcessGroup | None = None, layout: HFLayout = "zigzag", backend: str | None = None
+) -> None:
+    """Register ``attn_implementation="dtensor_ring"`` with transformers, running over ``group``.
+
+    Registers :func:`ring_attention_forward` with ``transformers.AttentionInterface`` and a mask
+    function with ``AttentionMaskInterface`` (it builds no mask: causality is the ring
+    attention's). Call it on every rank before the model's first forward; calling it again
+    replaces the group, layout and backend.
+
+    Args:
+        group: the context-parallel process group (default: the default group).
+        layout: "ring", "zigzag", "stripe" or "llama3" (packed / B == 1 only): how
+            :func:`shard_batch` shards the sequence.
+        backend: block-kernel backend name (``dtensor_ring.BACKEND_NAMES``), or None.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    global _config
+    get_layout(layout)
+    _config = _Config(group, layout, backend)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ring_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+def _no_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> None:
+    """Mask function: none is needed; a 2-D padding mask with padding cannot be honoured."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "dtensor_ring attention does not support padding (an attention_mask with zeros); "
+            "use sequences without padding, or drop attention_mask"
+        )
+
+
+def ring_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers attention function: causal ring attention over the :func:`setup` group.
+
+    Args:
+        module: the calling attention module (must have ``is_causal`` unset or True).
+        query: ``[B, H, S, D]`` (S local tokens); key, value: ``[B, H_kv, S, D]``.
+        attention_mask: must be None (:func:`setup`'s mask function builds none).
+        scaling: softmax scale (default ``D ** -0.5``).  dropout: must be 0.
+        kwargs: ``position_ids [B, S]`` must be this rank's positions as :func:`shard_batch`
+            builds them; ``cu_seq_lens_q`` (and ``cu_seq_lens_k``, equal to it), the *global*
+            document boundaries ``[N + 1]`` of a packed batch (B == 1), select the varlen
+            attention (``max_length_q/k`` are not needed and ignored); ``sliding_window``
+            (Mistral, Qwen2, Gemma ...: a query sees the ``sliding_window`` latest keys, itself
+            included) becomes ``window_size=(sliding_window - 1, 0)`` (docs/window.md); a
+            ``softcap`` other than None is rejected.
+
+    Returns:
+        ``(out [B, S, H, D], None)``.
+    """
+    if _config is None:
+        raise RuntimeError("call dtensor_ring.hf.setup(group=..., layout=...) first")
+    if attention_mask is not None:
+        raise ValueError("dtensor_ring attention cannot honour an attention mask (4-D or custom)")
+    if not getattr(module, "is_causal", True):
+        raise ValueError("dtensor_ring attention supports causal attention only")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"dtensor_ring attention does not support softcap={kwargs['softcap']}")
+    sliding_window = kwargs.get("sliding_window")
+    # transformers' masks: key j visible to query i iff i - sliding_window < j <= i
+    window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
+    if dropout != 0.0:
+        raise ValueError(f"dtensor_ring attention does not support dropout={dropout}")
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is not None:
+        return _varlen_attention(query, key, value, scaling, cu_seqlens, window, kwargs), None
+    if not get_layout(_config.layout).dense:
+        raise ValueError(
+            f"dtensor_ring attention with layout={_config.layout!r} needs the cu_seq_lens_q "
+            "metadata that dtensor_ring.hf.shard_batch returns"
+        )
+    world = dist.get_world_size(_config.group)
+    seq_local = query.shape[2]
+    _check_positions(
+        kwargs.get("position_ids"),
+        token_indices(_config.layout, seq_local * world, dist.get_rank(_config.group), world),
+    )
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = ring_attention_func(
+        _config.layout,
+        q,
+        k,
+        v,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=window,
+        group=_config.group,
+        backend=_config.backend,
+    )
+    return out, None
+
+
+def _varlen_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    scaling: float | None,
+    cu_seqlens: Tensor,
+    window: tuple[int, int],
+    kwargs: dict,
+) -> Tensor:
+    """Causal varlen attention of a packed row: ``query [1, H, T_local, D]``, key/value
+    ``[1, H_kv, T_local, D]``, global ``cu_seqlens [N + 1]`` -> ``out [1, T_local, H, D]``;
+    ``window`` within documents (llama3 only)."""
+    assert _config is not None
+    layout, group = _config.layout, _config.group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu_seqlens and not torch.equal(cu_k, cu_seqlens):
+        raise ValueError("dtensor_ring attention needs cu_seq_lens_k == cu_seq_lens_q")
+    lay = _varlen_layout(layout)
+    if query.shape[0] != 1:
+        raise ValueError(f"dtensor_ring packed attention needs batch size 1, got {query.shape[0]}")
+    bounds = host_values(cu_seqlens)
+    if bounds[-1] != query.shape[2] * world:
+        raise ValueError(
+            f"cu_seq_lens_q must be the global document boundaries (ending at T_local * W = "
+            f"{query.shape[2] * world}), got {list(bounds)}; build it with shard_batch"
+        )
+    _check_positions(
+        kwargs.get("position_ids"),
+        _doc_positions(bounds)[varlen_token_indices(bounds, layout, rank, world)],
+    )
+    q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))  # [T_local, H(_kv), D]
+    if lay.varlen == "stream":
+        cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
+            cu_seqlens, True, rank, world
+        )
+        out = llama3_attention_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            k.shape[1],
+            k_slice,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=window,
+            group=group,
+            backend=_config.backend,
+            layout=layout,
+        )
+    else:
+        out = ring_varlen_attention_func(
+            layout,
+            q,
+            k,
+            v,
+            varlen_local_cu_seqlens(cu_seqlens, layout, rank, world),
+            None,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=window,
+            group=group,
+            backend=_config.backend,
+        )
+    return out.unsqueeze(0)
+
+
+def _check_positions(position_ids: Tensor | None, expected: Tensor) -> None:
+    """Raise unless ``position_ids [B, S]`` equal ``expected [S]`` (this rank's positions)."""
+    assert _config is not None
+    if (
+        position_ids is None
+        or position_ids.shape[-1] != expected.shape[0]
+        or not bool((position_ids == expected.to(position_ids.device)).all())
+    ):
+        raise ValueError(
+            "dtensor_ring attention needs position_ids = this rank's positions under "
+            f"layout={_config.layout!r} (global positions, or positions within each document "
+            "of a packed batch); build the inputs with dtensor_ring.hf.shard_batch: packed "
+            "sequences (positions restarting per document) need its cu_seq_lens_q/k metadata"
+        )
+
+
+def _doc_positions(bounds: Sequence[int]) -> Tensor:
+    """Position of every token within its document (int64 ``[T]``), for ``cu_seqlens`` bounds."""
+    b = torch.tensor(bounds)
+    starts, lengths = b[:-1], b[1:] - b[:-1]
+    return torch.arange(bounds[-1]) - starts.repeat_interleave(lengths)
+
+
+def _packed_bounds(position_ids: Tensor | None, seq_len: int) -> tuple[int, ...] | None:
+    """Document boundaries of a packed ``position_ids [B, S]``; None if every row is 0..S-1."""
+    if position_ids is None or bool(
+        (position_ids == torch.arange(seq_len, device=position_ids.device)).all()
+    ):
+        return None
+    if position_ids.shape[0] != 1:
+        raise ValueError(
+            "dtensor_ring supports packed sequences (position_ids restarting per "
+            f"document) only in one row (batch size 1), got {position_ids.shape[0]}"
+        )
+    row = position_ids[0].cpu()
+    bounds = (*(row == 0).nonzero().flatten().tolist(), seq_len)
+    if bounds[0] != 0 or not torch.equal(row, _doc_positions(bounds)):
+        raise ValueError(
+            "dtensor_ring needs position_ids 0, 1, ... within every document "
+            "(restarting at 0 at each document start)"
+        )
+    return bounds
+
+
+def shard_batch(
+    batch: dict[str, Tensor], group: dist.ProcessGroup | None = None, layout: HFLayout = "zigzag"
+) -> dict[str, Tensor]:
+    """This rank's part of a causal-LM batch, ready for ``model(**...)`` (no communication).
+
+    Args:
+        batch: full sequences, identical on every rank of ``group``: ``input_ids [B, S]`` and
+            optionally ``labels [B, S]`` (unshifted, as for transformers' causal LMs), an
+            all-ones ``attention_mask`` and ``position_ids [B, S]``: 0..S-1 in every row, or,
+            for a packed batch (B == 1), restarting at 0 at each document start, as
+            ``DataCollatorWithFlattening`` builds them. S must divide as the layout needs
+            (dense: S % W, or 2W for zigzag; packed: Note [Varlen layouts]).
+        group: the context-parallel process group (the one given to :func:`setup`).
+        layout: the layout given to :func:`setup`; "llama3" treats a B == 1 batch that is not
+            packed as one document.
+
+    Returns:
+        ``input_ids`` and ``position_ids [B, S/W]`` (global positions, or positions within
+        each document if packed); with labels also ``labels`` and ``shift_labels [B, S/W]``
+        (shifted *before* sharding, so each local token has its own next token, -100 after
+        the last) and ``num_items_in_batch`` (the non-ignored label count of the whole
+        sequences). Packed (or "llama3"): also ``cu_seq_lens_q`` = ``cu_seq_lens_k``, the
+        *global* document boundaries (int32 ``[N + 1]``), which select the varlen attention.
+        The model's loss is then this rank's share of the global mean: sum it over the ranks
+        of ``group`` (or, equivalently, sum the gradients; e.g. all-reduce them) to get the
+        single-process loss and gradients.
+
+    Raises:
+        ValueError: for an ``attention_mask`` with padding, packed rows with B > 1, a packed
+            batch with layout "stripe", lengths the layout cannot divide, or keys it cannot
+            shard.
+    """
+    lay = get_layout(layout)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    extra = set(batch) - {"input_ids", "labels", "attention_mask", "position_ids"}
+    if extra:
+        raise ValueError(f"shard_batch cannot shard {sorted(extra)}")
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("dtensor_ring does not support padding (attention_mask with zeros)")
+    input_ids = batch["input_ids"]
+    B, S = input_ids.shape
+    bounds = _packed_bounds(batch.get("position_ids"), S)
+    out: dict[str, Tensor] = {}
+    shard: Callable[[Tensor], Tensor]
+    if bounds is None and lay.dense:
+        positions = torch.arange(S)
+        shard = functools.partial(shard_local, layout=layout, rank=rank, world_size=world)
+    else:
+        _varlen_layout(layout)
+        if B != 1:
+            raise ValueError(f"dtensor_ring layout={layout!r} needs batch size 1, got {B}")
+        bounds = bounds or (0, S)
+        positions = _doc_positions(bounds)
+        index = varlen_token_indices(bounds, layout, rank, world).to(input_ids.device)
+        shard = functools.partial(torch.index_select, dim=1, index=index)
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(
+            bounds, dtype=torch.int32, device=input_ids.device
+        )
+    out["input_ids"] = shard(input_ids)
+    out["position_ids"] = shard(positions.to(input_ids.device).expand(B, S))
+    labels = batch.get("labels")
+    if labels is not None:
+        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        out["shift_labels"] = out["labels"] = shard(shifted)
+        out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+    return out

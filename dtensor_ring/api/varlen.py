@@ -1,0 +1,557 @@
+"""Varlen functional API with ring-flash-attention's names and arguments.
+
+Layout of every tensor (flash-attn varlen convention), per rank:
+    q ``[T_local, H, D]``, k/v ``[T_local, H_kv, D]`` (``H % H_kv == 0``: GQA/MQA),
+    kv (kv-packed) ``[T_local, 2, H_kv, D]``, qkv (qkv-packed) ``[T_local, 3, H, D]``.
+    Returns ``out [T_local, H, D]``; with ``return_attn_probs=True``, ``(out, lse, None)``
+    where ``lse [H, T_local]`` is the natural-log log-sum-exp (fp32, or fp64 for fp64 inputs),
+    without gradient.
+
+Which tokens a rank holds (Note [Varlen layouts] in ``layouts/varlen.py``; shard with
+:func:`dtensor_ring.shard_varlen`):
+
+* ``ring_flash_attn_varlen_*``: every document cut into W pieces, piece r on rank r;
+  ``cu_seqlens`` = global ``cu_seqlens // W``. Causal or not.
+* ``zigzag_ring_flash_attn_varlen_*``: every document cut into 2W pieces, pieces r and 2W-1-r
+  on rank r; ``cu_seqlens`` = global ``cu_seqlens // W``. Causal only.
+* ``llama3_flash_attn_varlen_*``: the packed stream cut into W contiguous slices; the metadata
+  comes from :func:`dtensor_ring.llama3_flash_attn_prepare_cu_seqlens`.
+
+Arguments common to every function here:
+    cu_seqlens (ring, zigzag): int32 ``[N + 1]`` *local* document boundaries (global
+        ``cu_seqlens // W``), on the CPU or q's device.
+    max_seqlen (ring, zigzag): longest local document (an upper bound is fine), or None.
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice (llama3): this rank's
+        metadata from ``llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, W)``
+        (int32 tensors, ints, a slice).
+    heads_k_stride (llama3): KV heads all-gathered at a time (must divide H_kv); smaller saves
+        memory, larger means fewer collectives.
+    dropout_p: must be 0.0.  alibi_slopes: must be None.
+    softmax_scale: defaults to ``D ** -0.5``.
+    causal: causal mask within each document (zigzag: must be True).
+    window_size: flash-attn sliding window ``(left, right)`` within each document, over its
+        global positions (Note [Windowed varlen]; docs/window.md).
+    deterministic: require a block kernel with a deterministic backward.
+    return_attn_probs: also return ``lse [H, T_local]`` (as ``(out, lse, None)``).
+    group: the context-parallel process group (default: the default group).
+    backend (keyword only): block-kernel backend name (must support varlen; on CPU: "math"),
+        or None for automatic choice.
+
+Every argument is checked on every rank before any communication (Note [Call resolution]);
+the ops check the values of the ``cu_seqlens`` tensors when they run, also before any
+communication. Bad input raises ``ValueError`` naming it (see docs/varlen.md).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .._compat import group_name
+from ..ops.varlen import llama3_attention, ring_attention_varlen
+from ..resolve import (
+    check_cu_seqlens_arg,
+    check_heads_k_stride,
+    local_k_slice_bounds,
+    max_seqlen_value,
+    resolve_call,
+    unpack,
+)
+
+Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
+
+
+def ring_varlen_attention_func(
+    layout: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention over packed documents in any registered per-document varlen ``layout``
+    (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` ->
+    ``out [T_local, H, D]``."""
+    spec = resolve_call(
+        q,
+        k,
+        v,
+        layout=layout,
+        form="documents",
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        backend=backend,
+        group_name=group_name(group),
+        world_size=dist.get_world_size(group),
+        ring_func="ring_flash_attn_varlen_func",
+    )
+    check_cu_seqlens_arg(cu_seqlens, q)
+    max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
+    out, lse = ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, *spec.op_args())
+    return (out, lse, None) if return_attn_probs else out
+
+
+def llama3_attention_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    heads_k_stride: int,
+    local_k_slice: slice,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+    layout: str = "llama3",
+) -> Result:
+    """All-gather attention over packed documents in a stream ``layout``: ``q [L, H, D]``,
+    ``k, v [L, H_kv, D]`` -> ``out [L, H, D]`` (Note [llama3 all-gather attention])."""
+    spec = resolve_call(
+        q,
+        k,
+        v,
+        layout=layout,
+        form="varlen",
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        backend=backend,
+        group_name=group_name(group),
+        world_size=dist.get_world_size(group),
+    )
+    check_heads_k_stride(heads_k_stride, k.shape[1])
+    k_start, k_stop = local_k_slice_bounds(local_k_slice)
+    check_cu_seqlens_arg(cu_seqlens_q, q, "cu_seqlens_q")
+    check_cu_seqlens_arg(cu_seqlens_k, q, "cu_seqlens_k")
+    max_q = max_seqlen_value(max_seqlen_q, "max_seqlen_q")
+    max_k = max_seqlen_value(max_seqlen_k, "max_seqlen_k")
+    out, lse = llama3_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_q,
+        max_k,
+        heads_k_stride,
+        k_start,
+        k_stop,
+        *spec.op_args(),
+    )
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ring_flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention over packed documents, ring varlen layout (every document cut into W pieces).
+
+    ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` -> ``out [T_local, H, D]``
+    (other arguments: module docstring).
+    """
+    return ring_varlen_attention_func(
+        "ring",
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def ring_flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention over packed documents, ring varlen layout (every document cut into W pieces).
+
+    ``q [T_local, H, D]``, ``kv [T_local, 2, H_kv, D]`` -> ``out [T_local, H, D]``
+    (other arguments: module docstring).
+    """
+    k, v = unpack("kv", kv, 2, varlen=True)
+    return ring_varlen_attention_func(
+        "ring",
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def ring_flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention over packed documents, ring varlen layout (every document cut into W pieces).
+
+    ``qkv [T_local, 3, H, D]`` -> ``out [T_local, H, D]``
+    (other arguments: module docstring).
+    """
+    q, k, v = unpack("qkv", qkv, 3, varlen=True)
+    return ring_varlen_attention_func(
+        "ring",
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def zigzag_ring_flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention over packed documents, zigzag varlen layout (causal only).
+
+    ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` -> ``out [T_local, H, D]``
+    (other arguments: module docstring).
+    """
+    return ring_varlen_attention_func(
+        "zigzag",
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def zigzag_ring_flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention over packed documents, zigzag varlen layout (causal only).
+
+    ``q [T_local, H, D]``, ``kv [T_local, 2, H_kv, D]`` -> ``out [T_local, H, D]``
+    (other arguments: module docstring).
+    """
+    k, v = unpack("kv", kv, 2, varlen=True)
+    return ring_varlen_attention_func(
+        "zigzag",
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def zigzag_ring_flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """Ring attention over packed documents, zigzag varlen layout (causal only).
+
+    ``qkv [T_local, 3, H, D]`` -> ``out [T_local, H, D]``
+    (other arguments: module docstring).
+    """
+    q, k, v = unpack("qkv", qkv, 3, varlen=True)
+    return ring_varlen_attention_func(
+        "zigzag",
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def llama3_flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    heads_k_stride: int,
+    local_k_slice: slice,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """All-gather (llama3) attention over packed documents: the packed stream cut into W
+    contiguous slices, K/V all-gathered per group of ``heads_k_stride`` KV heads.
+
+    ``q [L, H, D]``, ``k, v [L, H_kv, D]`` -> ``out [L, H, D]``
+    (other arguments: module docstring).
+    """
+    return llama3_attention_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_k_stride,
+        local_k_slice,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def llama3_flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    heads_k_stride: int,
+    local_k_slice: slice,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """All-gather (llama3) attention over packed documents: the packed stream cut into W
+    contiguous slices, K/V all-gathered per group of ``heads_k_stride`` KV heads.
+
+    ``q [L, H, D]``, ``kv [L, 2, H_kv, D]`` -> ``out [L, H, D]``
+    (other arguments: module docstring).
+    """
+    k, v = unpack("kv", kv, 2, varlen=True)
+    return llama3_attention_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_k_stride,
+        local_k_slice,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )
+
+
+def llama3_flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    heads_k_stride: int,
+    local_k_slice: slice,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+) -> Result:
+    """All-gather (llama3) attention over packed documents: the packed stream cut into W
+    contiguous slices, K/V all-gathered per group of ``heads_k_stride`` KV heads.
+
+    ``qkv [L, 3, H, D]`` -> ``out [L, H, D]``
+    (other arguments: module docstring).
+    """
+    q, k, v = unpack("qkv", qkv, 3, varlen=True)
+    return llama3_attention_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_k_stride,
+        local_k_slice,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+    )

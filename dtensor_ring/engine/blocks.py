@@ -1,0 +1,308 @@
+"""How the engine takes parts of the local tensors and runs one block on them.
+
+The ring loops (``engine/ring.py``) and llama3's all-gather loop are the same for dense and
+packed sequences; a :class:`Blocks` object holds what differs. Plans are data (parts named by
+:class:`Part` or :class:`DocSpans`); the engine turns them into row indices and kernel metadata
+here, once per plan and set of documents (:func:`varlen_blocks`, cached).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..kernels import BlockKernel
+from ..kernels.merge import merge_
+from ..schedule.blocks import Block, DocSpans, Part
+from ..schedule.plan import Plan
+
+
+class Blocks(Protocol):
+    """How the engine takes a :class:`Part` of the local tensors and runs one block on it.
+
+    The ring loops (:func:`ring_forward`, :func:`ring_backward`) are the same for dense and
+    variable-length sequences; only these steps differ:
+
+    * :class:`DenseBlocks` (the default): ``[B, S, H, D]`` tensors, ``lse [B, H, S]``; a Part is
+      a slice of S, the kernel's dense ``forward``/``backward`` runs on it.
+    * ``VarlenBlocks`` (:mod:`dtensor_ring.varlen`): packed ``[T, H, D]`` tensors,
+      ``lse [H, T]``; a Part is that part of *every document's* local piece, the kernel's
+      ``forward_varlen``/``backward_varlen`` runs on it with that Part's ``cu_seqlens``.
+
+    ``take`` may return a view or a copy, so accumulators are only updated through ``add_`` and
+    ``merge_``.
+    """
+
+    def new_lse(self, q: Tensor, dtype: torch.dtype) -> Tensor:
+        """An uninitialised lse accumulator for the local queries ``q``."""
+        ...
+
+    def is_empty(self, block: Block) -> bool:
+        """Whether ``block`` computes nothing (an empty query/key part)."""
+        ...
+
+    def take(self, x: Tensor, part: Part) -> Tensor:
+        """The rows of ``part`` of a token-major tensor (q, k, v, out, dout and the like)."""
+        ...
+
+    def take_lse(self, lse: Tensor, part: Part) -> Tensor:
+        """The rows of ``part`` of an lse tensor."""
+        ...
+
+    def add_(self, acc: Tensor, part: Part, x: Tensor) -> None:
+        """``acc[part] += x`` in place."""
+        ...
+
+    def init_(
+        self, out_acc: Tensor, lse_acc: Tensor, part: Part, out_b: Tensor, lse_b: Tensor
+    ) -> None:
+        """Set the accumulator rows of ``part`` to a block result (its first)."""
+        ...
+
+    def merge_(
+        self, out_acc: Tensor, lse_acc: Tensor, part: Part, out_b: Tensor, lse_b: Tensor
+    ) -> None:
+        """Fold a block result into the accumulator rows of ``part`` (online-softmax merge)."""
+        ...
+
+    def forward(
+        self, kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, block: Block, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of ``block`` on parts already taken with :meth:`take`."""
+        ...
+
+    def backward(
+        self,
+        kernel: BlockKernel,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        block: Block,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of ``block`` on parts already taken with :meth:`take`."""
+        ...
+
+
+def _part(x: Tensor, part: Part, dim: int) -> Tensor:
+    start, stop = part.bounds(x.shape[dim])
+    return x.narrow(dim, start, stop - start)
+
+
+class DenseBlocks:
+    """:class:`Blocks` of dense ``[B, S, H, D]`` tensors with ``seq_local`` tokens a rank."""
+
+    def __init__(self, seq_local: int):
+        self.seq_local = seq_local
+
+    def new_lse(self, q_BSHD: Tensor, dtype: torch.dtype) -> Tensor:
+        B, S, H, _ = q_BSHD.shape
+        return torch.empty(B, H, S, dtype=dtype, device=q_BSHD.device)
+
+    def is_empty(self, block: Block) -> bool:
+        n = self.seq_local
+        return min(block.q.size(n), block.kv.size(n)) == 0
+
+    def take(self, x_BSHD: Tensor, part: Part) -> Tensor:
+        return _part(x_BSHD, part, 1)
+
+    def take_lse(self, lse_BHS: Tensor, part: Part) -> Tensor:
+        return _part(lse_BHS, part, 2)
+
+    def add_(self, acc_BSHD: Tensor, part: Part, x_BSHD: Tensor) -> None:
+        _part(acc_BSHD, part, 1).add_(x_BSHD)
+
+    def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        _part(out_acc, part, 1).copy_(out_b)
+        _part(lse_acc, part, 2).copy_(lse_b)
+
+    def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        merge_(_part(out_acc, part, 1), _part(lse_acc, part, 2), out_b, lse_b)
+
+    def forward(self, kernel, q, k, v, block, scale):
+        return kernel.forward(q, k, v, causal=block.causal, scale=scale, window=block.window)
+
+    def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
+        return kernel.backward(
+            dout, q, k, v, out, lse, causal=block.causal, scale=scale, window=block.window
+        )
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One Part of every document's local piece: which rows, and the kernel metadata.
+
+    ``index`` is None when the rows are the contiguous range ``[start, start + total)``
+    (e.g. ``all``, or ``lo`` of a single document), else the int64 row indices.
+    """
+
+    total: int
+    start: int
+    index: Tensor | None
+    cu_seqlens: Tensor  # int32 [N + 1] on the tensors' device
+    max_seqlen: int
+
+    def take(self, x: Tensor, dim: int) -> Tensor:
+        if self.index is None:
+            return x.narrow(dim, self.start, self.total)
+        return x.index_select(dim, self.index)
+
+
+class VarlenBlocks:
+    """The engine's :class:`~dtensor_ring.engine.Blocks` for packed ``[T, H, D]`` tensors.
+
+    Built by :func:`varlen_blocks` from a plan's parts: for every :class:`Part`, the rows of
+    that part of each document's local piece, with its ``cu_seqlens`` and ``max_seqlen``; for
+    every :class:`DocSpans` (windowed plans, llama3), the rows of its spans. ``lse`` is
+    ``[H, T]``.
+    """
+
+    def __init__(self, rows: dict[Part | DocSpans, _Rows]):
+        self.rows = rows
+
+    def new_lse(self, q_THD: Tensor, dtype: torch.dtype) -> Tensor:
+        T, H, _ = q_THD.shape
+        return torch.empty(H, T, dtype=dtype, device=q_THD.device)
+
+    def is_empty(self, block: Block) -> bool:
+        return min(self.rows[block.q].total, self.rows[block.kv].total) == 0
+
+    def take(self, x_THD: Tensor, part: Part) -> Tensor:
+        return self.rows[part].take(x_THD, 0)
+
+    def take_lse(self, lse_HT: Tensor, part: Part) -> Tensor:
+        return self.rows[part].take(lse_HT, 1)
+
+    def add_(self, acc_THD: Tensor, part: Part, x_THD: Tensor) -> None:
+        rows = self.rows[part]
+        if rows.index is None:
+            rows.take(acc_THD, 0).add_(x_THD)
+        else:
+            acc_THD.index_add_(0, rows.index, x_THD.to(acc_THD.dtype))
+
+    def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        rows = self.rows[part]
+        if rows.index is None:
+            rows.take(out_acc, 0).copy_(out_b)
+            rows.take(lse_acc, 1).copy_(lse_b)
+        else:
+            out_acc.index_copy_(0, rows.index, out_b.to(out_acc.dtype))
+            lse_acc.index_copy_(1, rows.index, lse_b)
+
+    def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        rows = self.rows[part]
+        out_rows, lse_rows = rows.take(out_acc, 0), rows.take(lse_acc, 1)
+        merge_(out_rows[None], lse_rows[None], out_b[None], lse_b[None])
+        if rows.index is not None:  # take made copies: write them back
+            out_acc.index_copy_(0, rows.index, out_rows)
+            lse_acc.index_copy_(1, rows.index, lse_rows)
+
+    def forward(self, kernel: BlockKernel, q, k, v, block, scale):
+        rq, rk = self.rows[block.q], self.rows[block.kv]
+        return kernel.forward_varlen(
+            q,
+            k,
+            v,
+            rq.cu_seqlens,
+            rk.cu_seqlens,
+            rq.max_seqlen,
+            rk.max_seqlen,
+            causal=block.causal,
+            scale=scale,
+            window=block.window,
+        )
+
+    def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale):
+        rq, rk = self.rows[block.q], self.rows[block.kv]
+        return kernel.backward_varlen(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            rq.cu_seqlens,
+            rk.cu_seqlens,
+            rq.max_seqlen,
+            rk.max_seqlen,
+            causal=block.causal,
+            scale=scale,
+            window=block.window,
+        )
+
+
+def _rows(bounds: tuple[int, ...], part: Part | DocSpans, device: torch.device) -> _Rows:
+    if isinstance(part, DocSpans):
+        first = torch.tensor([a for a, _ in part.spans], dtype=torch.int64)
+        sizes = torch.tensor([b - a for a, b in part.spans], dtype=torch.int64)
+        return _rows_of(first, sizes, device)
+    b = torch.tensor(bounds, dtype=torch.int64)
+    lengths = b[1:] - b[:-1]
+    first, stop = part.bounds(lengths)  # elementwise over documents
+    first = torch.as_tensor(first).expand_as(lengths)
+    return _rows_of(b[:-1] + first, torch.as_tensor(stop) - first, device)
+
+
+def _rows_of(first: Tensor, sizes: Tensor, device: torch.device) -> _Rows:
+    """Rows ``[first[i], first[i] + sizes[i])`` of every document ``i``, in order."""
+    total = int(sizes.sum())
+    cu = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(sizes, 0)
+    index = _concat_ranges(first, sizes)
+    start = int(index[0]) if total else 0
+    contiguous = total == 0 or bool((index == torch.arange(start, start + total)).all())
+    return _Rows(
+        total=total,
+        start=start,
+        index=None if contiguous else index.to(device),
+        cu_seqlens=cu.to(device),
+        max_seqlen=int(sizes.max()),
+    )
+
+
+def _concat_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])``, vectorised (int64)."""
+    total = int(lengths.sum())
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(
+        total
+    )
+
+
+_BLOCKS_CACHE: dict[tuple, tuple[object, VarlenBlocks]] = {}
+_BLOCKS_CACHE_SIZE = 64
+
+
+def varlen_blocks(
+    plan: Plan | tuple[Block, ...], bounds_local: Sequence[int], device: torch.device
+) -> VarlenBlocks:
+    """The :class:`VarlenBlocks` of a varlen ``plan`` (or a tuple of blocks) on local
+    documents ``bounds_local`` (the rank's local ``cu_seqlens`` as ints).
+
+    Index and ``cu_seqlens`` tensors are built on the host and copied to ``device`` once per
+    plan and set of documents: the cache is keyed on the plan's identity (plans are cached
+    themselves), the documents and the device.
+    """
+    bounds, device = tuple(bounds_local), torch.device(device)
+    key = (id(plan), bounds, device)
+    hit = _BLOCKS_CACHE.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    blocks: Iterable[Block] = (
+        (b for row in plan.steps for st in row for b in st.blocks)
+        if isinstance(plan, Plan)
+        else plan
+    )
+    parts = {p for b in blocks for p in (b.q, b.kv)}
+    result = VarlenBlocks({p: _rows(bounds, p, device) for p in parts})
+    if len(_BLOCKS_CACHE) >= _BLOCKS_CACHE_SIZE:
+        _BLOCKS_CACHE.pop(next(iter(_BLOCKS_CACHE)))
+    _BLOCKS_CACHE[key] = (plan, result)
+    return result

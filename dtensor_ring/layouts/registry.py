@@ -1,0 +1,83 @@
+"""The registry of layouts: names -> :class:`~dtensor_ring.layouts.base.Layout` objects."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from .base import Layout
+from .builtin import BUILTIN_LAYOUTS
+
+LayoutName = Literal["ring", "zigzag", "stripe"]
+LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "stripe")  # the built-in dense layouts
+VARLEN_LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "llama3")  # the built-in varlen layouts
+
+_REGISTRY: dict[str, Layout] = {}
+
+Form = Literal["any", "dense", "varlen", "documents"]
+_FORM_WORDS = {
+    "any": "layout",
+    "dense": "sequence layout",
+    "varlen": "varlen layout",
+    "documents": "varlen layout with per-document shards",
+}
+
+
+def register_layout(layout: Layout) -> Layout:
+    """Make ``layout`` available under ``layout.name`` to every front door; returns it.
+
+    Raises ``ValueError`` if the name is taken by another layout.
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"register_layout needs a Layout instance, got {type(layout).__name__}")
+    known = _REGISTRY.get(layout.name)
+    if known is not None and known is not layout:
+        raise ValueError(f"a layout named {layout.name!r} is already registered ({known!r})")
+    _REGISTRY[layout.name] = layout
+    return layout
+
+
+def unregister_layout(name: str) -> None:
+    """Remove a layout registered with :func:`register_layout` (built-ins stay)."""
+    if name in (b.name for b in BUILTIN_LAYOUTS):
+        raise ValueError(f"the built-in layout {name!r} cannot be unregistered")
+    _REGISTRY.pop(name, None)
+
+
+def _has_form(layout: Layout, form: Form) -> bool:
+    if form == "dense":
+        return layout.dense
+    if form == "varlen":
+        return layout.varlen is not None
+    if form == "documents":
+        return layout.varlen == "documents"
+    return True
+
+
+def layout_names(form: Form = "any") -> tuple[str, ...]:
+    """Names of the registered layouts that have ``form`` ("dense", "varlen", "documents")."""
+    return tuple(name for name, lay in _REGISTRY.items() if _has_form(lay, form))
+
+
+def get_layout(layout: str | Layout, form: Form = "any") -> Layout:
+    """The registered layout called ``layout`` (a :class:`Layout` is returned as is).
+
+    Raises:
+        TypeError: ``layout`` is neither a string nor a Layout.
+        ValueError: no registered layout of that name has ``form``; the message lists those
+            that do.
+    """
+    if isinstance(layout, Layout):
+        found = layout
+    elif isinstance(layout, str):
+        found = _REGISTRY.get(layout)
+    else:
+        raise TypeError(f"layout must be a layout name (str), got {type(layout).__name__}")
+    if found is None or not _has_form(found, form):
+        raise ValueError(
+            f"layout={layout!r} is not a {_FORM_WORDS[form]}; choose one of {layout_names(form)}"
+        )
+    return found
+
+
+for _layout in BUILTIN_LAYOUTS:
+    register_layout(_layout)

@@ -1,0 +1,71 @@
+"""Sharding helpers for fixed-length sequences: a rank's tokens, its shard, and back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .base import Layout
+from .registry import LayoutName, get_layout
+
+
+def token_indices(layout: LayoutName | Layout, seq_len: int, rank: int, world_size: int) -> Tensor:
+    """Global indices (int64, ``[seq_len // world_size]``) of the tokens ``rank`` holds, in order.
+
+    Use it to build global position ids for RoPE. Raises ``ValueError`` if ``seq_len`` does not
+    divide as the layout needs.
+    """
+    return get_layout(layout, "dense").token_indices(seq_len, rank, world_size)
+
+
+def shard_local(
+    full: Tensor, layout: LayoutName | Layout, rank: int, world_size: int, seq_dim: int = 1
+) -> Tensor:
+    """The part of ``full`` that ``rank`` holds under ``layout`` (a copy; no communication).
+
+    Args:
+        full: any tensor whose dim ``seq_dim`` is the whole sequence (length S).
+        layout: "ring", "zigzag" or "stripe" (see Note [Sequence layouts]).
+        rank, world_size: position in, and size of, the context-parallel group.
+        seq_dim: the sequence dimension (1 for ``[B, S, H, D]``, 2 for ``[B, H, S, D]``).
+
+    Returns:
+        ``full`` with dim ``seq_dim`` reduced to the rank's ``S // world_size`` tokens.
+    """
+    idx = token_indices(layout, full.shape[seq_dim], rank, world_size).to(full.device)
+    return full.index_select(seq_dim, idx)
+
+
+def restore_order(
+    concatenated: Tensor, layout: LayoutName | Layout, world_size: int, seq_dim: int
+) -> Tensor:
+    """Token order from the rank-order concatenation of every rank's shard along ``seq_dim``."""
+    lay = get_layout(layout, "dense")
+    if lay.identity_order:
+        return concatenated
+    _, inverse = lay.order(concatenated.shape[seq_dim], world_size)
+    return concatenated.index_select(seq_dim, inverse.to(concatenated.device))
+
+
+def unshard_local(parts: Sequence[Tensor], layout: LayoutName | Layout, seq_dim: int = 1) -> Tensor:
+    """Inverse of :func:`shard_local`: every rank's part, in rank order -> the full tensor."""
+    return restore_order(torch.cat(list(parts), dim=seq_dim), layout, len(parts), seq_dim)
+
+
+def gather_sequence(
+    local: Tensor,
+    layout: LayoutName | Layout,
+    seq_dim: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """All-gather every rank's ``local`` part and return the full tensor in global token order.
+
+    A collective: every rank of ``group`` must call it. Not differentiable.
+    """
+    world_size = dist.get_world_size(group)
+    parts = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return unshard_local(parts, layout, seq_dim)

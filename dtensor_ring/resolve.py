@@ -1,0 +1,362 @@
+"""Call resolution: every front door's arguments checked and normalised once, into a spec.
+
+Note [Call resolution]
+~~~~~~~~~~~~~~~~~~~~~~
+Every front door (flash-style functions, varlen, llama3, Ulysses, hybrid, SDPA on DTensors, the
+transformers attention function) hands its arguments to :func:`resolve_call`, the one owner
+of validation and normalisation:
+
+    front door  --(q, k, v, layout, causal, softmax_scale, window_size, group, backend, ...)-->
+    resolve_call: checks every argument on this rank, before any communication; normalises
+                  window/causal (flash-attn semantics) and the softmax scale; picks the kernel
+        |
+        v
+    AttentionSpec(layout, causal, window, scale, backend, group_name, world_size)
+        |  spec.op_args(): the trailing arguments of every ``dtensor_ring::`` attention op
+        v
+    op: trusts its spec; checks only what it alone can see when it runs (the *values* of
+        ``cu_seqlens`` / llama3 metadata, read on the host: also under torch.compile)
+
+Every rank runs the same checks on its own local inputs, so bad input raises the same
+``ValueError`` on every rank instead of hanging a collective. (Inputs that differ *between*
+ranks cannot be seen without communicating; SPMD code gives every rank the same shapes.)
+
+Under ``torch.compile`` resolution runs at trace time: the spec's fields are constants of the
+graph, and the kernel choice is a Dynamo constant (:func:`select_backend`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .kernels import KernelCall, select_kernel
+from .layouts import Form, Layout, get_layout
+
+
+class AttentionSpec(NamedTuple):
+    """One resolved attention call; what the ``dtensor_ring::`` ops consume.
+
+    ``causal`` and ``window`` are normalised (:func:`normalize_window`: ``window`` is None when
+    nothing is masked beyond ``causal``); ``scale`` is the softmax scale; ``backend`` the block
+    kernel's name; ``world_size`` the size of the group called ``group_name``.
+    """
+
+    layout: str
+    causal: bool
+    window: tuple[int, int] | None
+    scale: float
+    backend: str
+    group_name: str
+    world_size: int
+
+    def op_args(self) -> tuple[str, str, bool, float, str, int, int]:
+        """``(group_name, layout, causal, scale, backend, window_left, window_right)``: the
+        trailing arguments of every attention op (window -1, -1: none)."""
+        left, right = (-1, -1) if self.window is None else self.window
+        return self.group_name, self.layout, self.causal, self.scale, self.backend, left, right
+
+
+# --- single arguments ------------------------------------------------------------------------
+
+
+def check_unsupported(*, dropout_p: float, alibi_slopes: object) -> None:
+    """Reject flash-attn arguments whose non-default values are not implemented."""
+    if dropout_p != 0.0:
+        raise ValueError(
+            f"dropout_p={dropout_p} is not supported by ring attention; pass dropout_p=0.0 "
+            "(apply dropout outside attention if you need it)"
+        )
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes is not supported by ring attention; pass alibi_slopes=None")
+
+
+def check_window_size(window_size: object) -> tuple[int, int]:
+    """``window_size`` as a tuple of two ints >= -1 (flash-attn's ``(left, right)``)."""
+    ok = (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    )
+    if not ok:
+        raise ValueError(
+            f"window_size={window_size!r} must be two ints (left, right), each >= 0, or -1 for "
+            "unbounded (flash-attn semantics: query i sees keys [i - left, i + right])"
+        )
+    return int(window_size[0]), int(window_size[1])
+
+
+def normalize_window(
+    window_size: tuple[int, int], causal: bool, seq_len: int
+) -> tuple[bool, tuple[int, int] | None]:
+    """``(causal, window)`` for flash-attn style ``window_size`` on a ``seq_len``-token sequence.
+
+    As flash-attn: ``causal`` sets ``right = 0``; a side >= ``seq_len - 1`` is unbounded (-1);
+    ``(-1, 0)`` is plain causal attention. ``window`` is None when nothing is masked beyond
+    ``causal``. Raises ``ValueError`` (:func:`check_window_size`) on a malformed window.
+    """
+    left, right = (-1 if w >= seq_len - 1 else w for w in check_window_size(window_size))
+    if causal:
+        right = 0
+    if left == -1 and right == 0:
+        return True, None
+    if left == -1 and right == -1:
+        return causal, None
+    return causal, (left, right)
+
+
+def default_scale(q: Tensor, softmax_scale: float | None) -> float:
+    """The softmax scale: ``softmax_scale``, or ``D ** -0.5`` for None."""
+    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+_SEQ_DIMS_WORDS = {"B, S_local": "batch, local sequence length", "T_local": "packed length"}
+
+
+def check_qkv_tensors(q: Tensor, k: Tensor, v: Tensor, *, seq_dims: str = "B, S_local") -> None:
+    """Shape/dtype/device checks of ``q [*seq_dims, H, D]``, ``k``/``v [*seq_dims, H_kv, D]``.
+
+    Args:
+        seq_dims: the leading (token) dims: ``"B, S_local"`` for the dense API (4-D tensors),
+            ``"T_local"`` for packed varlen tensors (3-D).
+
+    Raises:
+        ValueError: naming the offending argument and how to fix it.
+    """
+    ndim = len(seq_dims.split(",")) + 2
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != ndim:
+            raise ValueError(
+                f"{name} must be {ndim}-D [{seq_dims}, H, D], got shape {tuple(t.shape)}"
+            )
+        if t.numel() == 0:
+            raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); every dim must be >= 1")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    (*lead_q, H, D), (*lead_kv, H_kv, D_kv) = q.shape, k.shape
+    if (*lead_q, D) != (*lead_kv, D_kv):
+        raise ValueError(
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on "
+            f"{_SEQ_DIMS_WORDS.get(seq_dims, seq_dims)} and head dim "
+            f"([{seq_dims}, H, D] vs [{seq_dims}, H_kv, D])"
+        )
+    if H % H_kv != 0:
+        raise ValueError(
+            f"number of query heads H={H} must be a multiple of key/value heads H_kv={H_kv}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+
+
+def unpack(name: str, packed: Tensor, n: int, *, varlen: bool = False) -> tuple[Tensor, ...]:
+    """The ``n`` views of a packed ``kv`` (n = 2) or ``qkv`` (n = 3): ``[B, S_local, n, H, D]``
+    (``varlen``: ``[T_local, n, H, D]``); raises ``ValueError`` for another shape."""
+    dim = 1 if varlen else 2
+    lead = "T_local" if varlen else "B, S_local"
+    heads = "H" if n == 3 else "H_kv"
+    if not isinstance(packed, Tensor) or packed.dim() != dim + 3 or packed.shape[dim] != n:
+        shape = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
+        raise ValueError(f"{name} must be [{lead}, {n}, {heads}, D] (packed), got shape {shape}")
+    return packed.unbind(dim)
+
+
+def max_seqlen_value(value: object, name: str) -> int | None:
+    """A ``max_seqlen`` argument as an int (None: not given)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
+        return int(value)  # a device tensor is read here (a sync): pass an int
+    raise ValueError(f"{name} must be an int or None, got {value!r}")
+
+
+def check_heads_k_stride(heads_k_stride: int, num_kv_heads: int) -> None:
+    """``heads_k_stride`` must be a positive divisor of the number of KV heads."""
+    if (
+        not isinstance(heads_k_stride, int)
+        or heads_k_stride < 1
+        or (num_kv_heads % heads_k_stride != 0)
+    ):
+        raise ValueError(
+            f"heads_k_stride={heads_k_stride} must be a positive divisor of the number of "
+            f"key/value heads H_kv={num_kv_heads} (K/V are all-gathered heads_k_stride heads "
+            "at a time)"
+        )
+
+
+def local_k_slice_bounds(local_k_slice: object) -> tuple[int, int]:
+    """``(start, stop)`` of llama3's ``local_k_slice`` (a ``slice`` of ints, step 1)."""
+    s = local_k_slice
+    if (
+        not isinstance(s, slice)
+        or s.step not in (None, 1)
+        or not (isinstance(s.start, int) and isinstance(s.stop, int))
+    ):
+        raise ValueError(
+            f"local_k_slice must be a slice(start, stop) of ints, as returned by "
+            f"llama3_flash_attn_prepare_cu_seqlens, got {local_k_slice!r}"
+        )
+    return s.start, s.stop
+
+
+def check_heads(num_heads: int, world_size: int, what: str) -> None:
+    """``H % world_size == 0`` (query heads are what Ulysses shards), else ``ValueError``."""
+    if num_heads % world_size != 0:
+        raise ValueError(
+            f"{what} shards the {num_heads} query heads over {world_size} ranks, which needs "
+            f"H % {world_size} == 0; use a group size that divides H (or ring attention)"
+        )
+
+
+def check_cu_seqlens_arg(cu_seqlens: object, q: Tensor, name: str = "cu_seqlens") -> None:
+    """Type/dtype/shape/device checks of a ``cu_seqlens`` argument (no host read: its values
+    are checked by the op when it runs)."""
+    from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
+
+    check_cu_seqlens_tensor(cu_seqlens, name)
+    check_cu_seqlens_device(cu_seqlens, q, name)
+
+
+# --- kernel choice ------------------------------------------------------------------------
+
+
+@torch.compiler.assume_constant_result
+def _select_backend(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    varlen: bool,
+    deterministic: bool,
+    window: bool,
+    backend: str | None,
+) -> str:
+    call = KernelCall(
+        device_type, dtype, head_dim, num_heads, num_kv_heads, varlen, deterministic, window
+    )
+    return select_kernel(call, backend).name
+
+
+def select_backend(
+    q: Tensor,
+    k: Tensor,
+    backend: str | None,
+    *,
+    varlen: bool = False,
+    deterministic: bool = False,
+    window: bool = False,
+    head_split: int = 1,
+) -> str:
+    """Name of the block kernel for ``q [..., H, D]`` and ``k [..., H_kv, D]`` (see
+    :func:`~dtensor_ring.kernels.select_kernel`); ``head_split``: the kernel sees ``H /
+    head_split`` query heads and the K/V heads one rank gets after a head all-to-all over
+    that many ranks (Ulysses).
+
+    Under ``torch.compile`` the choice is made once at trace time and baked into the graph as
+    a constant (``torch.compiler.assume_constant_result``): backends' availability probes
+    (``torch.backends.cudnn.is_available()``, imports) are not traceable by Dynamo.
+    """
+    from .schedule.cost import kv_repeat
+
+    H, H_kv = int(q.shape[-2]), int(k.shape[-2])
+    if head_split > 1:
+        H, H_kv = H // head_split, H_kv * kv_repeat(H_kv, head_split) // head_split
+    return _select_backend(
+        q.device.type,
+        q.dtype,
+        int(q.shape[-1]),
+        H,
+        H_kv,
+        bool(varlen),
+        bool(deterministic),
+        bool(window),
+        backend,
+    )
+
+
+# --- the resolution -----------------------------------------------------------------------
+
+
+def resolve_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layout: str | Layout,
+    form: Form = "dense",
+    causal: bool,
+    softmax_scale: float | None,
+    window_size: tuple[int, int],
+    dropout_p: float = 0.0,
+    alibi_slopes: object = None,
+    deterministic: bool = False,
+    backend: str | None,
+    group_name: str,
+    world_size: int,
+    ring_func: str | None = "ring_flash_attn_func",
+    layout_world: int | None = None,
+    head_split: int = 1,
+    global_len: int | None = None,
+) -> AttentionSpec:
+    """Check and normalise one attention call (Note [Call resolution]).
+
+    Args:
+        q, k, v: this rank's ``[B, S_local, H(_kv), D]`` (``form`` "varlen"/"documents":
+            packed ``[T_local, H(_kv), D]``).
+        layout, form: the layout name and the form the front door needs of it
+            (:func:`dtensor_ring.layouts.get_layout`).
+        causal, softmax_scale, window_size, dropout_p, alibi_slopes, deterministic, backend:
+            flash-attn's arguments.
+        group_name, world_size: the process group the call runs over (its size W); the global
+            length is ``tokens_local * W``.
+        ring_func: ring attention is asked of the layout: check its mask, naming this function
+            for non-causal calls in the message; None (Ulysses) accepts every mask.
+        layout_world, head_split: the layout's ring has ``layout_world`` ranks (default W;
+            hybrid: the ring group) and the kernel sees the heads of a ``head_split``-way
+            head all-to-all (Ulysses, hybrid).
+        global_len: q, k, v are DTensors of ``global_len`` tokens (the scope-free DTensor
+            function: their shards were checked by the caller) rather than local tensors.
+
+    Raises:
+        ValueError: naming the argument and how to fix it, on every rank, before any
+            communication.
+    """
+    check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    lay = get_layout(layout, form)
+    varlen = form in ("varlen", "documents")
+    if ring_func is not None:
+        lay.check_mask(causal, ring_func=ring_func)
+    check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
+    tokens = q.shape[0] if varlen else q.shape[1]
+    if global_len is not None:
+        tokens = global_len // world_size
+    if head_split > 1:
+        check_heads(
+            q.shape[-2],
+            head_split,
+            "Ulysses attention" if layout_world is None else "hybrid attention (Ulysses dim)",
+        )
+    if not varlen:
+        ring_world = world_size if layout_world is None else layout_world
+        if ring_func is not None:
+            lay.check_local_length(tokens * (world_size // ring_world), ring_world)
+        elif not lay.identity_order:
+            lay.check_length(tokens * world_size, world_size)
+    causal, window = normalize_window(window_size, causal, tokens * world_size)
+    backend = select_backend(
+        q,
+        k,
+        backend,
+        varlen=varlen,
+        deterministic=deterministic,
+        window=window is not None,
+        head_split=head_split,
+    )
+    scale = default_scale(q, softmax_scale)
+    return AttentionSpec(lay.name, causal, window, scale, backend, group_name, world_size)
