@@ -27,11 +27,14 @@ graph, and the kernel choice is a Dynamo constant (:func:`select_backend`).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from ._compat import group_name as _group_name
 from .kernels import KernelCall, select_kernel
 from .layouts import Form, Layout, get_layout
 
@@ -62,8 +65,69 @@ class AttentionSpec(NamedTuple):
 # --- single arguments ------------------------------------------------------------------------
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a bool; ``TypeError`` unless it is one (a string like ``"False"`` is truthy
+    and would silently mean True)."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_softmax_scale(softmax_scale: object) -> float | None:
+    """``softmax_scale`` as a float (None: the default ``D ** -0.5``).
+
+    Any finite real number is valid (0 gives uniform attention, a negative scale flips the
+    scores); ``TypeError`` for a non-number, ``ValueError`` for NaN or an infinity.
+    """
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        if not (isinstance(softmax_scale, Tensor) and softmax_scale.numel() == 1):
+            raise TypeError(
+                f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
+            )
+    value = float(softmax_scale)
+    if not math.isfinite(value):
+        raise ValueError(f"softmax_scale={value} must be finite (or None for D ** -0.5)")
+    return value
+
+
+def check_backend_arg(backend: object) -> str | None:
+    """``backend`` must be a backend name (str) or None."""
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name (str) or None, got {backend!r}")
+    return backend
+
+
+def group_arg(group: object, name: str = "group") -> tuple[str, int]:
+    """``(group_name, world_size)`` of a process-group argument (None: the default group).
+
+    Raises:
+        TypeError: ``group`` is not a ``ProcessGroup`` (or None).
+        ValueError: this rank is not a member of ``group`` (the ranks that are cannot see
+            this: they will wait for it; check the group construction).
+    """
+    if group is dist.GroupMember.NON_GROUP_MEMBER or (
+        isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0
+    ):  # dist.new_group returns NON_GROUP_MEMBER on ranks outside the group
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of {name}; pass a "
+            "process group this rank belongs to (every rank calls attention with its own group)"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{name} must be a torch.distributed.ProcessGroup or None (the default group), got "
+            f"{type(group).__name__} {group!r}"
+        )
+    return _group_name(group), dist.get_world_size(group)
+
+
 def check_unsupported(*, dropout_p: float, alibi_slopes: object) -> None:
     """Reject flash-attn arguments whose non-default values are not implemented."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if dropout_p != 0.0:
         raise ValueError(
             f"dropout_p={dropout_p} is not supported by ring attention; pass dropout_p=0.0 "
@@ -328,6 +392,10 @@ def resolve_call(
             communication.
     """
     check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    causal = check_bool("causal", causal)
+    deterministic = check_bool("deterministic", deterministic)
+    softmax_scale = check_softmax_scale(softmax_scale)
+    backend = check_backend_arg(backend)
     lay = get_layout(layout, form)
     varlen = form in ("varlen", "documents")
     if ring_func is not None:

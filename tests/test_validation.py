@@ -124,9 +124,82 @@ BAD_CALLS = {
 }
 
 
+# name -> (call(group), regex): arguments of the wrong type raise TypeError naming them
+BAD_TYPES = {
+    "causal_string": (
+        lambda g: dr.ring_flash_attn_func(*_qkv(), causal="False", group=g),
+        "causal",
+    ),
+    "causal_int": (lambda g: dr.zigzag_ring_flash_attn_func(*_qkv(), causal=1, group=g), "causal"),
+    "deterministic_string": (
+        lambda g: dr.ring_flash_attn_func(*_qkv(), deterministic="yes", group=g),
+        "deterministic",
+    ),
+    "scale_string": (
+        lambda g: dr.ring_flash_attn_func(*_qkv(), softmax_scale="0.5", group=g),
+        "softmax_scale",
+    ),
+    "group_int": (lambda g: dr.ring_flash_attn_func(*_qkv(), group=0), r"\bgroup\b"),
+    "group_string": (lambda g: dr.stripe_flash_attn_func(*_qkv(), True, group="cp"), r"group"),
+    "ulysses_group_int": (
+        lambda g: dr.hybrid_flash_attn_func(*_qkv(), ulysses_group=1, ring_group=g),
+        "ulysses_group",
+    ),
+    "backend_int": (lambda g: dr.ring_flash_attn_func(*_qkv(), group=g, backend=3), "backend"),
+}
+# name -> (call(group), regex): values that are never valid raise ValueError
+BAD_VALUES = {
+    "scale_nan": (
+        lambda g: dr.ring_flash_attn_func(*_qkv(), softmax_scale=float("nan"), group=g),
+        "softmax_scale=nan must be finite",
+    ),
+    "scale_inf": (
+        lambda g: dr.zigzag_ring_flash_attn_func(
+            *_qkv(), softmax_scale=float("-inf"), causal=True, group=g
+        ),
+        "softmax_scale=-inf must be finite",
+    ),
+    "hybrid_same_group": (
+        lambda g: dr.hybrid_flash_attn_func(*_qkv(), ulysses_group=g, ring_group=g, causal=True),
+        "same process group",
+    ),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "name, expected",
+    [(n, "TypeError") for n in BAD_TYPES] + [(n, "ValueError") for n in BAD_VALUES],
+)
+def test_bad_type_or_value_raises_on_every_rank(dist_pool, name, expected, world_size):
+    results = dist_pool.run(try_bad_call, world_size, timeout_s=30, name=name)
+    pattern = {**BAD_TYPES, **BAD_VALUES}[name][1]
+    for rank, (kind, message) in enumerate(results):
+        assert kind == expected, f"rank {rank}: {kind}: {message}"
+        assert re.search(pattern, message), f"rank {rank}: {message!r} !~ {pattern!r}"
+
+
+def check_non_member(group: dist.ProcessGroup) -> tuple[str, str]:
+    """Worker body: ranks 0 and 1 form a group; rank 2 (not a member) passes it too."""
+    pair = dist.new_group([0, 1])
+    if dist.get_rank() == 2:
+        try:
+            dr.ring_flash_attn_func(*_qkv(), group=pair)
+        except Exception as e:  # noqa: BLE001 - reported and checked by the test
+            return type(e).__name__, str(e)
+        return "no exception", ""
+    return "member", ""
+
+
+def test_non_member_rank_raises(dist_pool):
+    results = dist_pool.run(check_non_member, 3, timeout_s=30)
+    kind, message = results[2]
+    assert kind == "ValueError" and "not a member of group" in message, results[2]
+
+
 def try_bad_call(group: dist.ProcessGroup, name: str) -> tuple[str, str]:
     """Worker body: make the bad call; report ``(exception type, message)``."""
-    call, _ = BAD_CALLS[name]
+    call, _ = {**BAD_CALLS, **BAD_TYPES, **BAD_VALUES}[name]
     try:
         result = call(group)
     except Exception as e:  # noqa: BLE001 - reported to the main process and checked there

@@ -32,9 +32,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from .._compat import group_name
 from ..ops.ring import ring_attention
-from ..resolve import resolve_call, unpack
+from ..resolve import group_arg, resolve_call, unpack
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -57,6 +56,7 @@ def ring_attention_func(
 ) -> Result:
     """Ring attention in any registered dense ``layout`` (the functions below fix it):
     ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``."""
+    name, world_size = group_arg(group)
     spec = resolve_call(
         q,
         k,
@@ -69,8 +69,8 @@ def ring_attention_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
-        group_name=group_name(group),
-        world_size=dist.get_world_size(group),
+        group_name=name,
+        world_size=world_size,
     )
     out, lse = ring_attention(q, k, v, *spec.op_args())
     return (out, lse, None) if return_attn_probs else out

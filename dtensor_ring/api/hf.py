@@ -96,6 +96,8 @@ def setup(
 
     global _config
     get_layout(layout)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
     _config = _Config(group, layout, backend)
     AttentionInterface.register(ATTN_IMPLEMENTATION, ring_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

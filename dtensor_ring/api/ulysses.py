@@ -35,11 +35,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from .._compat import group_name
 from ..layouts import Layout, LayoutName, get_layout, token_indices
 from ..ops.ring import ring_attention
 from ..ops.ulysses import gathered_order, to_heads, ulysses_all_to_all, ulysses_local_attention
-from ..resolve import resolve_call, unpack
+from ..resolve import group_arg, resolve_call, unpack
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -81,7 +80,7 @@ def ulysses_flash_attn_func(
     Returns:
         ``out [B, S_local, H, D]`` (or ``(out, lse, None)``).
     """
-    W = dist.get_world_size(group)
+    name, W = group_arg(group)
     spec = resolve_call(
         q,
         k,
@@ -94,7 +93,7 @@ def ulysses_flash_attn_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
-        group_name=group_name(group),
+        group_name=name,
         world_size=W,
         ring_func=None,
         head_split=W,
@@ -268,8 +267,13 @@ def hybrid_flash_attn_func(
 
         [B, S_local, H, D] --a2a(U)--> [B, S_local*U, H/U, D] --ring(R)--> same --a2a(U)--> back
     """
-    U, R = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
-    u_name = group_name(ulysses_group)
+    u_name, U = group_arg(ulysses_group, "ulysses_group")
+    r_name, R = group_arg(ring_group, "ring_group")
+    if u_name == r_name and U * R > 1:
+        raise ValueError(
+            "ulysses_group and ring_group are the same process group; hybrid attention needs "
+            "two orthogonal groups (e.g. the GPUs of a node, and one rank per node)"
+        )
     spec = resolve_call(
         q,
         k,
@@ -282,7 +286,7 @@ def hybrid_flash_attn_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
-        group_name=group_name(ring_group),
+        group_name=r_name,
         world_size=U * R,
         ring_func='hybrid_flash_attn_func(layout="ring")',
         layout_world=R,

@@ -47,11 +47,11 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from .._compat import group_name
 from ..ops.varlen import llama3_attention, ring_attention_varlen
 from ..resolve import (
     check_cu_seqlens_arg,
     check_heads_k_stride,
+    group_arg,
     local_k_slice_bounds,
     max_seqlen_value,
     resolve_call,
@@ -82,6 +82,7 @@ def ring_varlen_attention_func(
     """Ring attention over packed documents in any registered per-document varlen ``layout``
     (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` ->
     ``out [T_local, H, D]``."""
+    name, world_size = group_arg(group)
     spec = resolve_call(
         q,
         k,
@@ -95,8 +96,8 @@ def ring_varlen_attention_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
-        group_name=group_name(group),
-        world_size=dist.get_world_size(group),
+        group_name=name,
+        world_size=world_size,
         ring_func="ring_flash_attn_varlen_func",
     )
     check_cu_seqlens_arg(cu_seqlens, q)
@@ -129,6 +130,7 @@ def llama3_attention_func(
 ) -> Result:
     """All-gather attention over packed documents in a stream ``layout``: ``q [L, H, D]``,
     ``k, v [L, H_kv, D]`` -> ``out [L, H, D]`` (Note [llama3 all-gather attention])."""
+    name, world_size = group_arg(group)
     spec = resolve_call(
         q,
         k,
@@ -142,8 +144,8 @@ def llama3_attention_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
-        group_name=group_name(group),
-        world_size=dist.get_world_size(group),
+        group_name=name,
+        world_size=world_size,
     )
     check_heads_k_stride(heads_k_stride, k.shape[1])
     k_start, k_stop = local_k_slice_bounds(local_k_slice)
