@@ -1,10 +1,49 @@
-"""The one place that touches private PyTorch APIs, each behind a version check.
+"""The one place (with :mod:`dtensor_ring._compat.dtensor`) that touches private PyTorch APIs.
 
-Process groups travel through custom ops by name (``group.group_name``); turning a name back
-into a group needs ``torch.distributed.distributed_c10d._resolve_process_group``.
+Import checks only the torch version (``>= 2.11``, :data:`MIN_TORCH`). Every private API is
+resolved lazily, on first use, never at import: a torch build that lacks one loses only the
+feature that needs it (with an error or a rejection reason naming the missing API and the torch
+version), and ``import dtensor_ring`` keeps working.
+
+* Process groups travel through custom ops by name (``group.group_name``); turning a name back
+  into a group needs ``torch.distributed.distributed_c10d._resolve_process_group``, looked up
+  by :func:`resolve_group` at each call (``RuntimeError`` when missing).
+* Private aten ops (the fused attention kernels and SDPA's fused ops) are looked up by
+  :func:`aten_op`, cached. The block-kernel backends report a missing op from
+  ``is_available()`` (via :func:`missing_aten_ops`), so kernel selection skips them and says
+  why; ``ring_sdpa`` installs handlers only for the SDPA op families this torch has.
+* DTensor's custom op handler table and ``OpOverload._schema``: :mod:`._compat.dtensor`
+  (probed with ``getattr`` defaults, never raising at import; ``ring_sdpa`` raises without it).
+
+Every private aten op the library uses (:data:`PRIVATE_ATEN_OPS`; ``tests/test_compat.py``
+asserts that each resolves, and that no module outside ``_compat/`` names one directly).
+"Resolved on": ``2.13.0+cpu`` is this repository's CI build (``tests/test_compat.py``);
+``2.11.0+cu130`` is the H200 on which the op ran (``tests/gpu/check_kernels.py`` for the
+kernels, ``python -m dtensor_ring.testing.gpu_check_dtensor`` for the SDPA handlers).
+
+==========================================================  ====================  ============
+``aten.`` op                                                used by               resolved on
+==========================================================  ====================  ============
+``_scaled_dot_product_flash_attention_for_cpu``             ``cpu_flash``,        2.13
+                                                            ``ring_sdpa``
+``_scaled_dot_product_flash_attention_for_cpu_backward``    ``cpu_flash``,        2.13
+                                                            ``ring_sdpa``
+``_flash_attention_forward``                                ``cuda_flash``        2.11, 2.13
+``_flash_attention_backward``                               ``cuda_flash``        2.11, 2.13
+``_scaled_dot_product_cudnn_attention``                     ``cudnn``,            2.11, 2.13
+                                                            ``ring_sdpa``
+``_scaled_dot_product_cudnn_attention_backward``            ``cudnn``,            2.11, 2.13
+                                                            ``ring_sdpa``
+``_scaled_dot_product_flash_attention``                     ``ring_sdpa``         2.11, 2.13
+``_scaled_dot_product_flash_attention_backward``            ``ring_sdpa``         2.11, 2.13
+``_scaled_dot_product_efficient_attention``                 ``ring_sdpa``         2.11, 2.13
+``_scaled_dot_product_efficient_attention_backward``        ``ring_sdpa``         2.11, 2.13
+==========================================================  ====================  ============
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -12,15 +51,58 @@ from torch.distributed import distributed_c10d as _c10d
 
 MIN_TORCH = (2, 11)
 
-if tuple(int(x) for x in torch.__version__.split(".")[:2]) < MIN_TORCH:
+if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
     raise ImportError(
         f"dtensor_ring needs torch >= {'.'.join(map(str, MIN_TORCH))}, found {torch.__version__}"
     )
-if not hasattr(_c10d, "_resolve_process_group"):
-    raise ImportError(
-        "torch.distributed.distributed_c10d._resolve_process_group is missing from torch "
-        f"{torch.__version__}; dtensor_ring/_compat.py must be updated for this version"
-    )
+
+PRIVATE_ATEN_OPS: tuple[str, ...] = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_flash_attention_forward",
+    "_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+)
+
+
+@functools.cache
+def aten_op(name: str) -> torch._ops.OpOverloadPacket | None:
+    """``torch.ops.aten.<name>``, or ``None`` when this torch lacks it (looked up once).
+
+    Raises:
+        ValueError: if ``name`` is not in :data:`PRIVATE_ATEN_OPS` (keep the table complete).
+    """
+    if name not in PRIVATE_ATEN_OPS:
+        raise ValueError(f"aten.{name} is not listed in dtensor_ring._compat.PRIVATE_ATEN_OPS")
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def missing_aten_ops(*names: str) -> str | None:
+    """``None`` when this torch has all the ops ``names``, else a reason naming the first
+    missing one (what a kernel's ``is_available()`` reports)."""
+    for name in names:
+        if aten_op(name) is None:
+            return (
+                f"torch {torch.__version__} lacks aten.{name} "
+                "(dtensor_ring/_compat/__init__.py lists the private ops it needs)"
+            )
+    return None
+
+
+def require_aten_op(name: str) -> torch._ops.OpOverloadPacket:
+    """``torch.ops.aten.<name>``; ``RuntimeError`` naming the op and torch version if missing."""
+    op = aten_op(name)
+    if op is None:
+        raise RuntimeError(missing_aten_ops(name))
+    return op
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -34,5 +116,16 @@ def group_name(group: dist.ProcessGroup | None) -> str:
 
 
 def resolve_group(name: str) -> dist.ProcessGroup:
-    """The process group registered under ``name``."""
-    return _c10d._resolve_process_group(name)
+    """The process group registered under ``name``.
+
+    Raises:
+        RuntimeError: when this torch lacks ``_resolve_process_group`` (looked up per call).
+    """
+    resolve = getattr(_c10d, "_resolve_process_group", None)
+    if resolve is None:
+        raise RuntimeError(
+            "torch.distributed.distributed_c10d._resolve_process_group is missing from torch "
+            f"{torch.__version__}; dtensor_ring/_compat/__init__.py must be updated for this "
+            "version (ring attention needs it to find the process group of a custom op call)"
+        )
+    return resolve(name)

@@ -6,7 +6,7 @@ One private API is used: DTensor's table of custom op handlers,
 from 2.10, calls a listed handler instead of sharding propagation). PyTorch's own
 context parallelism (``torch/distributed/tensor/experimental/_context_parallel/_attention.py``)
 and loss parallelism (``torch/distributed/tensor/parallel/loss.py``) install their handlers
-the same way. :mod:`dtensor_ring.dtensor` uses it to route the fused SDPA aten ops (and
+the same way. :mod:`dtensor_ring.api.dtensor` uses it to route the fused SDPA aten ops (and
 their backward ops) on DTensors to ring attention (Note [How SDPA on DTensors reaches ring
 attention]).
 
@@ -66,7 +66,7 @@ def custom_op_handlers(handlers: Mapping[torch._ops.OpOverload, Handler]) -> Ite
         raise RuntimeError(
             f"torch {torch.__version__}: DTensor._op_dispatcher._custom_op_handlers is missing "
             "or changed, so dtensor_ring.ring_sdpa cannot route SDPA on DTensors to ring "
-            "attention; dtensor_ring/_dtensor_compat.py needs an update for this version. "
+            "attention; dtensor_ring/_compat/dtensor.py needs an update for this version. "
             "dtensor_ring.scaled_dot_product_ring_attention (no private API) still works."
         )
     missing = object()

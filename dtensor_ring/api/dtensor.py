@@ -109,6 +109,7 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from .._compat import aten_op, require_aten_op
 from .._compat import dtensor as _dtensor_compat
 from ..layouts import LayoutName, get_layout, shard_local
 from ..layouts.sharding import restore_order
@@ -583,12 +584,17 @@ class AtenSDPAOps:
     lse_trailing_one: bool = False  # cuDNN's lse is [B, H, S, 1]
 
     @property
+    def available(self) -> bool:
+        """Whether this torch has both ops (resolved lazily, ``_compat.aten_op``)."""
+        return aten_op(self.forward) is not None and aten_op(self.backward) is not None
+
+    @property
     def forward_op(self) -> torch._ops.OpOverload:
-        return getattr(torch.ops.aten, self.forward).default
+        return require_aten_op(self.forward).default
 
     @property
     def backward_op(self) -> torch._ops.OpOverload:
-        return getattr(torch.ops.aten, self.backward).default
+        return require_aten_op(self.backward).default
 
 
 ATEN_SDPA_OPS: tuple[AtenSDPAOps, ...] = (
@@ -662,7 +668,7 @@ def aten_sdpa_forward_handler(
     config: _Config, op: torch._ops.OpOverload, args: tuple, kwargs: dict
 ) -> tuple:
     """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
-    family = _FAMILY_OF[op]
+    family = _family_of()[op]
     a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
     query, mesh = a["query"], a["query"].device_mesh
     out, lse = _MODE_OPS[config.mode][0](q, k, v, *spec.op_args())
@@ -686,7 +692,7 @@ def aten_sdpa_backward_handler(
     config: _Config, op: torch._ops.OpOverload, args: tuple, kwargs: dict
 ) -> tuple:
     """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
-    family = _FAMILY_OF[op]
+    family = _family_of()[op]
     a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
     mesh, placements = a["query"].device_mesh, a["query"].placements
     dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
@@ -716,15 +722,23 @@ def aten_sdpa_backward_handler(
     return tuple(grads + [None] * (len(_dtensor_compat.return_names(op)) - 3))
 
 
-_FAMILY_OF: dict[torch._ops.OpOverload, AtenSDPAOps] = {}
-for _family in ATEN_SDPA_OPS:
-    for _op in (_family.forward_op, _family.backward_op):
-        _FAMILY_OF[_op] = _family
+@functools.cache
+def _family_of() -> dict[torch._ops.OpOverload, AtenSDPAOps]:
+    """``{op: family}`` of the families this torch has (built on first use, not at import)."""
+    return {
+        op: family
+        for family in ATEN_SDPA_OPS
+        if family.available
+        for op in (family.forward_op, family.backward_op)
+    }
 
 
 def _aten_handlers(config: _Config) -> dict:
+    """Handlers for the families this torch has; a family whose ops it lacks is left to SDPA."""
     handlers = {}
     for family in ATEN_SDPA_OPS:
+        if not family.available:
+            continue
         handlers[family.forward_op] = functools.partial(aten_sdpa_forward_handler, config)
         handlers[family.backward_op] = functools.partial(aten_sdpa_backward_handler, config)
     return handlers

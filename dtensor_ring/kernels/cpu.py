@@ -16,7 +16,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from .._compat import missing_aten_ops, require_aten_op
 from .base import BlockKernel, accumulation_dtype, window_mask
+
+_FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
+_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 
 
 def _window_bias(q_BSHD: Tensor, k_BSHD: Tensor, window: tuple[int, int] | None) -> Tensor | None:
@@ -41,8 +45,11 @@ class CpuFlashKernel(BlockKernel):
     )
     supports_window: ClassVar[bool] = True
 
+    def is_available(self) -> str | None:
+        return missing_aten_ops(_FORWARD, _BACKWARD)
+
     def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
-        out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out_BHSD, lse_BHS = require_aten_op(_FORWARD)(
             q_BSHD.transpose(1, 2),
             k_BSHD.transpose(1, 2),
             v_BSHD.transpose(1, 2),
@@ -56,7 +63,7 @@ class CpuFlashKernel(BlockKernel):
     def backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
     ):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD.transpose(1, 2),
             q_BSHD.transpose(1, 2),
             k_BSHD.transpose(1, 2),

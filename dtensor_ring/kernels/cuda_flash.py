@@ -31,7 +31,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from .._compat import missing_aten_ops, require_aten_op
 from .base import BlockKernel, KernelCall
+
+_FORWARD = "_flash_attention_forward"
+_BACKWARD = "_flash_attention_backward"
 
 
 def _window_args(window: tuple[int, int] | None) -> dict[str, int]:
@@ -93,6 +97,9 @@ class TorchFlashKernel(BlockKernel):
     supports_window: ClassVar[bool] = True
 
     def is_available(self) -> str | None:
+        missing = missing_aten_ops(_FORWARD, _BACKWARD)
+        if missing is not None:
+            return missing
         if not torch.backends.cuda.is_flash_attention_available():
             return "this PyTorch build has no flash attention kernels"
         return cuda_sm80_reason()
@@ -101,7 +108,7 @@ class TorchFlashKernel(BlockKernel):
         return head_dim_reason(call) or deterministic_reason(call)
 
     def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
-        out_BSHD, lse_BHS, *_ = torch.ops.aten._flash_attention_forward(
+        out_BSHD, lse_BHS, *_ = require_aten_op(_FORWARD)(
             unit_last_stride(q_BSHD),
             unit_last_stride(k_BSHD),
             unit_last_stride(v_BSHD),
@@ -121,7 +128,7 @@ class TorchFlashKernel(BlockKernel):
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
     ):
         rng_state, unused = _no_dropout_rng(q_BSHD.device)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD,
             unit_last_stride(q_BSHD),
             unit_last_stride(k_BSHD),
@@ -155,7 +162,7 @@ class TorchFlashKernel(BlockKernel):
         scale,
         window=None,
     ):
-        out_THD, lse_HT, *_ = torch.ops.aten._flash_attention_forward(
+        out_THD, lse_HT, *_ = require_aten_op(_FORWARD)(
             unit_last_stride(q_THD),
             unit_last_stride(k_THD),
             unit_last_stride(v_THD),
@@ -189,7 +196,7 @@ class TorchFlashKernel(BlockKernel):
         window=None,
     ):
         rng_state, unused = _no_dropout_rng(q_THD.device)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_THD,
             unit_last_stride(q_THD),
             unit_last_stride(k_THD),

@@ -31,11 +31,14 @@ from typing import ClassVar
 
 import torch
 
+from .._compat import missing_aten_ops, require_aten_op
 from .base import BlockKernel, KernelCall
 from .cuda_flash import cuda_sm80_reason, head_dim_reason, unit_last_stride
 
 _MIN_CUDNN = 90000  # cuDNN 9.0: the first version PyTorch's SDPA uses for attention
 _HOPPER_D256_CUDNN = 91000  # cuDNN 9.10: head dims up to 256 on sm90
+_FORWARD = "_scaled_dot_product_cudnn_attention"
+_BACKWARD = "_scaled_dot_product_cudnn_attention_backward"
 
 
 def _no_window(window: tuple[int, int] | None) -> None:
@@ -53,6 +56,9 @@ class CudnnKernel(BlockKernel):
     deterministic_backward: ClassVar[bool] = False
 
     def is_available(self) -> str | None:
+        missing = missing_aten_ops(_FORWARD, _BACKWARD)
+        if missing is not None:
+            return missing
         if not torch.backends.cudnn.is_available():
             return "cuDNN is not available in this PyTorch build"
         version = torch.backends.cudnn.version()
@@ -73,7 +79,7 @@ class CudnnKernel(BlockKernel):
     def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
         _no_window(window)
         B, S_q, H, _ = q_BSHD.shape
-        out_BHSD, lse_BHS1, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        out_BHSD, lse_BHS1, *_ = require_aten_op(_FORWARD)(
             unit_last_stride(q_BSHD).transpose(1, 2),
             unit_last_stride(k_BSHD).transpose(1, 2),
             unit_last_stride(v_BSHD).transpose(1, 2),
@@ -91,7 +97,7 @@ class CudnnKernel(BlockKernel):
     ):
         _no_window(window)
         philox = torch.empty((), dtype=torch.long, device=q_BSHD.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD.transpose(1, 2),
             unit_last_stride(q_BSHD).transpose(1, 2),
             unit_last_stride(k_BSHD).transpose(1, 2),

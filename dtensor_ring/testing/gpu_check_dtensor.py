@@ -60,7 +60,7 @@ def _attention(mesh, backend, dtype, H_kv, compiled=False) -> str:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H_kv != 8)
 
     if compiled:
-        torch._dynamo.reset()  # Dynamo does not guard SDPA's backend flags: start afresh
+        torch.compiler.reset()  # Dynamo does not guard SDPA's backend flags: start afresh
     fn = torch.compile(attend, fullgraph=True) if compiled else attend
     with dtensor_ring.ring_sdpa(layout="zigzag"), sdpa_kernel([backend]):
         out = fn(*leaves)
