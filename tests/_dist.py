@@ -21,11 +21,20 @@ distributed test:
 * Hangs fail instead of blocking CI: a call that exceeds its ``timeout_s``, or whose remaining
   ranks do not finish within :data:`STRAGGLER_S` seconds of the first rank finishing (typically:
   one rank raised, the others are blocked in a collective waiting for it), or whose worker dies,
-  tears the pool down (terminates the workers) and raises. The next ``run`` starts a fresh pool.
+  tears the pool down and raises. The next ``run`` starts a fresh pool.
+* Tear-down asks every worker to stop and gives them :data:`STOP_GRACE_S` seconds: an idle
+  worker exits at once, and a worker blocked in a collective gets an error from gloo as soon as
+  its peers exit, then reads its stop message. Workers that exit normally run their
+  ``multiprocessing`` finalizers (a terminated one leaks e.g. the named semaphore of the
+  ``multiprocessing.RLock`` that tqdm creates during inductor compiles, which the resource tracker
+  reports as "leaked semaphore objects" at exit). Only workers still alive after the grace
+  period are terminated.
 
-Workers inherit the parent's stdout/stderr file descriptors, so whatever they print goes where
-the main process's output went when the pool was started (the session fixture in ``conftest.py``
-starts it with pytest's capturing suspended, i.e. to the terminal).
+Output: each worker points its stdout and stderr file descriptors at two files of a temporary
+directory (so Python prints, warnings and C++ library output all land there). After every call
+the pool reads what the workers wrote and re-emits it on the main process's ``sys.stdout`` /
+``sys.stderr``, each line prefixed ``[rank N]``: pytest captures it with the test that made the
+call (shown with that test's failure report; ``capsys`` sees it).
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -46,6 +57,7 @@ POOL_SIZE = 4
 DEFAULT_TIMEOUT_S = 180.0
 STRAGGLER_S = 30.0
 START_TIMEOUT_S = 180.0
+STOP_GRACE_S = 10.0
 _HOST = "127.0.0.1"
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_ROOT = os.path.dirname(_TESTS_DIR)
@@ -55,8 +67,17 @@ class PoolError(AssertionError):
     """A distributed call failed: an exception on some rank, a hang, or a dead worker."""
 
 
-def _worker_main(rank: int, world_size: int, store_port: int, conn: Connection) -> None:
-    """Body of one worker process: join the process group, then serve calls until told to stop."""
+def _worker_main(
+    rank: int, world_size: int, store_port: int, conn: Connection, out_paths: tuple[str, str]
+) -> None:
+    """Body of one worker process: join the process group, then serve calls until told to stop.
+
+    ``out_paths``: the files that take this process's stdout and stderr (file descriptors 1, 2).
+    """
+    for fd, path in zip((1, 2), out_paths, strict=True):
+        file_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(file_fd, fd)
+        os.close(file_fd)
     for path in (_REPO_ROOT, _TESTS_DIR):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -78,9 +99,9 @@ def _worker_main(rank: int, world_size: int, store_port: int, conn: Connection) 
             for w in range(1, world_size + 1)
         }
     except BaseException:
-        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        _reply(conn, pickle.dumps(("error", traceback.format_exc())))
         return
-    conn.send_bytes(pickle.dumps(("ready", None)))
+    _reply(conn, pickle.dumps(("ready", None)))
 
     while True:
         try:
@@ -95,23 +116,25 @@ def _worker_main(rank: int, world_size: int, store_port: int, conn: Connection) 
             reply = pickle.dumps(("ok", result))
         except BaseException:
             reply = pickle.dumps(("error", traceback.format_exc()))
-        conn.send_bytes(reply)
+        _reply(conn, reply)
     dist.destroy_process_group()
 
 
+def _reply(conn: Connection, reply: bytes) -> None:
+    """Flush this worker's output (the main process reads it on the reply), then reply."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send_bytes(reply)
+
+
 class WorkerPool:
-    """``POOL_SIZE`` gloo worker processes, started lazily, restarted after a failure.
+    """``POOL_SIZE`` gloo worker processes, started lazily, restarted after a failure."""
 
-    Args:
-        start_context: optional factory of a context manager entered while worker processes are
-            being started (the pytest fixture passes one that suspends output capturing, so the
-            workers write to the terminal).
-    """
-
-    def __init__(self, start_context: Callable[[], Any] | None = None) -> None:
-        self._start_context = start_context or contextlib.nullcontext
+    def __init__(self) -> None:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
+        self._outputs: list[tuple[Any, Any]] = []  # per rank: (stdout, stderr) file, read side
+        self._out_dir: str | None = None
         self._store = None
 
     @property
@@ -126,26 +149,30 @@ class WorkerPool:
 
         self._store = dist.TCPStore(_HOST, 0, POOL_SIZE + 1, is_master=True, wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        with self._start_context():
-            for rank in range(POOL_SIZE):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_worker_main,
-                    name=f"dist-worker-{rank}",
-                    daemon=True,
-                    args=(rank, POOL_SIZE, self._store.port, child),
-                )
-                proc.start()
-                child.close()
-                self._procs.append(proc)
-                self._conns.append(parent)
+        self._out_dir = tempfile.mkdtemp(prefix="dist-pool-")
+        for rank in range(POOL_SIZE):
+            paths = tuple(os.path.join(self._out_dir, f"rank{rank}.{s}") for s in ("out", "err"))
+            for path in paths:
+                open(path, "wb").close()
+            self._outputs.append(tuple(open(path, "rb") for path in paths))
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                name=f"dist-worker-{rank}",
+                daemon=True,
+                args=(rank, POOL_SIZE, self._store.port, child, paths),
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
         failed = _errors(
             self._collect(
                 range(POOL_SIZE), START_TIMEOUT_S, "pool start-up", straggler_s=START_TIMEOUT_S
             )
         )
         if failed:
-            self.shutdown(graceful=False)
+            self.shutdown()
             raise PoolError(_format_failures("pool start-up failed", failed))
 
     def run(
@@ -174,7 +201,10 @@ class WorkerPool:
         for conn in self._conns[:world_size]:
             conn.send_bytes(payload)
         what = f"{fn.__module__}.{fn.__qualname__} (world_size={world_size})"
-        replies = self._collect(range(world_size), timeout_s, what)
+        try:
+            replies = self._collect(range(world_size), timeout_s, what)
+        finally:
+            self.relay_output()
         failed = _errors(replies)
         if failed:
             raise PoolError(_format_failures(f"{what} raised", failed))
@@ -197,7 +227,7 @@ class WorkerPool:
             sentinels = {self._procs[r].sentinel: r for r in pending}
             ready = wait([*conns, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                self.shutdown(graceful=False)
+                self.shutdown()
                 reason = (
                     f"ranks {sorted(pending)} did not finish (limits: {timeout_s:.0f}s "
                     f"in all, {straggler_s:.0f}s after the first rank finished; finished: "
@@ -221,7 +251,7 @@ class WorkerPool:
                 if rank is not None and rank in pending:
                     self._procs[rank].join(timeout=5)
                     code = self._procs[rank].exitcode
-                    self.shutdown(graceful=False)
+                    self.shutdown()
                     raise PoolError(
                         _format_failures(
                             f"{what}: worker {rank} died (exit code {code}); pool torn down",
@@ -230,14 +260,26 @@ class WorkerPool:
                     )
         return replies
 
-    def shutdown(self, graceful: bool = True) -> None:
-        """Stop the workers (asking politely first if ``graceful``, else terminating them)."""
-        if graceful:
-            for conn in self._conns:
-                with contextlib.suppress(OSError):
-                    conn.send_bytes(b"stop")
-            for proc in self._procs:
-                proc.join(timeout=10)
+    def relay_output(self) -> None:
+        """Re-emit what the workers wrote since the last call on ``sys.stdout``/``sys.stderr``."""
+        for rank, files in enumerate(self._outputs):
+            for file, stream in zip(files, (sys.stdout, sys.stderr), strict=True):
+                text = file.read().decode(errors="replace")
+                if text:
+                    stream.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+                    stream.flush()
+
+    def shutdown(self) -> None:
+        """Stop the workers: ask each to stop, terminate those still alive after a grace period.
+
+        A worker blocked in a collective leaves it (gloo raises) once its peers have exited.
+        """
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(b"stop")
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
@@ -248,7 +290,15 @@ class WorkerPool:
                 proc.join()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns, self._store = [], [], None
+        for proc in self._procs:
+            proc.close()
+        self.relay_output()
+        for files in self._outputs:
+            for file in files:
+                file.close()
+        if self._out_dir is not None:
+            shutil.rmtree(self._out_dir, ignore_errors=True)
+        self._procs, self._conns, self._outputs, self._out_dir, self._store = [], [], [], None, None
 
 
 def _errors(replies: dict[int, tuple[str, Any]]) -> dict[int, str]:

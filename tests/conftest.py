@@ -35,13 +35,13 @@ _warm_up_vectorized_math()
 
 
 @pytest.fixture(scope="session")
-def dist_pool(request: pytest.FixtureRequest):
+def dist_pool():
     """The session's pool of gloo workers: ``dist_pool.run(fn, world_size, **kwargs)``.
 
-    Workers start on first use, with pytest's output capturing suspended so that what they
-    print reaches the terminal; they are shut down at the end of the session.
+    Workers start on first use and are shut down at the end of the session. What they print
+    during a call is re-emitted on ``sys.stdout``/``sys.stderr`` after it, so pytest captures it
+    with the calling test.
     """
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    pool = WorkerPool(start_context=capman.global_and_fixture_disabled if capman else None)
+    pool = WorkerPool()
     yield pool
     pool.shutdown()

@@ -226,7 +226,11 @@ def _direct_checkpointed(group, backend, mode):
     return {"frames": counter.frame_count, "diff": _max_diff(*results)}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+# CPU inductor compiles take seconds: the slow tier.
+INDUCTOR = pytest.param("inductor", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_functional_api_compiles_fullgraph(dist_pool, backend):
     for r in dist_pool.run(_functional, 2, timeout_s=400, backend=backend):
         assert r["frames"] == 1 and r["ops"] == 2, r
@@ -234,7 +238,7 @@ def test_functional_api_compiles_fullgraph(dist_pool, backend):
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_dtensor_sdpa_compiles_fullgraph(dist_pool, backend, mode):
     for r in dist_pool.run(_dtensor_sdpa, 2, timeout_s=400, backend=backend, mode=mode):
         assert r["frames"] == 1 and r["graph_breaks"] == 0, r

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each script starts a process that imports torch (~2 s)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
