@@ -1,0 +1,1116 @@
+"""The generated cases of the adversarial suite.
+
+A case runs one front door (:mod:`tests.adversarial.doors`) on every rank of a world of 1-4
+ranks and returns checks against the strict fp64 reference of attention over the whole
+sequence on one device (:mod:`tests.adversarial.oracle`), or is expected to raise a clean
+``ValueError`` / ``TypeError`` on every rank. Kinds:
+
+* ``base``: every door x world size 1-4 x backend (auto, "cpu_flash", "math"), causal, with
+  gradients (and ``lse`` where the door returns it);
+* ``mask``: non-causal, sliding windows, MQA / MHA head counts;
+* ``layout`` (a): non-contiguous arguments (:data:`doors.VIEWS`), also of packed kv / qkv;
+* ``nonfinite`` (b): a NaN / +Inf / -Inf in one token's q, k or v, early, late, in the middle
+  (masked for earlier queries), inside a window, inside one packed document; the expected
+  NaN/Inf pattern is the strict reference's (a row is touched only by tokens it sees);
+* ``scale`` (c): ``softmax_scale`` 0, negative, tiny, huge, int, 0-d tensor (correct); NaN,
+  Inf, str, bool (clean error);
+* ``args`` (d): malformed arguments and tensors (types, windows, groups, a rank outside its
+  group, dropout, alibi, backends, dtypes, int / empty / wrong-rank tensors, head counts,
+  ``cu_seqlens`` and llama3 metadata);
+* ``disagree`` (e): ranks that disagree on shapes, dtypes, masks, windows, scales, layouts,
+  documents, or the op itself. Each runs twice: ``[debug]`` with ``DTENSOR_RING_DEBUG=1``
+  (the consistency mode: expected clean error on every rank) and ``[nodebug]`` without
+  (informational: SPMD misuse no rank can see alone);
+* ``dtensor`` (f): ``distribute_tensor`` / ``shard_sequence`` DTensors through ``ring_sdpa()``
+  and ``scaled_dot_product_ring_attention`` with their defaults;
+* ``hf`` (g): keyword arguments the transformers attention function receives (it must use or
+  reject each), and tiny transformers models end to end;
+* ``dtype``, ``values``, ``shapes``: fp32 / bf16 / fp16; zero, tiny and huge values; edge sizes;
+* ``debug_on``: consistent calls with the consistency mode on must stay correct.
+
+Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
+case's ``fast`` flag marks the CI subset).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import oracle
+from .doors import DOORS, HYBRID_SPLIT, VIEWS, Ctx, Door, Tokens, cpu_mesh, view_grad
+from .oracle import Check, Flag
+from .runner import Case
+
+CORRECT = frozenset({"correct"})
+ERROR = frozenset({"clean_error"})
+EITHER = CORRECT | ERROR
+DEBUG_ENV = {"DTENSOR_RING_DEBUG": "1"}
+BACKENDS = (None, "cpu_flash", "math")
+WORLDS = (1, 2, 3, 4)
+
+
+# --- one attention call, checked ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sym:
+    """A keyword value made on the rank: "world" (the world group)."""
+
+    name: str
+
+
+@dataclass
+class Setup:
+    """Everything about one attention call besides the door.
+
+    kw: the door's keyword arguments (flash-attn names, :mod:`doors`).
+    dtype, B, s_local (tokens per rank), heads ``(H, H_kv)`` (default: H = 4, or 12 on 3
+        ranks; H_kv = H / 2, or H for qkv-packed doors), D, docs (packed document lengths).
+    view: memory layout of every tensor argument (:data:`doors.VIEWS`).
+    inject: ``(tensor, position, value)``: one element (head 0, dim 0) of one token set to a
+        non-finite value; positions "early", "late", "middle", "document" (:func:`position`).
+    factors: ``(tensor, factor)`` pairs multiplying q, k, v or dout (zero / huge / tiny).
+    grads: also check dq, dk, dv.  lse: pass ``return_attn_probs=True`` and check lse.
+    ref: the reference's ``causal`` / ``window`` / ``scale`` when they differ from ``kw``
+        (what the caller meant, e.g. ``causal="False"`` means non-causal).
+    mutate: a malformed-tensor edit (:data:`MUTATIONS`).  cu_edit: an edit of the local
+        ``cu_seqlens`` (llama3: ``cu_seqlens_q``) (:data:`CU_EDITS`).
+    expect_error: the call must raise (what is wrong); a returned result is a failure.
+    rank0: overrides of these fields (and ``door``) on rank 0 alone: ranks that disagree.
+    """
+
+    kw: dict = field(default_factory=dict)
+    dtype: torch.dtype = torch.float64
+    B: int = 2
+    s_local: int = 4
+    heads: tuple[int, int] | None = None
+    D: int = 8
+    docs: tuple[int, ...] | None = None
+    view: str = "contiguous"
+    inject: tuple[str, str, float] | None = None
+    factors: tuple[tuple[str, float], ...] = ()
+    grads: bool = True
+    lse: bool = False
+    ref: dict = field(default_factory=dict)
+    mutate: str | None = None
+    cu_edit: str | None = None
+    expect_error: str | None = None
+    rank0: dict = field(default_factory=dict)
+    seed: int = 0
+
+
+def default_heads(door: Door, world: int) -> tuple[int, int]:
+    H = 12 if world == 3 else 4
+    return H, H if door.packing == "qkv" else H // 2
+
+
+@dataclass
+class Data:
+    """Full tensors (identical on every rank): q, k, v, dout ``[B, S, H(_kv), D]`` in the
+    case's dtype; ``bounds``: global ``cu_seqlens`` of a packed stream."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    dout: Tensor
+    bounds: list[int] | None
+    seq_len: int
+
+
+def position(where: str, seq_len: int, bounds: list[int] | None) -> int:
+    """Global token of an injected value: early (1), late (last), middle, document (middle of
+    the second packed document)."""
+    if where == "document":
+        return (bounds[1] + bounds[2]) // 2
+    return {"early": 1, "late": seq_len - 1, "middle": seq_len // 2}[where]
+
+
+def make_data(door: Door, s: Setup, world: int) -> Data:
+    H, H_kv = s.heads or default_heads(door, world)
+    B, S, bounds = s.B, s.s_local * world, None
+    if door.packed_stream:
+        bounds = [0, *itertools.accumulate(s.docs or door.default_docs(world))]
+        B, S = 1, bounds[-1]
+    gen = torch.Generator().manual_seed(s.seed)
+    shapes = {"q": (B, S, H, s.D), "k": (B, S, H_kv, s.D), "v": (B, S, H_kv, s.D)}
+    shapes["dout"] = shapes["q"]
+    t = {n: torch.randn(shape, generator=gen, dtype=torch.float64) for n, shape in shapes.items()}
+    if s.view == "expanded":  # equal batch rows, so that an expanded view is value-preserving
+        t = {n: x[:1].expand_as(x).clone() for n, x in t.items()}
+    for name, factor in s.factors:
+        t[name] = t[name] * factor
+    if s.inject is not None:
+        name, where, value = s.inject
+        t[name][:, position(where, S, bounds), 0, 0] = value
+    return Data(**{n: x.to(s.dtype) for n, x in t.items()}, bounds=bounds, seq_len=S)
+
+
+def _extra_kv_head(x: Tensor) -> Tensor:
+    return torch.cat([x, x[..., :1, :]], dim=-2)
+
+
+MUTATIONS = {
+    "k_float32": lambda q, k, v: (q, k.float(), v),
+    "int_tensors": lambda q, k, v: tuple(x.detach().round().long() for x in (q, k, v)),
+    "complex": lambda q, k, v: tuple(x.detach().to(torch.complex128) for x in (q, k, v)),
+    "empty_seq": lambda q, k, v: tuple(x[:, :0] for x in (q, k, v)),
+    "empty_batch": lambda q, k, v: tuple(x[:0] for x in (q, k, v)),
+    "extra_dim": lambda q, k, v: tuple(x.unsqueeze(0) for x in (q, k, v)),
+    "missing_dim": lambda q, k, v: tuple(x[0] for x in (q, k, v)),
+    "heads_not_multiple": lambda q, k, v: (q, _extra_kv_head(k), _extra_kv_head(v)),
+    "head_dim_mismatch": lambda q, k, v: (q, torch.cat([k, k], -1), torch.cat([v, v], -1)),
+    "kv_heads_differ": lambda q, k, v: (q, k, v[..., :1, :]),
+    "kv_len_differs": lambda q, k, v: (q, k[:, :-1], v[:, :-1]),
+}
+#: mutations that keep q, k, v stackable (usable with packed kv / qkv doors)
+STACKABLE = ("int_tensors", "complex", "empty_seq", "extra_dim", "missing_dim")
+
+
+CU_EDITS = {
+    "int64": lambda cu: cu.long(),
+    "list": lambda cu: cu.tolist(),
+    "float": lambda cu: cu.float(),
+    "short": lambda cu: cu[:-1],
+    "decreasing": lambda cu: cu.flip(0),
+    "2d": lambda cu: cu[None],
+    "empty_doc": lambda cu: torch.cat([cu[:2], cu[1:]]),
+}
+
+
+def _resolve_kw(kw: dict, ctx: Ctx) -> dict:
+    symbols = {"world": ctx.group}
+    return {k: symbols[v.name] if isinstance(v, Sym) else v for k, v in kw.items()}
+
+
+def _local_cu(door: Door, data: Data, ctx: Ctx) -> Tensor:
+    if door.family == "llama3":
+        import dtensor_ring as dr
+
+        cu = torch.tensor(data.bounds, dtype=torch.int32)
+        return dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, ctx.rank, ctx.world)[0]
+    return oracle.local_cu_seqlens(data.bounds, ctx.world)
+
+
+def attention_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """Call ``door`` on this rank's part of the case's data; checks against the reference."""
+    if ctx.rank == 0 and setup.rank0:
+        overrides = dict(setup.rank0)
+        door = overrides.pop("door", door)
+        setup = replace(setup, kw={**setup.kw, **overrides.pop("kw", {})}, **overrides)
+    data = make_data(door, setup, ctx.world)
+    idx = door.indices(ctx.rank, ctx.world, data.seq_len, data.bounds)
+    leaves = [x[:, idx].clone().requires_grad_(setup.grads) for x in (data.q, data.k, data.v)]
+    args = MUTATIONS[setup.mutate](*leaves) if setup.mutate else leaves
+    kw = _resolve_kw(setup.kw, ctx)
+    if setup.cu_edit:
+        name = "cu_seqlens_q" if door.family == "llama3" else "cu_seqlens"
+        kw[name] = CU_EDITS[setup.cu_edit](_local_cu(door, data, ctx))
+    if setup.lse:
+        kw["return_attn_probs"] = True
+    view = VIEWS[setup.view]
+    dout = data.dout[:, idx] if setup.grads else None
+    out, lse = door.call(ctx, *args, kw, view, Tokens(idx, data.bounds), dout)
+    if setup.expect_error:
+        return {"returned": Flag(False, f"returned a result although {setup.expect_error}")}
+    return _checks(door, setup, data, idx, out, lse, leaves)
+
+
+def reference_semantics(door: Door, setup: Setup) -> tuple[bool, tuple[int, int], float]:
+    """``(causal, window, scale)`` the call means (``setup.ref`` overrides ``setup.kw``)."""
+    kw = setup.kw
+    causal = setup.ref.get("causal", kw.get("causal", door.family in ("hf", "hf_packed")))
+    window = tuple(setup.ref.get("window", kw.get("window_size", (-1, -1))))
+    scale = setup.ref.get("scale", kw.get("softmax_scale"))
+    return bool(causal), window, setup.D**-0.5 if scale is None else float(scale)
+
+
+def _checks(door, setup, data, idx, out, lse, leaves) -> dict:
+    causal, window, scale = reference_semantics(door, setup)
+    visible = door.visible(data.seq_len, data.bounds, causal, window)
+    dout = data.dout if setup.grads else None
+    ref = oracle.strict_attention(data.q, data.k, data.v, visible, scale, dout)
+    finite = all(bool(torch.isfinite(x).all()) for x in (data.q, data.k, data.v))
+    base = {}
+    if setup.dtype != torch.float64 and finite:
+        base = oracle.baseline_errors(data.q, data.k, data.v, visible, scale, dout, ref)
+
+    def check(got, want, name, dtype=setup.dtype):
+        return Check(got, want, dtype, *oracle.tolerance(dtype, base.get(name)))
+
+    checks = {"out": check(out, ref.out[:, idx], "out")}
+    if setup.lse:
+        lse_dtype = torch.float64 if setup.dtype == torch.float64 else torch.float32
+        checks["lse"] = check(lse, ref.lse[:, :, idx], "lse", lse_dtype)
+    if setup.grads:
+        for name, leaf in zip(("dq", "dk", "dv"), leaves, strict=True):
+            want = getattr(ref, name)[:, idx]
+            checks[name] = check(
+                view_grad(setup.view, leaf.grad), view_grad(setup.view, want), name
+            )
+    return checks
+
+
+def nonmember_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """3 ranks; every rank calls the door with ``group = new_group([0, 1])``: ranks 0 and 1
+    must get attention over their 2-rank group, rank 2 (outside it) a ValueError."""
+    sub = dist.new_group([0, 1])
+    if ctx.rank < 2:
+        return attention_case(Ctx(ctx.rank, 2, sub), door, setup)
+    try:
+        attention_case(Ctx(1, 2, sub), door, setup)
+    except ValueError:
+        return {"non-member": Flag(True, "")}
+    except TypeError as e:
+        return {"non-member": Flag(False, f"rank 2 raised TypeError, not ValueError: {e}")}
+    return {"non-member": Flag(False, "rank 2, outside the group, got a result")}
+
+
+# --- DTensor defaults (f) -------------------------------------------------------------------
+
+
+def dtensor_case(
+    ctx: Ctx, placement: str, api: str, api_kw: dict, causal: bool, extra_tokens: int = 0
+) -> dict:
+    """SDPA on DTensors ``[B, H, S, D]`` built by ``placement`` ("distribute": contiguous
+    ``distribute_tensor`` shards; "shard_sequence" / "shard_sequence:<layout>"; "replicate";
+    "shard_heads"), through ``api`` ("scope": ``F.scaled_dot_product_attention`` inside
+    ``ring_sdpa(**api_kw)``, forward and backward; "scope,backward_outside": the backward
+    after leaving the scope; "fn": ``scaled_dot_product_ring_attention(..., **api_kw)``).
+    The full output and gradients are compared with the reference."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import dtensor_ring as dr
+
+    W = ctx.world
+    H = 12 if W == 3 else 4
+    B, S, D = 2, 4 * W + extra_tokens, 8
+    gen = torch.Generator().manual_seed(0)
+    full = [
+        torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, H // 2, H // 2, H)
+    ]
+    mesh = cpu_mesh(W)
+    how, _, layout = placement.partition(":")
+    layout_kw = {"layout": layout} if layout else {}
+    if how == "shard_sequence":
+        dts = [dr.shard_sequence(x, mesh, 2, **layout_kw) for x in full]
+
+        def unshard(t):
+            return dr.unshard_sequence(t, 2, **layout_kw)
+    else:
+        place = {"distribute": Shard(2), "replicate": Replicate(), "shard_heads": Shard(1)}[how]
+        dts = [distribute_tensor(x, mesh, [place]) for x in full]
+
+        def unshard(t):
+            return t.full_tensor()
+
+    q, k, v, dout = dts
+    for t in (q, k, v):
+        t.requires_grad_()
+    if api.startswith("scope"):
+        with dr.ring_sdpa(**api_kw):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            if api == "scope":
+                (out * dout).sum().backward()
+        if api == "scope,backward_outside":
+            (out * dout).sum().backward()
+    else:
+        out = dr.scaled_dot_product_ring_attention(
+            q, k, v, is_causal=causal, enable_gqa=True, **api_kw
+        )
+        (out * dout).sum().backward()
+    qf, kf, vf, df = (x.transpose(1, 2) for x in full)
+    ref = oracle.strict_attention(qf, kf, vf, oracle.visible_dense(S, causal), D**-0.5, df)
+    got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    checks = {}
+    for name, want in (("out", ref.out), ("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
+        g = got[name]
+        g = None if g is None else unshard(g).transpose(1, 2)
+        checks[name] = Check(g, want, torch.float64, *oracle.tolerance(torch.float64))
+    return checks
+
+
+# --- transformers models (g) ----------------------------------------------------------------
+
+
+def _hf_config(arch: str):
+    import transformers
+
+    common = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
+    if arch == "gpt_oss":
+        return transformers.GptOssConfig(
+            **common,
+            intermediate_size=32,
+            head_dim=8,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            layer_types=["full_attention"],
+        )
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    return cls(**common, intermediate_size=64)
+
+
+def hf_model_case(ctx: Ctx, arch: str, layout: str, docs: tuple[int, ...] | None = None) -> dict:
+    """A tiny transformers model with ``attn_implementation="dtensor_ring"`` on this rank's
+    shard vs the same model (SDPA attention, one process) on the whole batch: logits of the
+    rank's tokens and the loss (summed over ranks). ``docs``: a packed row of documents."""
+    from transformers import AutoModelForCausalLM
+
+    import dtensor_ring.hf as drhf
+
+    # gpt_oss: fp32 and eager attention (its MoE has no fp64 kernel, its sinks no SDPA path)
+    dtype = torch.float32 if arch == "gpt_oss" else torch.float64
+    reference = "eager" if arch == "gpt_oss" else "sdpa"
+    torch.manual_seed(0)
+    ref_model = AutoModelForCausalLM.from_config(
+        _hf_config(arch), attn_implementation=reference, dtype=dtype
+    )
+    drhf.setup(group=ctx.group, layout=layout)
+    model = AutoModelForCausalLM.from_config(
+        _hf_config(arch), attn_implementation="dtensor_ring", dtype=dtype
+    )
+    model.load_state_dict(ref_model.state_dict())
+    S = 8 * ctx.world
+    ids = torch.randint(0, 64, (1 if docs else 2, S), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if docs:
+        bounds = [0, *itertools.accumulate(docs)]
+        batch["position_ids"] = oracle.doc_positions(torch.arange(S), bounds)[None]
+        batch["labels"][0, bounds[:-1]] = -100  # as DataCollatorWithFlattening
+    local = drhf.shard_batch(batch, group=ctx.group, layout=layout)
+    out = model(**local)
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=ctx.group)
+    if docs:  # documents are separate sequences for the reference
+        ref_logits = torch.cat(
+            [ref_model(input_ids=ids[:, a:b]).logits for a, b in itertools.pairwise(bounds)], 1
+        )
+        idx = oracle.varlen_indices(layout, bounds, ctx.rank, ctx.world)
+    else:
+        ref_logits = ref_model(input_ids=ids).logits
+        idx = oracle.dense_indices(layout, ctx.rank, ctx.world, S)
+    shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+    tol = oracle.tolerance(dtype, 1e-6 if dtype == torch.float32 else 1e-11)
+    return {
+        "logits": Check(out.logits.detach(), ref_logits.detach()[:, idx].double(), dtype, *tol),
+        # transformers computes the loss in fp32 whatever the model's dtype
+        "loss": Check(
+            loss, ref_loss.detach().double(), torch.float32, *oracle.tolerance(torch.float32)
+        ),
+    }
+
+
+# --- generators -----------------------------------------------------------------------------
+
+
+def _pick(seq, i: int):
+    return seq[i % len(seq)]
+
+
+def _doors(*names: str) -> list[Door]:
+    return [DOORS[n] for n in names]
+
+
+#: one door per family and layout, plus packed forms: the doors of the sampled kinds
+REPRESENTATIVE = _doors(
+    "ring_flash_attn_func",
+    "zigzag_ring_flash_attn_func",
+    "stripe_flash_attn_func",
+    "ring_flash_attn_kvpacked_func",
+    "zigzag_ring_flash_attn_qkvpacked_func",
+    "ring_flash_attn_varlen_func",
+    "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_func",
+    "ulysses_flash_attn_func[ring]",
+    "ulysses_flash_attn_func[zigzag]",
+    "ulysses_flash_attn_qkvpacked_func",
+    "hybrid_flash_attn_func[zigzag]",
+    "hybrid_flash_attn_func[ring]",
+    "scaled_dot_product_ring_attention[zigzag,ring]",
+    "scaled_dot_product_ring_attention[stripe,ulysses]",
+    "ring_sdpa+F.sdpa[ring,ring]",
+    "ring_sdpa+F.sdpa[zigzag,ulysses]",
+    "hf.ring_attention_forward[zigzag]",
+    "hf.ring_attention_forward[packed,llama3]",
+)
+
+
+def _backends(door: Door) -> tuple:
+    """Backends a door can run: varlen kernels on CPU are "math" only."""
+    return (None, "math") if door.packed_stream else BACKENDS
+
+
+def _case(kind, door, world, detail, setup, expect=CORRECT, fn=attention_case, **extra) -> Case:
+    """A case of ``fn(door, setup)``, named ``kind/door/W<world>/detail[,backend=...]``."""
+    if "backend" in setup.kw and "backend=" not in detail:
+        detail += f",backend={setup.kw['backend']}"
+    params = {"door": door, "setup": setup}
+    return Case(f"{kind}/{door.name}/W{world}/{detail}", kind, world, fn, params, expect, **extra)
+
+
+def _backend_kw(backend: str | None) -> dict:
+    return {} if backend is None else {"backend": backend}
+
+
+def base_cases() -> list[Case]:
+    cases = []
+    for door in DOORS.values():
+        for world, backend in itertools.product(WORLDS, BACKENDS):
+            ok = backend in _backends(door)
+            setup = Setup(
+                kw={"causal": True, **_backend_kw(backend)},
+                lse=door.has_lse and backend == "math",
+                expect_error=None if ok else f"backend={backend} has no varlen kernel",
+            )
+            expect = CORRECT if ok else ERROR
+            cases.append(_case("base", door, world, f"backend={backend}", setup, expect))
+    return cases
+
+
+def debug_on_cases() -> list[Case]:
+    """Consistent calls with the consistency mode on: still correct."""
+    return [
+        _case(
+            "debug_on",
+            door,
+            _pick((2, 3, 4), i),
+            "causal",
+            Setup(kw={"causal": True}, lse=door.has_lse),
+            env=DEBUG_ENV,
+        )
+        for i, door in enumerate(DOORS.values())
+    ]
+
+
+def _mask_variants(door: Door, world: int):
+    """(detail, kw, heads) of the mask kind for ``door``."""
+    H = default_heads(door, world)[0]
+    variants = [
+        ("window=(2,0)", {"causal": True, "window_size": (2, 0)}, None),
+        ("window=(0,0)", {"causal": True, "window_size": (0, 0)}, None),
+        ("window=(100,0)", {"causal": True, "window_size": (100, 0)}, None),
+    ]
+    if not door.causal_only:
+        variants += [
+            ("noncausal", {"causal": False}, None),
+            ("noncausal,window=(1,2)", {"causal": False, "window_size": (1, 2)}, None),
+            ("noncausal,window=(0,0)", {"causal": False, "window_size": (0, 0)}, None),
+        ]
+    if door.packing != "qkv":
+        variants.append(("mqa", {"causal": True}, (H, 1)))
+    variants.append(("mha", {"causal": True}, (H, H)))
+    return variants
+
+
+def mask_cases() -> list[Case]:
+    cases = []
+    for i, door in enumerate(DOORS.values()):
+        for j in range(len(_mask_variants(door, 1))):
+            world = _pick(WORLDS, i + j)
+            detail, kw, heads = _mask_variants(door, world)[j]
+            kw = {**kw, **_backend_kw(_pick(_backends(door), i + j))}
+            cases.append(_case("mask", door, world, detail, Setup(kw=kw, heads=heads)))
+    return cases
+
+
+def layout_cases() -> list[Case]:
+    cases = []
+    for i, door in enumerate(DOORS.values()):
+        for j, view in enumerate(v for v in VIEWS if v != "contiguous"):
+            if door.packed_stream and view in ("channels_last", "expanded"):
+                continue
+            world = _pick(WORLDS, i + j)
+            kw = {"causal": True, **_backend_kw(_pick(_backends(door), i + 2 * j))}
+            cases.append(_case("layout", door, world, f"view={view}", Setup(kw=kw, view=view)))
+    return cases
+
+
+def nonfinite_cases() -> list[Case]:
+    values = (math.nan, math.inf, -math.inf)
+    cases = []
+    for i, door in enumerate(REPRESENTATIVE):
+        positions = ["early", "late", "middle", "window"] + (["document"] * door.packed_stream)
+        for j, (tensor, where) in enumerate(itertools.product("qkv", positions)):
+            value = _pick(values, i + j)
+            kw = {"causal": True, **_backend_kw(_pick(_backends(door), j))}
+            if where == "window":
+                kw["window_size"] = (2, 0)
+            inject = (tensor, "middle" if where == "window" else where, value)
+            setup = Setup(kw=kw, inject=inject)
+            detail = f"{value}@{tensor}:{where}"
+            cases.append(_case("nonfinite", door, _pick(WORLDS, i + j), detail, setup))
+    return cases
+
+
+SCALES = (
+    ("0", 0.0, CORRECT),
+    ("negative", -0.7, CORRECT),
+    ("tiny", 1e-30, CORRECT),
+    ("huge", 1e4, CORRECT),
+    ("int", 1, CORRECT),
+    ("tensor", torch.tensor(0.3, dtype=torch.float64), EITHER),
+    ("nan", math.nan, ERROR),
+    ("inf", math.inf, ERROR),
+    ("-inf", -math.inf, ERROR),
+    ("str", "0.5", ERROR),
+    ("bool", True, ERROR),
+)
+
+
+def scale_cases() -> list[Case]:
+    cases = []
+    for i, door in enumerate(REPRESENTATIVE):
+        for j, (label, value, expect) in enumerate(SCALES):
+            ref = {}
+            if label == "bool" and door.family == "sdpa_scope":  # torch's SDPA reads True as 1.0
+                expect, ref = EITHER, {"scale": 1.0}
+            error = None if "correct" in expect else f"softmax_scale={value!r}"
+            kw = {"causal": True, "softmax_scale": value}
+            setup = Setup(kw=kw, ref=ref, expect_error=error, grads=error is None)
+            world = _pick(WORLDS, i + j)
+            cases.append(_case("scale", door, world, f"softmax_scale={label}", setup, expect))
+    return cases
+
+
+@dataclass(frozen=True)
+class ArgCase:
+    """A malformed (or odd but valid) argument: ``kw`` merged into ``causal=True``, or a
+    ``setup`` edit; ``expect``; ``ref``: what it means when valid; ``applies(door)``."""
+
+    label: str
+    kw: dict = field(default_factory=dict)
+    setup: dict = field(default_factory=dict)
+    expect: frozenset = ERROR
+    ref: dict = field(default_factory=dict)
+    families: tuple[str, ...] = ()
+    needs: str = ""  # the door must accept this keyword
+    noncausal: bool = False  # the door must support non-causal attention
+    unpacked: bool = False  # the door takes separate q, k, v (shape-changing mutations)
+    worlds: tuple[int, ...] = WORLDS
+    exclude: tuple[str, ...] = ()  # families left out
+
+    def applies(self, door: Door) -> bool:
+        if self.families and door.family not in self.families:
+            return False
+        if door.family in self.exclude:
+            return False
+        if self.needs and self.needs not in door.accepts:
+            return False
+        if self.noncausal and door.causal_only:
+            return False
+        return not (self.unpacked and door.packing)
+
+
+_FLASHY = ("flash", "varlen", "llama3", "ulysses", "hybrid")
+_PACKED = ("varlen", "llama3")
+_HF = ("hf", "hf_packed")  # their window is transformers' sliding_window (kind hf)
+ARG_CASES = (
+    ArgCase(
+        "causal='False'",
+        {"causal": "False"},
+        ref={"causal": False},
+        families=_FLASHY + ("sdpa_fn", "sdpa_scope"),
+    ),
+    ArgCase("causal=1", {"causal": 1}, expect=EITHER, families=_FLASHY),
+    ArgCase(
+        "causal=0",
+        {"causal": 0},
+        expect=EITHER,
+        ref={"causal": False},
+        families=_FLASHY,
+        noncausal=True,
+    ),
+    ArgCase("causal=None", {"causal": None}, families=_FLASHY + ("sdpa_fn",)),
+    ArgCase("window='(2,0)'", {"window_size": "(2, 0)"}, needs="window_size", exclude=_HF),
+    ArgCase("window=(2,)", {"window_size": (2,)}, needs="window_size", exclude=_HF),
+    ArgCase("window=(2,0,0)", {"window_size": (2, 0, 0)}, needs="window_size", exclude=_HF),
+    ArgCase(
+        "window=(2.0,0.0)",
+        {"window_size": (2.0, 0.0)},
+        expect=EITHER,
+        ref={"window": (2, 0)},
+        needs="window_size",
+        exclude=_HF,
+    ),
+    ArgCase("window=(-2,0)", {"window_size": (-2, 0)}, needs="window_size", exclude=_HF),
+    ArgCase(
+        "window=[2,0]",
+        {"window_size": [2, 0]},
+        expect=CORRECT,
+        ref={"window": (2, 0)},
+        needs="window_size",
+        exclude=_HF,
+    ),
+    ArgCase(
+        "window=(True,False)", {"window_size": (True, False)}, needs="window_size", exclude=_HF
+    ),
+    ArgCase("window=None", {"window_size": None}, needs="window_size", exclude=_HF),
+    ArgCase("group=0", {"group": 0}, needs="group"),
+    ArgCase("group='world'", {"group": "world"}, needs="group"),
+    ArgCase(
+        "same_ulysses_and_ring_group",
+        {"ulysses_group": Sym("world"), "ring_group": Sym("world")},
+        families=("hybrid",),
+        worlds=(2, 3, 4),
+    ),
+    ArgCase("ring_group=0", {"ring_group": 0}, families=("hybrid",)),
+    ArgCase("dropout_p=0.1", {"dropout_p": 0.1}, needs="dropout_p"),
+    ArgCase("dropout_p='0'", {"dropout_p": "0"}, needs="dropout_p"),
+    ArgCase("dropout_p=0", {"dropout_p": 0}, expect=CORRECT, needs="dropout_p"),
+    ArgCase(
+        "alibi_slopes", {"alibi_slopes": torch.ones(4)}, needs="alibi_slopes", worlds=(1, 2, 4)
+    ),
+    ArgCase("backend='nope'", {"backend": "nope"}, needs="backend"),
+    ArgCase("backend=1", {"backend": 1}, needs="backend"),
+    ArgCase("backend='cudnn'", {"backend": "cudnn"}, needs="backend"),
+    ArgCase("backend='flash_attn'", {"backend": "flash_attn"}, needs="backend"),
+    ArgCase("deterministic='yes'", {"deterministic": "yes"}, needs="deterministic"),
+    ArgCase("deterministic=True", {"deterministic": True}, expect=EITHER, needs="deterministic"),
+    ArgCase(
+        "return_attn_probs=1", {"return_attn_probs": 1}, expect=EITHER, needs="return_attn_probs"
+    ),
+    ArgCase(
+        "attn_mask",
+        {"attn_mask": torch.ones(8, 8, dtype=torch.bool)},
+        needs="attn_mask",
+        worlds=(2,),
+    ),
+    ArgCase("enable_gqa=False", {"enable_gqa": False}, needs="enable_gqa"),
+    *(ArgCase(m, setup={"mutate": m}) for m in STACKABLE),
+    *(ArgCase(m, setup={"mutate": m}, unpacked=True) for m in MUTATIONS if m not in STACKABLE),
+    ArgCase(
+        "ulysses_heads_not_divisible", setup={"heads": (4, 2)}, families=("ulysses",), worlds=(3,)
+    ),
+    ArgCase("zigzag_odd_s_local", setup={"s_local": 3}, families=("flash",)),
+    ArgCase("max_seqlen='8'", {"max_seqlen": "8"}, families=("varlen",)),
+    ArgCase("max_seqlen=1", {"max_seqlen": 1}, expect=EITHER, families=("varlen",)),
+    ArgCase("max_seqlen_q='x'", {"max_seqlen_q": "x"}, families=("llama3",)),
+    ArgCase("heads_k_stride=0", {"heads_k_stride": 0}, families=("llama3",)),
+    ArgCase("heads_k_stride=5", {"heads_k_stride": 5}, families=("llama3",)),
+    ArgCase("local_k_slice=(0,4)", {"local_k_slice": (0, 4)}, families=("llama3",)),
+    ArgCase("local_k_slice=step2", {"local_k_slice": slice(0, 8, 2)}, families=("llama3",)),
+    *(
+        ArgCase(
+            f"cu_seqlens={e}",
+            setup={"cu_edit": e},
+            expect=EITHER if e in ("int64", "list", "empty_doc") else ERROR,
+            families=_PACKED,
+        )
+        for e in CU_EDITS
+    ),
+)
+
+
+def _arg_setup(door: Door, arg: ArgCase) -> Setup:
+    edits = dict(arg.setup)
+    if arg.label == "ulysses_heads_not_divisible" and door.packing == "qkv":
+        edits["heads"] = (4, 4)
+    error = None if "correct" in arg.expect else arg.label
+    grads = "correct" in arg.expect
+    return Setup(
+        kw={"causal": True, **arg.kw}, ref=arg.ref, expect_error=error, grads=grads, **edits
+    )
+
+
+def args_cases() -> list[Case]:
+    cases = []
+    for i, arg in enumerate(ARG_CASES):
+        doors = [d for d in DOORS.values() if arg.applies(d)]
+        if arg.setup.get("mutate") == "empty_batch":
+            doors = [d for d in doors if not d.packed_stream]
+        if arg.setup.get("mutate") in ("extra_dim", "missing_dim"):
+            doors = [
+                d for d in doors if d.family not in ("sdpa_fn", "sdpa_scope", "hf", "hf_packed")
+            ]
+        if arg.label == "zigzag_odd_s_local":
+            doors = [d for d in doors if d.layout == "zigzag"]
+        for j, door in enumerate(doors):
+            world = _pick(arg.worlds, i + j)
+            cases.append(_case("args", door, world, arg.label, _arg_setup(door, arg), arg.expect))
+    for door in DOORS.values():
+        if "group" in door.accepts:
+            setup = Setup(kw={"causal": True})
+            cases.append(_case("args", door, 3, "rank_outside_group", setup, fn=nonmember_case))
+    return cases
+
+
+_SDPA_FN = "scaled_dot_product_ring_attention"
+
+
+def _other_door(door: Door, field_name: str) -> Door | None:
+    """The door rank 0 uses when ranks disagree on the layout or the op."""
+    swaps = {
+        "layout": {
+            "ring_flash_attn_func": "zigzag_ring_flash_attn_func",
+            "zigzag_ring_flash_attn_func": "stripe_flash_attn_func",
+            "ring_flash_attn_varlen_func": "zigzag_ring_flash_attn_varlen_func",
+            "ulysses_flash_attn_func[ring]": "ulysses_flash_attn_func[zigzag]",
+            "hybrid_flash_attn_func[zigzag]": "hybrid_flash_attn_func[ring]",
+            f"{_SDPA_FN}[zigzag,ring]": f"{_SDPA_FN}[ring,ring]",
+        },
+        "op": {
+            "ring_flash_attn_func": "ulysses_flash_attn_func[ring]",
+            "zigzag_ring_flash_attn_func": "ulysses_flash_attn_func[zigzag]",
+            "ring_flash_attn_varlen_func": "llama3_flash_attn_varlen_func",
+            f"{_SDPA_FN}[zigzag,ring]": f"{_SDPA_FN}[zigzag,ulysses]",
+        },
+    }
+    name = swaps.get(field_name, {}).get(door.name)
+    return None if name is None else DOORS[name]
+
+
+DISAGREE_DOORS = _doors(
+    "ring_flash_attn_func",
+    "zigzag_ring_flash_attn_func",
+    "ring_flash_attn_varlen_func",
+    "zigzag_ring_flash_attn_varlen_func",
+    "llama3_flash_attn_varlen_func",
+    "ulysses_flash_attn_func[ring]",
+    "hybrid_flash_attn_func[zigzag]",
+    "scaled_dot_product_ring_attention[zigzag,ring]",
+    "ring_sdpa+F.sdpa[ring,ring]",
+    "hf.ring_attention_forward[zigzag]",
+)
+#: disagreements that do not change the result (either answer is fine)
+NEUTRAL = ("backend", "deterministic")
+#: time limit of a disagreement case: a consistent call takes about a second, and many of
+#: these hang until the limit when the consistency mode is off
+DISAGREE_TIMEOUT_S = 15.0
+
+
+def _disagreements(door: Door, world: int) -> list[tuple[str, dict]]:
+    """(field, rank-0 overrides) for ``door``."""
+    H = default_heads(door, world)[0]
+    out = [
+        ("dtype", {"dtype": torch.float32}),
+        ("head_dim", {"D": 16}),
+        ("heads", {"heads": (2 * H, H)}),
+        ("causal", {"kw": {"causal": False}}),
+        ("scale", {"kw": {"softmax_scale": 0.5}}),
+    ]
+    if "window_size" in door.accepts:
+        out.append(("window", {"kw": {"window_size": (2, 0)}}))
+    if door.packed_stream:
+        docs = (
+            (5, 8 * world - 7, 2) if door.layout == "llama3" else (2 * world, 4 * world, 2 * world)
+        )
+        out.append(("documents", {"docs": docs}))
+    else:
+        out += [("seq_len", {"s_local": 6}), ("batch", {"B": 1})]
+    if door.family == "llama3":
+        out.append(("heads_k_stride", {"kw": {"heads_k_stride": 1}}))
+    for name in ("layout", "op"):
+        other = _other_door(door, name)
+        if other is not None:
+            out.append((name, {"door": other}))
+    if door.family not in ("hf", "hf_packed") and not door.packed_stream:
+        out.append(("backend", {"kw": {"backend": "math"}}))
+    if "deterministic" in door.accepts:
+        out.append(("deterministic", {"kw": {"deterministic": True}}))
+    return out
+
+
+def disagree_cases() -> list[Case]:
+    cases = []
+    for i, door in enumerate(DISAGREE_DOORS):
+        for j in range(len(_disagreements(door, 2))):
+            world = _pick((2, 3, 4), i + j)
+            name, rank0 = _disagreements(door, world)[j]
+            kw = {"causal": True}
+            if name == "backend":
+                kw["backend"] = "cpu_flash"
+            neutral = name in NEUTRAL
+            error = None if neutral else f"the ranks disagree on {name}"
+            setup = Setup(kw=kw, rank0=rank0, expect_error=error, grads=neutral)
+            for variant, env, expect in (
+                ("debug", DEBUG_ENV, EITHER if neutral else ERROR),
+                ("nodebug", {}, CORRECT if neutral else None),
+            ):
+                detail = f"{name}[{variant}]"
+                cases.append(
+                    _case(
+                        "disagree",
+                        door,
+                        world,
+                        detail,
+                        setup,
+                        expect,
+                        env=env,
+                        timeout_s=DISAGREE_TIMEOUT_S,
+                    )
+                )
+    return cases
+
+
+DTENSOR_VARIANTS = (
+    ("distribute+ring_sdpa()", "distribute", "scope", {}, True, 0, CORRECT),
+    ("distribute+ring_sdpa(),noncausal", "distribute", "scope", {}, False, 0, EITHER),
+    (
+        "distribute+ring_sdpa(mode=ulysses)",
+        "distribute",
+        "scope",
+        {"mode": "ulysses"},
+        True,
+        0,
+        EITHER,
+    ),
+    (
+        "distribute+ring_sdpa(layout=ring)",
+        "distribute",
+        "scope",
+        {"layout": "ring"},
+        True,
+        0,
+        CORRECT,
+    ),
+    ("distribute+sdpa_ring_attention()", "distribute", "fn", {}, True, 0, CORRECT),
+    ("shard_sequence()+ring_sdpa()", "shard_sequence", "scope", {}, True, 0, CORRECT),
+    (
+        "shard_sequence(stripe)+ring_sdpa(stripe)",
+        "shard_sequence:stripe",
+        "scope",
+        {"layout": "stripe"},
+        True,
+        0,
+        CORRECT,
+    ),
+    (
+        "distribute_uneven+ring_sdpa(layout=ring)",
+        "distribute",
+        "scope",
+        {"layout": "ring"},
+        True,
+        1,
+        EITHER,
+    ),
+    ("replicate+ring_sdpa()", "replicate", "scope", {}, True, 0, EITHER),
+    ("shard_heads+ring_sdpa()", "shard_heads", "scope", {}, True, 0, EITHER),
+    (
+        "distribute+ring_sdpa(),backward_outside",
+        "distribute",
+        "scope,backward_outside",
+        {},
+        True,
+        0,
+        EITHER,
+    ),
+)
+
+
+def dtensor_cases() -> list[Case]:
+    cases = []
+    for label, placement, api, api_kw, causal, extra, expect in DTENSOR_VARIANTS:
+        for world in WORLDS:
+            params = dict(
+                placement=placement, api=api, api_kw=api_kw, causal=causal, extra_tokens=extra
+            )
+            name = f"dtensor/{label}/W{world}"
+            cases.append(Case(name, "dtensor", world, dtensor_case, params, expect))
+    return cases
+
+
+def _hf_kwarg_variants(door: Door, world: int) -> list[tuple[str, dict, dict, frozenset]]:
+    """(label, kw, ref, expect) of the transformers keyword cases."""
+    H = default_heads(door, world)[0]
+    variants = [
+        ("s_aux", {"hf_kwargs": {"s_aux": torch.zeros(H)}}, {}, ERROR),
+        ("softcap=None", {"hf_kwargs": {"softcap": None}}, {}, CORRECT),
+        ("softcap=30", {"hf_kwargs": {"softcap": 30.0}}, {}, ERROR),
+        ("is_causal=False", {"hf_kwargs": {"is_causal": False}}, {"causal": False}, EITHER),
+        ("is_causal=True", {"hf_kwargs": {"is_causal": True}}, {}, CORRECT),
+        ("sliding_window=3", {"window_size": (2, 0)}, {}, CORRECT),
+        ("sliding_window=0", {"hf_kwargs": {"sliding_window": 0}}, {}, ERROR),
+        ("sliding_window=True", {"hf_kwargs": {"sliding_window": True}}, {}, ERROR),
+        ("sliding_window=2.5", {"hf_kwargs": {"sliding_window": 2.5}}, {}, ERROR),
+        (
+            "position_ids=local_arange",
+            {"hf_kwargs": {"position_ids": torch.arange(8 if door.packed_stream else 4)[None]}},
+            {},
+            ERROR,
+        ),
+        ("position_ids=None", {"hf_kwargs": {"position_ids": None}}, {}, ERROR),
+        (
+            "attention_mask=4d",
+            {"hf_kwargs": {"attention_mask": torch.ones(1, 1, 4, 4, dtype=torch.bool)}},
+            {},
+            ERROR,
+        ),
+        ("dropout=0.1", {"dropout_p": 0.1}, {}, ERROR),
+        ("use_cache=False", {"hf_kwargs": {"use_cache": False}}, {}, CORRECT),
+        ("output_attentions=True", {"hf_kwargs": {"output_attentions": True}}, {}, EITHER),
+        ("unknown_kwarg", {"hf_kwargs": {"not_an_argument": 1}}, {}, ERROR),
+    ]
+    if door.packed_stream:
+        bounds = [0, *itertools.accumulate(door.default_docs(world))]
+        other = torch.tensor([0, bounds[1] + world, *bounds[2:]], dtype=torch.int32)
+        variants += [
+            ("cu_seq_lens_k_differs", {"hf_kwargs": {"cu_seq_lens_k": other}}, {}, ERROR),
+            ("max_length_q=1", {"hf_kwargs": {"max_length_q": 1, "max_length_k": 1}}, {}, CORRECT),
+        ]
+    return variants
+
+
+HF_MODELS = (
+    ("llama", "zigzag", None, 2, CORRECT),
+    ("llama", "ring", None, 3, CORRECT),
+    ("qwen2", "stripe", None, 4, CORRECT),
+    ("llama", "llama3", (5, 6, 5), 2, CORRECT),
+    ("llama", "zigzag", (8, 4, 4), 2, CORRECT),
+    ("gpt_oss", "zigzag", None, 2, EITHER),
+)
+
+
+def hf_cases() -> list[Case]:
+    cases = []
+    hf_doors = [d for d in DOORS.values() if d.family in ("hf", "hf_packed")]
+    for i, door in enumerate(hf_doors):
+        for j in range(len(_hf_kwarg_variants(door, 1))):
+            world = _pick(WORLDS, i + j)
+            label, kw, ref, expect = _hf_kwarg_variants(door, world)[j]
+            error = None if "correct" in expect else label
+            setup = Setup(
+                kw={"causal": True, **kw}, ref=ref, expect_error=error, grads=error is None
+            )
+            cases.append(_case("hf", door, world, label, setup, expect))
+    for arch, layout, docs, world, expect in HF_MODELS:
+        params = dict(arch=arch, layout=layout, docs=docs)
+        name = f"hf/model:{arch}/W{world}/{layout}{',packed' if docs else ''}"
+        cases.append(Case(name, "hf", world, hf_model_case, params, expect))
+    return cases
+
+
+def dtype_cases() -> list[Case]:
+    cases = []
+    for i, door in enumerate(REPRESENTATIVE):
+        for j, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
+            backend = _pick(_backends(door), i + j)
+            setup = Setup(
+                kw={"causal": True, **_backend_kw(backend)}, dtype=dtype, lse=door.has_lse
+            )
+            detail = f"{str(dtype).removeprefix('torch.')},backend={backend}"
+            cases.append(_case("dtype", door, _pick(WORLDS, i + j), detail, setup))
+    return cases
+
+
+VALUES = (
+    ("q=0", (("q", 0.0),), torch.float64),
+    ("qkv=0", (("q", 0.0), ("k", 0.0), ("v", 0.0)), torch.float64),
+    ("q*1e3", (("q", 1e3),), torch.float64),
+    ("k*30,fp32", (("k", 30.0),), torch.float32),
+    ("v*1e30", (("v", 1e30),), torch.float64),
+    ("qkv*1e-30", (("q", 1e-30), ("k", 1e-30), ("v", 1e-30)), torch.float64),
+    ("dout=0", (("dout", 0.0),), torch.float64),
+)
+
+
+def values_cases() -> list[Case]:
+    cases = []
+    for i, door in enumerate(REPRESENTATIVE):
+        for j, (label, factors, dtype) in enumerate(VALUES):
+            setup = Setup(kw={"causal": True}, factors=factors, dtype=dtype)
+            cases.append(_case("values", door, _pick(WORLDS, i + j), label, setup))
+    return cases
+
+
+def _head_split(door: Door, world: int) -> int:
+    """Over how many ranks the door shards the heads (Ulysses)."""
+    if door.family == "hybrid":
+        return HYBRID_SPLIT[world][0]
+    if door.family == "ulysses" or (door.family.startswith("sdpa") and door.mode == "ulysses"):
+        return world
+    return 1
+
+
+def _dense_len_ok(door: Door, world: int, s_local: int) -> bool:
+    """Whether ``s_local`` tokens per rank fit the door's layout (zigzag: 2W chunks)."""
+    if door.layout != "zigzag":
+        return True
+    if door.family != "hybrid":
+        return s_local % 2 == 0
+    U, R = HYBRID_SPLIT[world]
+    S = s_local * world
+    return S % (2 * R) == 0 and (S // R) % U == 0
+
+
+def _shape_variants(door: Door, world: int) -> list[tuple[str, dict, frozenset]]:
+    """(detail, setup edits, expect); impossible shapes must be clean errors."""
+    variants = [
+        ("D=1", {"D": 1}, CORRECT),
+        ("D=3", {"D": 3}, CORRECT),
+        ("D=64", {"D": 64}, CORRECT),
+        ("H=1", {"heads": (1, 1)}, ERROR if _head_split(door, world) > 1 else CORRECT),
+    ]
+    if door.packed_stream:
+        return [*variants, ("one_document", {"docs": (8 * world,)}, CORRECT)]
+    variants.append(("B=3", {"B": 3}, CORRECT))
+    for s_local in (1, 2, 16):
+        ok = _dense_len_ok(door, world, s_local)
+        variants.append((f"s_local={s_local}", {"s_local": s_local}, CORRECT if ok else ERROR))
+    return variants
+
+
+def shapes_cases() -> list[Case]:
+    cases = []
+    for i, door in enumerate(REPRESENTATIVE):
+        for j in range(len(_shape_variants(door, 1))):
+            world = _pick(WORLDS, i + j)
+            detail, edits, expect = _shape_variants(door, world)[j]
+            error = None if "correct" in expect else detail
+            setup = Setup(kw={"causal": True}, expect_error=error, grads=error is None, **edits)
+            cases.append(_case("shapes", door, world, detail, setup, expect))
+    return cases
+
+
+KINDS = {
+    "base": base_cases,
+    "mask": mask_cases,
+    "layout": layout_cases,
+    "nonfinite": nonfinite_cases,
+    "scale": scale_cases,
+    "args": args_cases,
+    "disagree": disagree_cases,
+    "dtensor": dtensor_cases,
+    "hf": hf_cases,
+    "dtype": dtype_cases,
+    "values": values_cases,
+    "shapes": shapes_cases,
+    "debug_on": debug_on_cases,
+}
+FAST_PER_KIND = 5  # the CI subset: about 65 cases
+
+
+def _mark_fast(cases: list[Case], n: int) -> None:
+    """Flag ``n`` evenly spaced cases (deterministic; [nodebug] variants are informational
+    and left out)."""
+    pool = [c for c in cases if c.expect is not None]
+    for c in pool[:: max(1, len(pool) // n)][:n]:
+        c.fast = True
+
+
+def all_cases(kinds: list[str] | None = None) -> list[Case]:
+    """Every case of ``kinds`` (default: all), in a stable order; ``fast`` flags set."""
+    cases = []
+    for kind in kinds or list(KINDS):
+        generated = KINDS[kind]()
+        _mark_fast(generated, FAST_PER_KIND)
+        cases += generated
+    names = [c.name for c in cases]
+    dupes = {n for n in names if names.count(n) > 1}
+    assert not dupes, f"suite bug: duplicate case names {sorted(dupes)[:5]}"
+    spaced = [n for n in names if len(n.split()) != 1]  # known.py lists names one per line
+    assert not spaced, f"suite bug: case names with spaces {spaced[:5]}"
+    return cases
