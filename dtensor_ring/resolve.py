@@ -28,6 +28,7 @@ graph, and the kernel choice is a Dynamo constant (:func:`select_backend`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._compat import group_name as _group_name
+from .consistency import PerRankCheck, check_consistent, consistency_checks_enabled
 from .kernels import KernelCall, select_kernel
 from .layouts import Form, Layout, get_layout
 
@@ -352,6 +354,7 @@ def resolve_call(
     k: Tensor,
     v: Tensor,
     *,
+    op: str,
     layout: str | Layout,
     form: Form = "dense",
     causal: bool,
@@ -367,6 +370,10 @@ def resolve_call(
     layout_world: int | None = None,
     head_split: int = 1,
     global_len: int | None = None,
+    checks: Callable[[], object] | None = None,
+    metadata: Callable[[], Mapping[str, object]] | None = None,
+    local: Callable[[], object] | None = None,
+    check_locals: PerRankCheck | None = None,
 ) -> AttentionSpec:
     """Check and normalise one attention call (Note [Call resolution]).
 
@@ -386,11 +393,77 @@ def resolve_call(
             head all-to-all (Ulysses, hybrid).
         global_len: q, k, v are DTensors of ``global_len`` tokens (the scope-free DTensor
             function: their shards were checked by the caller) rather than local tensors.
+        checks: the front door's own further checks (e.g. of ``cu_seqlens``), run after
+            these, so that the consistency mode reports their errors on every rank too.
+        op, metadata, local, check_locals: for the consistency mode (Note [Consistency
+            mode]): the front door's name, its further fields that every rank must agree on
+            (e.g. ``cu_seqlens`` values), and per-rank data with its cross-rank check; the
+            callables run only when the mode is on.
 
     Raises:
         ValueError: naming the argument and how to fix it, on every rank, before any
             communication.
     """
+    try:
+        spec = _resolve(
+            q,
+            k,
+            v,
+            layout=layout,
+            form=form,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            dropout_p=dropout_p,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            backend=backend,
+            group_name=group_name,
+            world_size=world_size,
+            ring_func=ring_func,
+            layout_world=layout_world,
+            head_split=head_split,
+            global_len=global_len,
+        )
+        if checks is not None:
+            checks()
+    except (TypeError, ValueError) as e:
+        check_consistent(group_name, {"op": op, "error": f"{type(e).__name__}: {e}"})
+        raise
+    if not torch.compiler.is_compiling() and consistency_checks_enabled():
+        fingerprint = {
+            "op": op,
+            **spec._asdict(),
+            "shapes": [tuple(t.shape) for t in (q, k, v)],
+            "dtype": str(q.dtype),
+            "device type": q.device.type,
+            **(metadata() if metadata else {}),
+        }
+        check_consistent(group_name, fingerprint, local() if local else None, check_locals)
+    return spec
+
+
+def _resolve(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layout: str | Layout,
+    form: Form,
+    causal: bool,
+    softmax_scale: float | None,
+    window_size: tuple[int, int],
+    dropout_p: float,
+    alibi_slopes: object,
+    deterministic: bool,
+    backend: str | None,
+    group_name: str,
+    world_size: int,
+    ring_func: str | None,
+    layout_world: int | None,
+    head_split: int,
+    global_len: int | None,
+) -> AttentionSpec:
     check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     causal = check_bool("causal", causal)
     deterministic = check_bool("deterministic", deterministic)

@@ -95,7 +95,8 @@ _HIDE_AND_IMPORT = textwrap.dedent(
     assert "dtensor_ring" not in sys.modules
 
     import dtensor_ring
-    from dtensor_ring.api.dtensor import ATEN_SDPA_OPS, _aten_handlers, _Config
+    from dtensor_ring.api.dtensor import ATEN_SDPA_OPS, SDPAConfig
+    from dtensor_ring.api.dtensor.handlers import aten_handlers
     from dtensor_ring.kernels import KernelCall, select_kernel
 
     call = KernelCall("cpu", torch.float64, 16, 2, 2)
@@ -108,7 +109,7 @@ _HIDE_AND_IMPORT = textwrap.dedent(
         raise AssertionError("cpu_flash was selected without its op")
 
     # ring_sdpa leaves the family without ops to SDPA and keeps the others.
-    handlers = _aten_handlers(_Config("zigzag", None))
+    handlers = aten_handlers(SDPAConfig("zigzag", None))
     kept = {{f.forward for f in ATEN_SDPA_OPS if f.available}}
     assert HIDDEN not in kept and len(kept) == len(ATEN_SDPA_OPS) - 1, kept
     assert len(handlers) == 2 * len(kept), len(handlers)

@@ -30,7 +30,7 @@ import dtensor_ring
 from dtensor_ring._compat import dtensor as _dtensor_compat
 from dtensor_ring.api.dtensor import (
     ATEN_SDPA_OPS,
-    _Config,
+    SDPAConfig,
     aten_sdpa_backward_handler,
     aten_sdpa_forward_handler,
 )
@@ -559,7 +559,7 @@ def _call_with_schema(handler, op, values: dict):
             if arg.kwarg_only
             else args.append(values[arg.name])
         )
-    return handler(_Config("zigzag", None), op, tuple(args), kwargs)
+    return handler(SDPAConfig("zigzag", None), op, tuple(args), kwargs)
 
 
 def _cuda_handlers(group):
@@ -782,7 +782,7 @@ def _shard_errors(group):
         "layout": lambda: dtensor_ring.shard_sequence(x, mesh, layout="spiral"),
         "mesh_dim": lambda: dtensor_ring.shard_sequence(x, mesh, mesh_dim="cp"),
         "batch_dim": lambda: dtensor_ring.shard_sequence(x, mesh, seq_dim=1, batch_dim=1),
-        "divisible": lambda: dtensor_ring.shard_sequence(torch.randn(2, 6), mesh),
+        "divisible": lambda: dtensor_ring.shard_sequence(torch.randn(2, 5), mesh),
         "unshard_replicated": lambda: dtensor_ring.unshard_sequence(
             distribute_tensor(x, mesh, [Replicate()])
         ),

@@ -274,3 +274,11 @@ def check_toy_varlen(group: dist.ProcessGroup, causal: bool, window: tuple[int, 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_toy_layout_varlen(dist_pool, world_size, causal, window):
     dist_pool.run(check_toy_varlen, world_size, causal=causal, window=window)
+
+
+def test_toy_layout_in_varlen_balance():
+    """Registered layouts join the load-balance report; every causal pair counted once."""
+    lengths, W = [8, 16, 24], 4
+    bounds = [0, 8, 24, 48]
+    report = dtensor_ring.varlen_balance(bounds, W, causal=True)
+    assert sum(report["halves"]) == sum(n * (n + 1) // 2 for n in lengths)

@@ -61,6 +61,7 @@ def ring_attention_func(
         q,
         k,
         v,
+        op="ring_attention",
         layout=layout,
         causal=causal,
         softmax_scale=softmax_scale,

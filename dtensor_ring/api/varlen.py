@@ -44,9 +44,12 @@ communication. Bad input raises ``ValueError`` naming it (see docs/varlen.md).
 
 from __future__ import annotations
 
+import functools
+
 import torch.distributed as dist
 from torch import Tensor
 
+from ..layouts.varlen import host_values
 from ..ops.varlen import llama3_attention, ring_attention_varlen
 from ..resolve import (
     check_cu_seqlens_arg,
@@ -57,6 +60,7 @@ from ..resolve import (
     resolve_call,
     unpack,
 )
+from ..schedule.llama3 import llama3_locals_disagree
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -83,10 +87,16 @@ def ring_varlen_attention_func(
     (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` ->
     ``out [T_local, H, D]``."""
     name, world_size = group_arg(group)
+
+    def checks() -> None:
+        check_cu_seqlens_arg(cu_seqlens, q)
+        max_seqlen_value(max_seqlen, "max_seqlen")
+
     spec = resolve_call(
         q,
         k,
         v,
+        op="ring_attention_varlen",
         layout=layout,
         form="documents",
         causal=causal,
@@ -99,8 +109,9 @@ def ring_varlen_attention_func(
         group_name=name,
         world_size=world_size,
         ring_func="ring_flash_attn_varlen_func",
+        checks=checks,
+        metadata=lambda: {"cu_seqlens": host_values(cu_seqlens), "max_seqlen": max_seqlen},
     )
-    check_cu_seqlens_arg(cu_seqlens, q)
     max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
     out, lse = ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, *spec.op_args())
     return (out, lse, None) if return_attn_probs else out
@@ -131,10 +142,24 @@ def llama3_attention_func(
     """All-gather attention over packed documents in a stream ``layout``: ``q [L, H, D]``,
     ``k, v [L, H_kv, D]`` -> ``out [L, H, D]`` (Note [llama3 all-gather attention])."""
     name, world_size = group_arg(group)
+
+    def checks() -> None:
+        check_heads_k_stride(heads_k_stride, k.shape[1])
+        local_k_slice_bounds(local_k_slice)
+        check_cu_seqlens_arg(cu_seqlens_q, q, "cu_seqlens_q")
+        check_cu_seqlens_arg(cu_seqlens_k, q, "cu_seqlens_k")
+        max_seqlen_value(max_seqlen_q, "max_seqlen_q")
+        max_seqlen_value(max_seqlen_k, "max_seqlen_k")
+
+    def local() -> tuple:
+        bq, bk = host_values(cu_seqlens_q), host_values(cu_seqlens_k)
+        return bq, bk, (local_k_slice.start, local_k_slice.stop), q.shape[0]
+
     spec = resolve_call(
         q,
         k,
         v,
+        op="llama3_attention",
         layout=layout,
         form="varlen",
         causal=causal,
@@ -146,11 +171,12 @@ def llama3_attention_func(
         backend=backend,
         group_name=name,
         world_size=world_size,
+        checks=checks,
+        metadata=lambda: {"heads_k_stride": heads_k_stride},
+        local=local,
+        check_locals=functools.partial(llama3_locals_disagree, causal=bool(causal)),
     )
-    check_heads_k_stride(heads_k_stride, k.shape[1])
     k_start, k_stop = local_k_slice_bounds(local_k_slice)
-    check_cu_seqlens_arg(cu_seqlens_q, q, "cu_seqlens_q")
-    check_cu_seqlens_arg(cu_seqlens_k, q, "cu_seqlens_k")
     max_q = max_seqlen_value(max_seqlen_q, "max_seqlen_q")
     max_k = max_seqlen_value(max_seqlen_k, "max_seqlen_k")
     out, lse = llama3_attention(

@@ -106,7 +106,8 @@ def varlen_balance(
         causal: causal attention within documents (zigzag is causal-only).
 
     Returns:
-        ``{layout: [work of rank 0, ..., rank W-1]}`` for "ring", "zigzag" and "llama3", the
+        ``{layout: [work of rank 0, ..., rank W-1]}`` for every registered varlen layout
+        ("ring", "zigzag" and "llama3" built in), the
         work counted in score pairs (query-key pairs a rank computes; multiply by ``4 * H * D``
         for forward FLOPs, the backward is ~2.5x that). The slowest rank sets the pace, so
         compare ``max(work) / mean(work)``. A layout the documents cannot use (a document not
@@ -124,12 +125,23 @@ def varlen_balance(
             n % layout.divisor(world_size) for n in lengths
         ):
             continue
-        plan = make_plan(layout, world_size, causal)
         work = [0.0] * world_size
-        for n in lengths:
+        for n in lengths:  # a plan per local length (the same plan for layouts with a table)
+            plan = make_plan(layout, world_size, causal, None, n // world_size)
             for r, row in enumerate(plan.score_pairs(n // world_size)):
                 work[r] += sum(row)
         report[layout.name] = work
+    stream = _stream_work(bounds, lengths, world_size, causal)
+    for name in layout_names("varlen"):
+        if get_layout(name).varlen == "stream":
+            report[name] = list(stream)
+    return report
+
+
+def _stream_work(
+    bounds: Sequence[int], lengths: Sequence[int], world_size: int, causal: bool
+) -> list[float]:
+    """Score pairs per rank when the packed stream is cut into W contiguous slices (llama3)."""
     slice_len = bounds[-1] // world_size
     work = [0.0] * world_size
     for r in range(world_size):
@@ -138,5 +150,4 @@ def varlen_balance(
             a, b = max(lo, start) - start, min(hi, start + n) - start  # query positions in doc
             if a < b:
                 work[r] += (b * (b + 1) - a * (a + 1)) / 2 if causal else (b - a) * n
-    report["llama3"] = work
-    return report
+    return work

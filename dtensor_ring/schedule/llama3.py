@@ -76,6 +76,30 @@ def llama3_flash_attn_prepare_cu_seqlens(
     )
 
 
+def llama3_locals_disagree(per_rank: list[tuple], causal: bool) -> str | None:
+    """Whether every rank's llama3 metadata comes from the same global documents (for the
+    consistency mode): ``per_rank[r] = (cu_seqlens_q values, cu_seqlens_k values,
+    (k_start, k_stop), L)``. The documents are rebuilt from all ranks (inner query boundaries
+    and each rank's first document start) and each rank's metadata is compared with what
+    :func:`llama3_flash_attn_prepare_cu_seqlens` gives for them; returns the first
+    difference, or None."""
+    W, L = len(per_rank), per_rank[0][3]
+    starts = {r * L + b for r, (bq, *_) in enumerate(per_rank) for b in bq[1:-1]}
+    starts |= {k_slice[0] for _, _, k_slice, _ in per_rank} | {0, W * L}
+    bounds = torch.tensor(sorted(starts), dtype=torch.int32)
+    for r, (bq, bk, k_slice, _) in enumerate(per_rank):
+        cu_q, cu_k, _, _, sl = llama3_flash_attn_prepare_cu_seqlens(bounds, causal, r, W)
+        expected = (tuple(cu_q.tolist()), tuple(cu_k.tolist()), (sl.start, sl.stop))
+        if (tuple(bq), tuple(bk), tuple(k_slice)) != expected:
+            return (
+                f"llama3 metadata: rank {r} has cu_seqlens_q={list(bq)}, cu_seqlens_k="
+                f"{list(bk)}, local_k_slice={k_slice}, but the documents {bounds.tolist()} "
+                f"of all ranks (causal={causal}) give {[list(e) for e in expected[:2]]}, "
+                f"{expected[2]}"
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class Llama3Meta:
     """Checked metadata of one rank's llama3 call (built by :func:`llama3_meta`).

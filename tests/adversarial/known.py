@@ -7,7 +7,7 @@ in it passes: then remove it from here (or regenerate).
 """
 
 _NAMES = """
-#args:52
+#args:51
 args/hf.ring_attention_forward[packed,llama3]/W3/rank_outside_group
 args/hf.ring_attention_forward[packed,ring]/W3/rank_outside_group
 args/hf.ring_attention_forward[packed,zigzag]/W3/rank_outside_group
@@ -43,7 +43,6 @@ args/ring_sdpa+F.sdpa[zigzag,ulysses]/W1/int_tensors
 args/ring_sdpa+F.sdpa[zigzag,ulysses]/W2/complex
 args/ring_sdpa+F.sdpa[zigzag,ulysses]/W2/empty_batch
 args/ring_sdpa+F.sdpa[zigzag,ulysses]/W3/empty_seq
-args/ring_sdpa+F.sdpa[zigzag,ulysses]/W4/k_float32
 args/scaled_dot_product_ring_attention[ring,ring]/W2/causal=None
 args/scaled_dot_product_ring_attention[ring,ring]/W3/causal='False'
 args/scaled_dot_product_ring_attention[ring,ring]/W4/dropout_p='0'
@@ -60,7 +59,7 @@ args/scaled_dot_product_ring_attention[zigzag,ring]/W2/dropout_p='0'
 args/scaled_dot_product_ring_attention[zigzag,ulysses]/W2/causal=None
 args/scaled_dot_product_ring_attention[zigzag,ulysses]/W3/causal='False'
 args/scaled_dot_product_ring_attention[zigzag,ulysses]/W4/dropout_p='0'
-#disagree:88
+#disagree:83
 disagree/hf.ring_attention_forward[zigzag]/W2/causal[debug]
 disagree/hf.ring_attention_forward[zigzag]/W2/dtype[debug]
 disagree/hf.ring_attention_forward[zigzag]/W2/seq_len[debug]
@@ -87,7 +86,6 @@ disagree/llama3_flash_attn_varlen_func/W4/head_dim[debug]
 disagree/llama3_flash_attn_varlen_func/W4/heads_k_stride[debug]
 disagree/llama3_flash_attn_varlen_func/W4/scale[debug]
 disagree/ring_flash_attn_func/W2/causal[debug]
-disagree/ring_flash_attn_func/W2/dtype[debug]
 disagree/ring_flash_attn_func/W2/op[debug]
 disagree/ring_flash_attn_func/W2/seq_len[debug]
 disagree/ring_flash_attn_func/W3/batch[debug]
@@ -122,18 +120,15 @@ disagree/scaled_dot_product_ring_attention[zigzag,ring]/W3/op[debug]
 disagree/scaled_dot_product_ring_attention[zigzag,ring]/W3/seq_len[debug]
 disagree/scaled_dot_product_ring_attention[zigzag,ring]/W4/batch[debug]
 disagree/scaled_dot_product_ring_attention[zigzag,ring]/W4/head_dim[debug]
-disagree/scaled_dot_product_ring_attention[zigzag,ring]/W4/scale[debug]
 disagree/ulysses_flash_attn_func[ring]/W2/batch[debug]
 disagree/ulysses_flash_attn_func[ring]/W2/head_dim[debug]
 disagree/ulysses_flash_attn_func[ring]/W2/scale[debug]
 disagree/ulysses_flash_attn_func[ring]/W3/heads[debug]
-disagree/ulysses_flash_attn_func[ring]/W3/layout[debug]
 disagree/ulysses_flash_attn_func[ring]/W3/window[debug]
 disagree/ulysses_flash_attn_func[ring]/W4/causal[debug]
 disagree/ulysses_flash_attn_func[ring]/W4/dtype[debug]
 disagree/ulysses_flash_attn_func[ring]/W4/seq_len[debug]
 disagree/zigzag_ring_flash_attn_func/W2/heads[debug]
-disagree/zigzag_ring_flash_attn_func/W2/layout[debug]
 disagree/zigzag_ring_flash_attn_func/W2/window[debug]
 disagree/zigzag_ring_flash_attn_func/W3/causal[debug]
 disagree/zigzag_ring_flash_attn_func/W3/dtype[debug]
@@ -148,7 +143,6 @@ disagree/zigzag_ring_flash_attn_varlen_func/W2/dtype[debug]
 disagree/zigzag_ring_flash_attn_varlen_func/W3/head_dim[debug]
 disagree/zigzag_ring_flash_attn_varlen_func/W3/scale[debug]
 disagree/zigzag_ring_flash_attn_varlen_func/W4/heads[debug]
-disagree/zigzag_ring_flash_attn_varlen_func/W4/window[debug]
 #dtensor:10
 dtensor/distribute+ring_sdpa(),backward_outside/W1
 dtensor/distribute+ring_sdpa(),backward_outside/W2
@@ -199,7 +193,7 @@ hf/hf.ring_attention_forward[zigzag]/W4/is_causal=False
 hf/hf.ring_attention_forward[zigzag]/W4/sliding_window=True
 hf/hf.ring_attention_forward[zigzag]/W4/unknown_kwarg
 hf/model:gpt_oss/W2/zigzag
-#layout:50
+#layout:48
 layout/hf.ring_attention_forward[ring]/W2/view=channels_last,backend=cpu_flash
 layout/hf.ring_attention_forward[ring]/W4/view=stride_d
 layout/hf.ring_attention_forward[stripe]/W1/view=stride_d,backend=cpu_flash
@@ -214,7 +208,6 @@ layout/ring_flash_attn_qkvpacked_func/W1/view=channels_last
 layout/ring_flash_attn_qkvpacked_func/W4/view=transposed,backend=cpu_flash
 layout/ring_sdpa+F.sdpa[ring,ring]/W1/view=transposed,backend=math
 layout/ring_sdpa+F.sdpa[ring,ring]/W2/view=channels_last,backend=cpu_flash
-layout/ring_sdpa+F.sdpa[ring,ring]/W4/view=stride_d
 layout/ring_sdpa+F.sdpa[ring,ulysses]/W2/view=stride_d
 layout/ring_sdpa+F.sdpa[ring,ulysses]/W3/view=transposed,backend=math
 layout/ring_sdpa+F.sdpa[ring,ulysses]/W4/view=channels_last,backend=cpu_flash
@@ -229,7 +222,6 @@ layout/ring_sdpa+F.sdpa[zigzag,ring]/W3/view=transposed,backend=cpu_flash
 layout/ring_sdpa+F.sdpa[zigzag,ring]/W4/view=channels_last
 layout/ring_sdpa+F.sdpa[zigzag,ulysses]/W1/view=transposed,backend=cpu_flash
 layout/ring_sdpa+F.sdpa[zigzag,ulysses]/W2/view=channels_last
-layout/ring_sdpa+F.sdpa[zigzag,ulysses]/W4/view=stride_d,backend=math
 layout/scaled_dot_product_ring_attention[ring,ring]/W1/view=channels_last
 layout/scaled_dot_product_ring_attention[ring,ring]/W4/view=transposed,backend=cpu_flash
 layout/scaled_dot_product_ring_attention[stripe,ring]/W1/view=channels_last,backend=cpu_flash

@@ -1,0 +1,128 @@
+"""``scaled_dot_product_ring_attention``: ring (or Ulysses) attention on DTensors with SDPA's
+signature, without a scope or private API (Note [How SDPA on DTensors reaches ring attention])."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ...layouts import LayoutName
+from ...ops.ring import ring_attention, ring_attention_backward
+from ...ops.ulysses import ulysses_attention, ulysses_attention_backward
+from ...resolve import AttentionSpec, resolve_call
+from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
+
+Mode = Literal["ring", "ulysses"]
+# mode -> (forward op, backward op); the pairs share schemas (Note [Ulysses in the DTensor path])
+MODE_OPS = {
+    "ring": (ring_attention, ring_attention_backward),
+    "ulysses": (ulysses_attention, ulysses_attention_backward),
+}
+
+
+@dataclass(frozen=True)
+class SDPAConfig:
+    """The options of a ``ring_sdpa`` scope (or of one scope-free call)."""
+
+    layout: str
+    backend: str | None
+    mode: str = "ring"
+    window_size: tuple[int, int] = (-1, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# The DTensor path of SDPA.
+# --------------------------------------------------------------------------------------------
+def scaled_dot_product_ring_attention(
+    query: DTensor,
+    key: DTensor,
+    value: DTensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    layout: LayoutName = "ring",
+    backend: str | None = None,
+    mode: Mode = "ring",
+    window_size: tuple[int, int] = (-1, -1),
+) -> DTensor:
+    """Ring attention with ``F.scaled_dot_product_attention``'s signature, on DTensors.
+
+    Computes what SDPA computes inside :func:`ring_sdpa`, without a scope or private API: it
+    calls ``dtensor_ring::ring_attention`` on the DTensors (sharding rule registered with
+    ``register_sharding``). Works in eager and compiled code (also inside a ``torch.compile``'d
+    function), with activation checkpointing.
+
+    Args:
+        query: ``[B, H, S, D]``; key, value: ``[B, H_kv, S, D]`` (``H_kv < H`` needs
+            ``enable_gqa=True``). DTensors on one mesh, placed ``Shard(2)`` (sequence) on one
+            mesh dim (the context-parallel dim, holding tokens as ``layout`` says) and
+            ``Replicate()`` or ``Shard(0)`` on the others; S divisible by the layout's divisor.
+        attn_mask: must be None.  dropout_p: must be 0.0.
+        is_causal: causal mask over the original (unpermuted) sequence; required for zigzag
+            and stripe.
+        scale: softmax scale, default ``D ** -0.5``.
+        layout: how the sequence is sharded (Note [Sequence layouts]).
+        backend: block-kernel backend name, or None for automatic choice.
+        mode: "ring" (ring attention) or "ulysses" (Ulysses all-to-all attention,
+            ``dtensor_ring::ulysses_attention``; needs ``H`` divisible by the context-parallel
+            size, takes every layout causal or not). Note [Ulysses in the DTensor path].
+        window_size: flash-attn sliding window ``(left, right)`` over global positions (query
+            p sees keys ``[p - left, p + right]``, -1 unbounded, ``is_causal`` sets
+            ``right = 0``); docs/window.md.
+
+    Returns:
+        ``[B, H, S, D]`` DTensor with ``query``'s placements.
+
+    Raises:
+        ValueError: on unsupported placements or arguments, on every rank, before any
+            communication.
+    """
+    cp_dim, group_name = check_sdpa_args(
+        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode
+    )
+    q, k, v = to_op_layout(query, key, value)
+    config = SDPAConfig(layout, backend, mode, window_size)
+    world = query.device_mesh.size(cp_dim)
+    spec = resolve_sdpa(config, q, k, v, is_causal, scale, group_name, world, global_len=q.shape[1])
+    out, _ = MODE_OPS[mode][0](q, k, v, *spec.op_args())
+    return swap_seq_heads(out)
+
+
+def resolve_sdpa(
+    config: SDPAConfig,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    is_causal: bool,
+    scale: float | None,
+    group_name: str,
+    world_size: int,
+    global_len: int | None = None,
+) -> AttentionSpec:
+    """The call resolution of an SDPA call in op layout ``[B, S, H, D]`` (Note [Call
+    resolution]); Ulysses runs the kernel on ``H / W`` query heads."""
+    ulysses = config.mode == "ulysses"
+    return resolve_call(
+        q,
+        k,
+        v,
+        op=f"sdpa[{config.mode}]",
+        layout=config.layout,
+        causal=is_causal,
+        softmax_scale=scale,
+        window_size=config.window_size,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        backend=config.backend,
+        group_name=group_name,
+        world_size=world_size,
+        ring_func=None if ulysses else "ring_sdpa(layout='ring')",
+        head_split=world_size if ulysses else 1,
+        global_len=global_len,
+    )

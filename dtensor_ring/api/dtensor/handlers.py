@@ -1,0 +1,187 @@
+"""SDPA aten-op handlers, installed by ``ring_sdpa`` in DTensor's (private) handler table
+(Note [How SDPA on DTensors reaches ring attention])."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+from ..._compat import aten_op, require_aten_op
+from ..._compat import dtensor as _dtensor_compat
+from ...resolve import AttentionSpec
+from .function import MODE_OPS, SDPAConfig, resolve_sdpa
+from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
+
+
+# --------------------------------------------------------------------------------------------
+# SDPA aten-op handlers, installed by ring_sdpa in DTensor's (private) handler table.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AtenSDPAOps:
+    """One family of fused SDPA aten ops (forward and backward) and its lse shape.
+
+    Arguments are bound by schema name, so every family shares one forward and one backward
+    handler: ``query, key, value``, ``attn_mask``/``attn_bias``, ``dropout_p``, ``is_causal``,
+    ``scale``; backward also ``grad_out``/``grad_out_``, ``out``, ``logsumexp``. Returns beyond
+    ``(output, logsumexp)`` / ``(grad_query, grad_key, grad_value)`` are filled per schema type.
+    """
+
+    forward: str
+    backward: str
+    lse_trailing_one: bool = False  # cuDNN's lse is [B, H, S, 1]
+
+    @property
+    def available(self) -> bool:
+        """Whether this torch has both ops (resolved lazily, ``_compat.aten_op``)."""
+        return aten_op(self.forward) is not None and aten_op(self.backward) is not None
+
+    @property
+    def forward_op(self) -> torch._ops.OpOverload:
+        return require_aten_op(self.forward).default
+
+    @property
+    def backward_op(self) -> torch._ops.OpOverload:
+        return require_aten_op(self.backward).default
+
+
+ATEN_SDPA_OPS: tuple[AtenSDPAOps, ...] = (
+    AtenSDPAOps(
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    ),
+    AtenSDPAOps(
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"
+    ),
+    AtenSDPAOps(
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+    ),
+    AtenSDPAOps(
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+        lse_trailing_one=True,
+    ),
+)
+
+
+def _first(bound: dict, *names: str):
+    """The value of the first of ``names`` that the op has (None if it has none of them)."""
+    for n in names:
+        if n in bound:
+            return bound[n]
+    return None
+
+
+def _replicated_like(like: DTensor, local: Tensor) -> DTensor:
+    return DTensor.from_local(
+        local, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False
+    )
+
+
+def _bind_sdpa_call(
+    config: SDPAConfig, op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple[dict, tuple[Tensor, Tensor, Tensor], AttentionSpec]:
+    """Bind an SDPA aten op's arguments by name, check them, and resolve the call: the bound
+    arguments, the local shards in the op layout ``[B, S, H, D]``, and the spec."""
+    a = _dtensor_compat.bind_args(op, args, kwargs)
+    query, key, value = a["query"], a["key"], a["value"]
+    is_causal = bool(a.get("is_causal", False))
+    cp_dim, group_name = check_sdpa_args(
+        query,
+        key,
+        value,
+        _first(a, "attn_mask", "attn_bias"),
+        float(a.get("dropout_p", 0.0)),
+        is_causal,
+        True,
+        config.layout,
+        config.mode,
+    )
+    q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
+    world = query.device_mesh.size(cp_dim)
+    spec = resolve_sdpa(config, q, k, v, is_causal, a.get("scale"), group_name, world)
+    return a, (q, k, v), spec
+
+
+def aten_sdpa_forward_handler(
+    config: SDPAConfig, op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple:
+    """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
+    family = _family_of()[op]
+    a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
+    query, mesh = a["query"], a["query"].device_mesh
+    out, lse = MODE_OPS[config.mode][0](q, k, v, *spec.op_args())
+    if family.lse_trailing_one:
+        lse = lse.unsqueeze(-1)
+    out_dt = DTensor.from_local(swap_seq_heads(out), mesh, query.placements, run_check=False)
+    lse_dt = DTensor.from_local(lse, mesh, query.placements, run_check=False)  # [B, H, S(, 1)]
+    results: list[object] = [out_dt, lse_dt]
+    S_local = q.shape[1]
+    for name in _dtensor_compat.return_names(op)[2:]:
+        if name.startswith("max_"):  # SymInt max_q / max_k
+            results.append(S_local)
+        elif name.startswith("cum_seq"):  # undefined for dense inputs, as natively
+            results.append(None)
+        else:  # philox seed/offset, rng_state, unused, debug mask: ignored by our backward
+            results.append(_replicated_like(query, q.new_empty(0, dtype=torch.int64)))
+    return tuple(results)
+
+
+def aten_sdpa_backward_handler(
+    config: SDPAConfig, op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple:
+    """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
+    family = _family_of()[op]
+    a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
+    mesh, placements = a["query"].device_mesh, a["query"].placements
+    dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
+    dout, out, lse = (
+        t if t.placements == placements else t.redistribute(mesh, placements)
+        for t in (dout, out, lse)
+    )
+    dout_l, out_l = swap_seq_heads(dout.to_local()), swap_seq_heads(out.to_local())
+    lse_l = lse.to_local()
+    if family.lse_trailing_one:
+        lse_l = lse_l.squeeze(-1)
+    lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
+    dq, dk, dv = MODE_OPS[config.mode][1](
+        dout_l.contiguous(),
+        q,
+        k,
+        v,
+        out_l,
+        lse_l.contiguous(),
+        *spec.op_args(),
+    )
+    grads = [
+        DTensor.from_local(swap_seq_heads(g), mesh, placements, run_check=False)
+        for g in (dq, dk, dv)
+    ]
+    # efficient attention also returns grad_bias: None, as attn_bias is None
+    return tuple(grads + [None] * (len(_dtensor_compat.return_names(op)) - 3))
+
+
+@functools.cache
+def _family_of() -> dict[torch._ops.OpOverload, AtenSDPAOps]:
+    """``{op: family}`` of the families this torch has (built on first use, not at import)."""
+    return {
+        op: family
+        for family in ATEN_SDPA_OPS
+        if family.available
+        for op in (family.forward_op, family.backward_op)
+    }
+
+
+def aten_handlers(config: SDPAConfig) -> dict:
+    """Handlers for the families this torch has; a family whose ops it lacks is left to SDPA."""
+    handlers = {}
+    for family in ATEN_SDPA_OPS:
+        if not family.available:
+            continue
+        handlers[family.forward_op] = functools.partial(aten_sdpa_forward_handler, config)
+        handlers[family.backward_op] = functools.partial(aten_sdpa_backward_handler, config)
+    return handlers

@@ -1,0 +1,158 @@
+"""The ``ring_sdpa`` scope: a ``TorchFunctionMode`` plus the aten-op handlers, installed and
+removed together (Note [How SDPA on DTensors reaches ring attention])."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from ..._compat import dtensor as _dtensor_compat
+from ...layouts import LayoutName, get_layout
+from ...resolve import check_window_size
+from .function import Mode, SDPAConfig
+from .handlers import aten_handlers
+from .placements import check_mode, check_sdpa_args
+
+
+# --------------------------------------------------------------------------------------------
+# The scope.
+# --------------------------------------------------------------------------------------------
+@torch.compiler.assume_constant_result  # the getters are not traceable; read at trace time
+def _enabled_fused_backends() -> tuple[SDPBackend, ...]:
+    """The fused SDPA backends enabled now (FLASH_ATTENTION covers the CPU flash kernel).
+
+    Keeping the user's choice (e.g. ``sdpa_kernel(CUDNN_ATTENTION)``) matters: a recompute
+    under activation checkpointing runs without our mode, so it must pick the same aten op.
+    """
+    flags = (
+        (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+        (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled()),
+    )
+    return tuple(backend for backend, enabled in flags if enabled)
+
+
+_SDPA_FUNCS = (
+    F.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
+
+
+class _RingSDPAMode(TorchFunctionMode):
+    """Checks SDPA calls on DTensors and keeps them on a fused kernel (see the Note above)."""
+
+    def __init__(self, config: SDPAConfig):
+        super().__init__()
+        self.config = config
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SDPA_FUNCS and _check_dtensor_sdpa_call(self.config, *args, **kwargs):
+            # Never SDPA's math fallback (which would decompose into sharded matmuls): a
+            # fused op (among those enabled), caught by our handler, or SDPA's own "no kernel
+            # available" error. The fused ops need a unit last stride: copy where not.
+            args = tuple(
+                t.contiguous() if isinstance(t, DTensor) and t.stride(-1) != 1 else t for t in args
+            )
+            for name in ("query", "key", "value"):
+                t = kwargs.get(name)
+                if isinstance(t, DTensor) and t.stride(-1) != 1:
+                    kwargs[name] = t.contiguous()
+            with sdpa_kernel(list(_enabled_fused_backends())):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _check_dtensor_sdpa_call(
+    config,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+) -> bool:
+    """False for SDPA on plain tensors; True for a valid call on DTensors; else raises."""
+    if not any(isinstance(t, DTensor) for t in (query, key, value)):
+        return False
+    check_sdpa_args(
+        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, config.layout, config.mode
+    )
+    return True
+
+
+@contextlib.contextmanager
+def ring_sdpa(
+    layout: LayoutName = "ring",
+    backend: str | None = None,
+    mode: Mode = "ring",
+    window_size: tuple[int, int] = (-1, -1),
+) -> Iterator[None]:
+    """Scope in which SDPA on sequence-sharded DTensors runs ring attention.
+
+    Inside it, ``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...,
+    enable_gqa=...)`` with DTensor ``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` placed
+    ``Shard(2)`` over one mesh dim (``Replicate()``/``Shard(0)`` on the others) returns
+    ring attention as a ``[B, H, S, D]`` DTensor with the same placements, differentiable.
+    See :func:`scaled_dot_product_ring_attention` for the accepted arguments and
+    Note [How SDPA on DTensors reaches ring attention] for the mechanism. SDPA on plain
+    tensors is left alone.
+
+    Enter it around the whole training step, forward *and* backward (activation checkpointing
+    recomputes attention during backward), outside ``torch.compile``'d functions. Everything
+    installed is removed on exit, also on an exception. Scopes nest (the innermost wins).
+
+    Args:
+        layout: "ring", "zigzag" or "stripe": how the DTensors' sequence shards are laid out
+            (Note [Sequence layouts]); zigzag and stripe need ``is_causal=True`` (except
+            with ``mode="ulysses"``). The default, "ring", is the contiguous shards that
+            ``distribute_tensor(x, mesh, [Shard(2)])`` makes; a load-balanced order is asked
+            for here, and :func:`shard_sequence` inside the scope shards in it by default.
+        backend: block-kernel backend name, or None for automatic choice.
+        mode: "ring" (ring attention) or "ulysses" (all-to-all attention; needs ``H``
+            divisible by the context-parallel size, else ``ValueError`` on every rank before
+            any communication). Note [Ulysses in the DTensor path].
+        window_size: flash-attn sliding window ``(left, right)`` over global positions for
+            every SDPA call in the scope (-1: unbounded; ``is_causal`` sets ``right = 0``);
+            docs/window.md. SDPA has no window argument, hence this option.
+
+    Raises:
+        ValueError: on a malformed ``window_size``.
+        RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
+            when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
+    """
+    get_layout(layout, "dense")
+    check_mode(mode)
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "enter dtensor_ring.ring_sdpa outside the torch.compile'd function (e.g. around "
+            "the training step): its SDPA handlers act while AOTAutograd traces, after Dynamo; "
+            "inside compiled code call dtensor_ring.scaled_dot_product_ring_attention instead"
+        )
+    config = SDPAConfig(layout, backend, mode, check_window_size(window_size))
+    token = _SCOPE_LAYOUT.set(layout)
+    try:
+        with _dtensor_compat.custom_op_handlers(aten_handlers(config)), _RingSDPAMode(config):
+            yield
+    finally:
+        _SCOPE_LAYOUT.reset(token)
+
+
+_SCOPE_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("ring_sdpa_layout")
+
+
+def scope_layout(layout: str | None) -> str:
+    """``layout``, or for None the layout of the innermost active :func:`ring_sdpa` scope
+    (``"ring"`` outside any): the sharding helpers' default, so that sharding and attention
+    agree on the layout wherever the library knows both."""
+    return _SCOPE_LAYOUT.get("ring") if layout is None else layout
