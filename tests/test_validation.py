@@ -180,9 +180,12 @@ def test_bad_type_or_value_raises_on_every_rank(dist_pool, name, expected, world
 
 
 def check_non_member(group: dist.ProcessGroup) -> tuple[str, str]:
-    """Worker body: ranks 0 and 1 form a group; rank 2 (not a member) passes it too."""
+    """Worker body: ranks 0 and 1 form a group; ranks 2 and 3 (not members) pass it too.
+
+    Runs on the whole pool: ``new_group`` is a collective of every rank of the default group.
+    """
     pair = dist.new_group([0, 1])
-    if dist.get_rank() == 2:
+    if dist.get_rank() >= 2:
         try:
             dr.ring_flash_attn_func(*_qkv(), group=pair)
         except Exception as e:  # noqa: BLE001 - reported and checked by the test
@@ -192,9 +195,9 @@ def check_non_member(group: dist.ProcessGroup) -> tuple[str, str]:
 
 
 def test_non_member_rank_raises(dist_pool):
-    results = dist_pool.run(check_non_member, 3, timeout_s=30)
-    kind, message = results[2]
-    assert kind == "ValueError" and "not a member of group" in message, results[2]
+    results = dist_pool.run(check_non_member, 4, timeout_s=30)
+    for kind, message in results[2:]:
+        assert kind == "ValueError" and "not a member of group" in message, (kind, message)
 
 
 def try_bad_call(group: dist.ProcessGroup, name: str) -> tuple[str, str]:
