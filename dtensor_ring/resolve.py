@@ -39,6 +39,8 @@ from ._compat import group_name as _group_name
 from .consistency import PerRankCheck, check_consistent, consistency_checks_enabled
 from .kernels import KernelCall, select_kernel
 from .layouts import Form, Layout, get_layout
+from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
+from .schedule.cost import kv_repeat
 
 
 class AttentionSpec(NamedTuple):
@@ -282,8 +284,6 @@ def check_heads(num_heads: int, world_size: int, what: str) -> None:
 def check_cu_seqlens_arg(cu_seqlens: object, q: Tensor, name: str = "cu_seqlens") -> None:
     """Type/dtype/shape/device checks of a ``cu_seqlens`` argument (no host read: its values
     are checked by the op when it runs)."""
-    from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
-
     check_cu_seqlens_tensor(cu_seqlens, name)
     check_cu_seqlens_device(cu_seqlens, q, name)
 
@@ -328,8 +328,6 @@ def select_backend(
     a constant (``torch.compiler.assume_constant_result``): backends' availability probes
     (``torch.backends.cudnn.is_available()``, imports) are not traceable by Dynamo.
     """
-    from .schedule.cost import kv_repeat
-
     H, H_kv = int(q.shape[-2]), int(k.shape[-2])
     if head_split > 1:
         H, H_kv = H // head_split, H_kv * kv_repeat(H_kv, head_split) // head_split
