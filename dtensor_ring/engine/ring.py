@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import BlockKernel, accumulation_dtype
+from ..kernels.merge import empty_rows_nan_
 from ..schedule.plan import Step
 from .blocks import Blocks, DenseBlocks
 
@@ -154,7 +155,7 @@ def ring_forward(
         if pending is not None:
             kv = pending.wait()
     side.join()
-    return out_acc.to(q_BSHD.dtype), lse_acc
+    return empty_rows_nan_(out_acc, lse_acc).to(q_BSHD.dtype), lse_acc
 
 
 def _zeros_like(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:

@@ -48,15 +48,19 @@ def _merge_kernel(
     lse = tl.load(lse_ptrs, mask=h_ok, other=0.0)
     blk_lse = tl.load(blk_lse_ptr + b * bl_sb + h * bl_sh + s * bl_ss, mask=h_ok, other=0.0)
     blk_lse = blk_lse.to(tl.float32)
-    weight = tl.sigmoid(blk_lse - lse)
+    w_new = tl.sigmoid(blk_lse - lse)
+    w_acc = tl.sigmoid(lse - blk_lse)
     top = tl.maximum(lse, blk_lse)
-    new_lse = top + tl.log(tl.exp(lse - top) + tl.exp(blk_lse - top))
+    # logaddexp; an infinite maximum is the result itself (no inf - inf)
+    new_lse = tl.where(
+        tl.abs(top) == float("inf"), top, top + tl.log(tl.exp(lse - top) + tl.exp(blk_lse - top))
+    )
 
     o_ptrs = out_ptr + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
     o = tl.load(o_ptrs, mask=hd_ok, other=0.0)
     bo_ptrs = blk_out_ptr + b * bo_sb + s * bo_ss + h[:, None] * bo_sh + d[None, :]
     blk_o = tl.load(bo_ptrs, mask=hd_ok, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, o + weight[:, None] * (blk_o - o), mask=hd_ok)
+    tl.store(o_ptrs, w_acc[:, None] * o + w_new[:, None] * blk_o, mask=hd_ok)
     tl.store(lse_ptrs, new_lse, mask=h_ok)
 
 

@@ -16,7 +16,9 @@ for causal blocks with ``S_q == S_k``). Contract:
   attention are then exact (see Note [Ring backward] in ``engine/ring.py``).
 * ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA, ``H % H_kv == 0``); ``dk``/``dv`` have
   ``H_kv`` heads.
-* Inputs may be non-contiguous views (e.g. halves of a buffer); outputs are fresh tensors.
+* Inputs may be any strided views and ``scale`` any finite float: the public methods hand the
+  backends a unit last stride and a positive scale (Note [Kernel inputs]); outputs are fresh
+  tensors.
 * ``window=(left, right)`` (dense blocks, ``supports_window`` backends, never with ``causal``):
   flash-attn's sliding window, aligned bottom-right: key ``j`` is visible to query ``i`` iff
   ``-left <= j - i - (S_k - S_q) <= right``, -1 unbounded. The engine trims its blocks so that
@@ -126,6 +128,9 @@ class BlockKernel:
         return self.extra_reason(call)
 
     # --- dense blocks, [B, S, H, D] -------------------------------------------------------
+    # The public methods prepare the inputs (Note [Kernel inputs]) and call the backend's
+    # ``_forward`` / ``_backward`` / ``_forward_varlen`` / ``_backward_varlen``, which receive
+    # tensors with a unit last stride and a positive scale.
     def forward(
         self,
         q_BSHD: Tensor,
@@ -137,7 +142,9 @@ class BlockKernel:
         window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Return ``(out_BSHD, lse_BHS)`` of one block."""
-        raise NotImplementedError
+        q_BSHD, k_BSHD, v_BSHD = unit_last_stride(q_BSHD, k_BSHD, v_BSHD)
+        q_BSHD, scale, _ = fold_scale_sign(q_BSHD, scale)
+        return self._forward(q_BSHD, k_BSHD, v_BSHD, causal=causal, scale=scale, window=window)
 
     def backward(
         self,
@@ -153,7 +160,20 @@ class BlockKernel:
         window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(dq_BSHD, dk_BSHD, dv_BSHD)`` of one block, given the global out/lse."""
-        raise NotImplementedError
+        dout_BSHD, q_BSHD, k_BSHD, v_BSHD = unit_last_stride(dout_BSHD, q_BSHD, k_BSHD, v_BSHD)
+        q_BSHD, scale, sign = fold_scale_sign(q_BSHD, scale)
+        dq, dk, dv = self._backward(
+            dout_BSHD,
+            q_BSHD,
+            k_BSHD,
+            v_BSHD,
+            out_BSHD,
+            lse_BHS,
+            causal=causal,
+            scale=scale,
+            window=window,
+        )
+        return unfold_scale_sign(dq, sign), dk, dv
 
     # --- varlen blocks, [T, H, D] with cu_seqlens ----------------------------------------
     def forward_varlen(
@@ -172,7 +192,20 @@ class BlockKernel:
     ) -> tuple[Tensor, Tensor]:
         """Return ``(out_THD, lse_HT)``; documents are attended to independently (``window``
         per document, bottom-right aligned as for dense blocks)."""
-        raise NotImplementedError
+        q_THD, k_THD, v_THD = unit_last_stride(q_THD, k_THD, v_THD)
+        q_THD, scale, _ = fold_scale_sign(q_THD, scale)
+        return self._forward_varlen(
+            q_THD,
+            k_THD,
+            v_THD,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            scale=scale,
+            window=window,
+        )
 
     def backward_varlen(
         self,
@@ -192,7 +225,107 @@ class BlockKernel:
         window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(dq_THD, dk_THD, dv_THD)`` given the global out/lse."""
+        dout_THD, q_THD, k_THD, v_THD = unit_last_stride(dout_THD, q_THD, k_THD, v_THD)
+        q_THD, scale, sign = fold_scale_sign(q_THD, scale)
+        dq, dk, dv = self._backward_varlen(
+            dout_THD,
+            q_THD,
+            k_THD,
+            v_THD,
+            out_THD,
+            lse_HT,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            scale=scale,
+            window=window,
+        )
+        return unfold_scale_sign(dq, sign), dk, dv
+
+    # --- what a backend implements (same arguments, prepared inputs) ----------------------
+    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
         raise NotImplementedError
+
+    def _backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
+    ):
+        raise NotImplementedError
+
+    def _forward_varlen(
+        self,
+        q_THD,
+        k_THD,
+        v_THD,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        scale,
+        window,
+    ):
+        raise NotImplementedError
+
+    def _backward_varlen(
+        self,
+        dout_THD,
+        q_THD,
+        k_THD,
+        v_THD,
+        out_THD,
+        lse_HT,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        scale,
+        window,
+    ):
+        raise NotImplementedError
+
+
+# Note [Kernel inputs]
+# ~~~~~~~~~~~~~~~~~~~~
+# What every backend receives, whatever the user passed (``BlockKernel.forward`` & co. prepare
+# it once, in one place):
+#
+# * a unit stride in the last (head) dim. Fused kernels read each head vector as one run of
+#   memory; a view such as ``x[..., ::2]``, a ``channels_last`` tensor or the expanded
+#   ``dout`` of ``out.sum().backward()`` (stride 0) is copied; every other stride pattern
+#   (transposes, expanded batch/head dims, halves of a buffer) is passed as it is.
+# * a positive scale. Flash kernels take the row maximum of the *unscaled* scores and scale
+#   afterwards, which picks the minimum for a negative scale (overflow, NaN), and a zero scale
+#   breaks their ``log2`` rescaling. With ``sign = -1`` (scale < 0) or ``0`` (scale == 0):
+#
+#       q' = sign * q,  scale' = |scale| (1 for 0)   =>   scale' * q'.k == scale * q.k
+#       dq = sign * dq'                              (dk, dv are unchanged)
+#
+#   ``0 * q`` keeps NaN/Inf in ``q`` visible (0 * inf = NaN, as in ``0 * (q . k)``).
+
+
+def unit_last_stride(*xs: Tensor) -> list[Tensor]:
+    """Each ``x`` itself if its last dim has stride 1, else a contiguous copy (Note [Kernel
+    inputs])."""
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def fold_scale_sign(q: Tensor, scale: float) -> tuple[Tensor, float, float]:
+    """``(q', scale', sign)`` with ``scale' > 0`` and ``scale' * q' == scale * q`` (Note
+    [Kernel inputs])."""
+    if scale > 0:
+        return q, scale, 1.0
+    sign = -1.0 if scale < 0 else 0.0
+    return q * sign, -scale if scale < 0 else 1.0, sign
+
+
+def unfold_scale_sign(dq: Tensor, sign: float) -> Tensor:
+    """The gradient of the caller's ``q`` from that of ``q' = sign * q``."""
+    return dq if sign == 1.0 else dq * sign
 
 
 def window_mask(s_q: int, s_k: int, window: tuple[int, int], device: torch.device) -> Tensor:

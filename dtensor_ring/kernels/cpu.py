@@ -7,6 +7,12 @@ blocks without fully masked rows): it aligns the causal mask top-left when ``S_q
 it returns ``lse = 0`` for a fully masked row. A sliding window is passed as an additive mask
 (``-inf`` outside the window) in the query's dtype, the only mask dtype the op accepts besides
 none.
+
+Non-finite values: the op multiplies masked probabilities (0) with the values of masked keys,
+so a NaN/Inf key or value reaches rows that cannot see it (``0 * inf = nan``), and its
+vectorised max can drop a NaN score. A block whose inputs hold a NaN or Inf is therefore
+computed by the math kernel, which is strict (Note [Strict non-finite values] in ``math.py``).
+On CPU the check is one pass over the block's inputs, small next to the attention itself.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import Tensor
 
 from .._compat import missing_aten_ops, require_aten_op
 from .base import BlockKernel, accumulation_dtype, window_mask
+from .math import MathKernel
 
 _FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
 _BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
@@ -30,6 +37,10 @@ def _window_bias(q_BSHD: Tensor, k_BSHD: Tensor, window: tuple[int, int] | None)
     visible = window_mask(q_BSHD.shape[1], k_BSHD.shape[1], window, q_BSHD.device)
     bias = torch.zeros(visible.shape, dtype=q_BSHD.dtype, device=q_BSHD.device)
     return bias.masked_fill_(~visible, float("-inf"))
+
+
+def _all_finite(*xs: Tensor) -> bool:
+    return all(bool(torch.isfinite(x).all()) for x in xs)
 
 
 class CpuFlashKernel(BlockKernel):
@@ -48,7 +59,11 @@ class CpuFlashKernel(BlockKernel):
     def is_available(self) -> str | None:
         return missing_aten_ops(_FORWARD, _BACKWARD)
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
+    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
+        if not _all_finite(q_BSHD, k_BSHD, v_BSHD):
+            return _STRICT._forward(
+                q_BSHD, k_BSHD, v_BSHD, causal=causal, scale=scale, window=window
+            )
         out_BHSD, lse_BHS = require_aten_op(_FORWARD)(
             q_BSHD.transpose(1, 2),
             k_BSHD.transpose(1, 2),
@@ -60,9 +75,21 @@ class CpuFlashKernel(BlockKernel):
         )
         return out_BHSD.transpose(1, 2), lse_BHS.to(accumulation_dtype(q_BSHD.dtype))
 
-    def backward(
-        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    def _backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
+        if not _all_finite(dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS):
+            return _STRICT._backward(
+                dout_BSHD,
+                q_BSHD,
+                k_BSHD,
+                v_BSHD,
+                out_BSHD,
+                lse_BHS,
+                causal=causal,
+                scale=scale,
+                window=window,
+            )
         dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD.transpose(1, 2),
             q_BSHD.transpose(1, 2),
@@ -76,3 +103,6 @@ class CpuFlashKernel(BlockKernel):
             scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+_STRICT = MathKernel()

@@ -8,7 +8,8 @@ torch 2.11.0+cu130 by ``tests/gpu/check_kernels.py``, dense and varlen, GQA 32:8
 
 * CUDA sm80+, fp16/bf16, head dim a multiple of 8 and at most 256, ``H % H_kv == 0`` (GQA is
   native: the backward sums the expanded dK/dV over each group itself).
-* Inputs need only a unit stride in the last dim; other strides are passed to the kernel.
+* Inputs need only a unit stride in the last dim (Note [Kernel inputs] in ``base.py``); other
+  strides are passed to the kernel.
 * ``lse`` is fp32 ``[B, H, S]`` for dense and ``[H, T]`` (unpadded, "unpadded_lse") for
   varlen: exactly our ``lse_BHS`` / ``lse_HT``. The backward reads ``lse`` through its data
   pointer with implicit contiguous strides, so we pass it ``.contiguous()``.
@@ -43,11 +44,6 @@ def _window_args(window: tuple[int, int] | None) -> dict[str, int]:
     if window is None:
         return {}
     return {"window_size_left": window[0], "window_size_right": window[1]}
-
-
-def unit_last_stride(x: Tensor) -> Tensor:
-    """``x`` itself if its last dim has stride 1 (all the kernel needs), else a contiguous copy."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -107,11 +103,11 @@ class TorchFlashKernel(BlockKernel):
     def extra_reason(self, call: KernelCall) -> str | None:
         return head_dim_reason(call) or deterministic_reason(call)
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
+    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
         out_BSHD, lse_BHS, *_ = require_aten_op(_FORWARD)(
-            unit_last_stride(q_BSHD),
-            unit_last_stride(k_BSHD),
-            unit_last_stride(v_BSHD),
+            q_BSHD,
+            k_BSHD,
+            v_BSHD,
             None,
             None,
             q_BSHD.shape[1],
@@ -124,15 +120,15 @@ class TorchFlashKernel(BlockKernel):
         )
         return out_BSHD, lse_BHS
 
-    def backward(
-        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    def _backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
         rng_state, unused = _no_dropout_rng(q_BSHD.device)
         dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD,
-            unit_last_stride(q_BSHD),
-            unit_last_stride(k_BSHD),
-            unit_last_stride(v_BSHD),
+            q_BSHD,
+            k_BSHD,
+            v_BSHD,
             out_BSHD,
             lse_BHS.contiguous(),
             None,
@@ -148,7 +144,7 @@ class TorchFlashKernel(BlockKernel):
         )
         return dq, dk, dv
 
-    def forward_varlen(
+    def _forward_varlen(
         self,
         q_THD,
         k_THD,
@@ -160,12 +156,12 @@ class TorchFlashKernel(BlockKernel):
         *,
         causal,
         scale,
-        window=None,
+        window,
     ):
         out_THD, lse_HT, *_ = require_aten_op(_FORWARD)(
-            unit_last_stride(q_THD),
-            unit_last_stride(k_THD),
-            unit_last_stride(v_THD),
+            q_THD,
+            k_THD,
+            v_THD,
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
@@ -178,7 +174,7 @@ class TorchFlashKernel(BlockKernel):
         )
         return out_THD, lse_HT
 
-    def backward_varlen(
+    def _backward_varlen(
         self,
         dout_THD,
         q_THD,
@@ -193,14 +189,14 @@ class TorchFlashKernel(BlockKernel):
         *,
         causal,
         scale,
-        window=None,
+        window,
     ):
         rng_state, unused = _no_dropout_rng(q_THD.device)
         dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_THD,
-            unit_last_stride(q_THD),
-            unit_last_stride(k_THD),
-            unit_last_stride(v_THD),
+            q_THD,
+            k_THD,
+            v_THD,
             out_THD,
             lse_HT.contiguous(),
             cu_seqlens_q,

@@ -33,7 +33,7 @@ import torch
 
 from .._compat import missing_aten_ops, require_aten_op
 from .base import BlockKernel, KernelCall
-from .cuda_flash import cuda_sm80_reason, head_dim_reason, unit_last_stride
+from .cuda_flash import cuda_sm80_reason, head_dim_reason
 
 _MIN_CUDNN = 90000  # cuDNN 9.0: the first version PyTorch's SDPA uses for attention
 _HOPPER_D256_CUDNN = 91000  # cuDNN 9.10: head dims up to 256 on sm90
@@ -76,13 +76,13 @@ class CudnnKernel(BlockKernel):
             return f"head dim {call.head_dim} > {limit} on this GPU and cuDNN version"
         return None
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
+    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
         _no_window(window)
         B, S_q, H, _ = q_BSHD.shape
         out_BHSD, lse_BHS1, *_ = require_aten_op(_FORWARD)(
-            unit_last_stride(q_BSHD).transpose(1, 2),
-            unit_last_stride(k_BSHD).transpose(1, 2),
-            unit_last_stride(v_BSHD).transpose(1, 2),
+            q_BSHD.transpose(1, 2),
+            k_BSHD.transpose(1, 2),
+            v_BSHD.transpose(1, 2),
             None,
             True,
             0.0,
@@ -92,16 +92,16 @@ class CudnnKernel(BlockKernel):
         )
         return out_BHSD.transpose(1, 2), lse_BHS1.view(B, H, S_q)
 
-    def backward(
-        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    def _backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
         _no_window(window)
         philox = torch.empty((), dtype=torch.long, device=q_BSHD.device)
         dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD.transpose(1, 2),
-            unit_last_stride(q_BSHD).transpose(1, 2),
-            unit_last_stride(k_BSHD).transpose(1, 2),
-            unit_last_stride(v_BSHD).transpose(1, 2),
+            q_BSHD.transpose(1, 2),
+            k_BSHD.transpose(1, 2),
+            v_BSHD.transpose(1, 2),
             out_BSHD.transpose(1, 2),
             lse_BHS.contiguous().unsqueeze(-1),
             philox,

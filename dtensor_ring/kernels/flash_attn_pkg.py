@@ -144,7 +144,7 @@ class FlashAttnKernel(BlockKernel):
     def extra_reason(self, call: KernelCall) -> str | None:
         return head_dim_reason(call) or deterministic_reason(call)
 
-    def forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window=None):
+    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
         fn = _interface()._flash_attn_forward
         result = fn(
             q_BSHD,
@@ -155,8 +155,8 @@ class FlashAttnKernel(BlockKernel):
         )
         return _out_and_lse(fn, result)
 
-    def backward(
-        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window=None
+    def _backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
         fn = _interface()._flash_attn_backward
         dq, dk, dv = _grad_buffers(q_BSHD, k_BSHD, v_BSHD)
@@ -175,7 +175,7 @@ class FlashAttnKernel(BlockKernel):
         )
         return dq, dk, dv
 
-    def forward_varlen(
+    def _forward_varlen(
         self,
         q_THD,
         k_THD,
@@ -187,7 +187,7 @@ class FlashAttnKernel(BlockKernel):
         *,
         causal,
         scale,
-        window=None,
+        window,
     ):
         fn = _interface()._flash_attn_varlen_forward
         result = fn(
@@ -204,7 +204,7 @@ class FlashAttnKernel(BlockKernel):
         )
         return _out_and_lse(fn, result)
 
-    def backward_varlen(
+    def _backward_varlen(
         self,
         dout_THD,
         q_THD,
@@ -219,7 +219,7 @@ class FlashAttnKernel(BlockKernel):
         *,
         causal,
         scale,
-        window=None,
+        window,
     ):
         fn = _interface()._flash_attn_varlen_backward
         dq, dk, dv = _grad_buffers(q_THD, k_THD, v_THD)

@@ -10,9 +10,18 @@ Attention of the same queries over two disjoint key sets A and B, each normalise
 
 In the stable "sigmoid" form (no exp of a large number, no division):
 
-    w   = sigmoid(lse_B - lse_A)              # weight of the new block, in [0, 1]
-    o   = o_A + w * (o_B - o_A)               # = (1 - w) o_A + w o_B
-    lse = lse_A - logsigmoid(lse_A - lse_B)   # = lse_A + log(1 + exp(lse_B - lse_A))
+    w_B = sigmoid(lse_B - lse_A)              # weight of the new block, in [0, 1]
+    w_A = sigmoid(lse_A - lse_B)              # = 1 - w_B, without the rounding of 1 - w_B
+    o   = w_A * o_A + w_B * o_B
+    lse = logaddexp(lse_A, lse_B)             # = max + log1p(exp(-|lse_A - lse_B|))
+
+A weighted sum rather than ``o_A + w_B * (o_B - o_A)``: an infinite ``o_A`` (a row that sees
+an Inf value) stays infinite (``inf + w * (x - inf)`` would be NaN). Non-finite lse values
+follow the math of the full softmax: a block with ``lse = +inf`` or NaN (a +Inf or NaN score)
+makes the row NaN; a block with ``lse = -inf`` (every score -inf) has weight 0, and a row whose
+blocks *all* have ``lse = -inf`` is the softmax of nothing but -inf scores, NaN
+(:func:`empty_rows_nan_` after the last block; a row with no visible key at all never occurs:
+every query sees itself or, windowed, its window).
 
 The accumulators ``o_A`` and ``lse_A`` stay in the accumulation dtype (fp32, fp64 for fp64
 inputs) across all ring steps; block outputs are upcast on the fly, and the result is cast to
@@ -25,7 +34,6 @@ import functools
 import importlib.util
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -65,6 +73,14 @@ def merge_eager_(
     out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor, lse_BHS: Tensor
 ) -> None:
     """:func:`merge_` in eager torch ops (any device and dtype)."""
-    weight_BSH1 = torch.sigmoid(lse_BHS - lse_acc_BHS).transpose(1, 2).unsqueeze(-1)
-    out_acc_BSHD.add_(weight_BSH1 * (out_BSHD.to(out_acc_BSHD.dtype) - out_acc_BSHD))
-    lse_acc_BHS.sub_(F.logsigmoid(lse_acc_BHS - lse_BHS))
+    w_new_BSH1 = torch.sigmoid(lse_BHS - lse_acc_BHS).transpose(1, 2).unsqueeze(-1)
+    w_acc_BSH1 = torch.sigmoid(lse_acc_BHS - lse_BHS).transpose(1, 2).unsqueeze(-1)
+    out_acc_BSHD.mul_(w_acc_BSH1).add_(w_new_BSH1 * out_BSHD.to(out_acc_BSHD.dtype))
+    torch.logaddexp(lse_acc_BHS, lse_BHS.to(lse_acc_BHS.dtype), out=lse_acc_BHS)
+
+
+def empty_rows_nan_(out: Tensor, lse: Tensor) -> Tensor:
+    """Set to NaN the rows of the final ``out`` (``[B, S, H, D]`` or ``[T, H, D]``) whose
+    ``lse`` (``[B, H, S]`` or ``[H, T]``) is -inf: every score of the row was -inf, and the
+    softmax of those is 0 / 0 (Note [Online-softmax merge]). Returns ``out``."""
+    return out.masked_fill_((lse == float("-inf")).transpose(-1, -2).unsqueeze(-1), float("nan"))

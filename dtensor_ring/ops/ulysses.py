@@ -51,6 +51,7 @@ from torch import Tensor
 from .._compat import resolve_group
 from ..comm.all_to_all import all_to_all
 from ..kernels import accumulation_dtype, get_kernel
+from ..kernels.merge import empty_rows_nan_
 from ..layouts import get_layout
 from ..schedule.cost import kv_repeat
 from .common import fake_grads, fake_out_lse, op_window, register_attention_autograd
@@ -135,7 +136,8 @@ def ulysses_local_attention(
     sliding window ``window_left/right`` over the sequence (-1, -1: none)."""
     kernel, window = get_kernel(backend), op_window(window_left, window_right)
     out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, window=window)
-    return out.contiguous(), lse.to(accumulation_dtype(q.dtype)).contiguous()
+    out = empty_rows_nan_(out.contiguous(), lse)
+    return out, lse.to(accumulation_dtype(q.dtype)).contiguous()
 
 
 @ulysses_local_attention.register_fake
