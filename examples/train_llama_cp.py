@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --verify        # 4 CPU ranks (gloo)
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --layout llama3 --verify  # packed
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --window 24 --verify  # sliding window
+    torchrun --nproc-per-node 4 examples/train_llama_cp.py --steps 6 --check-resume 3  # DCP resume
     torchrun --nproc-per-node 8 examples/train_llama_cp.py --cuda --cp 4   # 8 GPUs (NCCL)
 
 The model is ``dtensor_ring.testing.TinyTransformer`` (RMSNorm, RoPE, GQA, SwiGLU; the same
@@ -38,6 +39,18 @@ llama3 call (docs/window.md).
 ``--verify`` trains the same model (same initial weights, same batches) in one process on
 rank 0 without context parallelism afterwards (llama3: attending within each document), and
 checks the per-step losses agree.
+
+Checkpoints (``torch.distributed.checkpoint``): ``--checkpoint-dir DIR --save-every N`` saves
+``DIR/step-NNNNNN`` after every ``N`` steps: the model and optimizer state of
+``get_state_dict`` (FSDP2: each rank writes its own shards) and the step count. ``--resume``
+starts from the latest complete one (``set_state_dict`` into the freshly built model and
+optimizer) and trains to ``--steps``. That is the whole state of the run: the batch of step
+``i`` is a function of ``i`` (``synthetic_batch``, ``packed_batch``), and nothing draws random
+numbers after the initialization (no dropout). ``--check-resume K`` proves it: it trains
+``--steps`` steps, then trains again stopping after step ``K`` with a checkpoint, then builds
+a new model and optimizer (from another seed), resumes from that checkpoint, trains to
+``--steps``, and checks that the losses of steps ``K + 1..`` equal the uninterrupted run's
+bit for bit on CPU (the same fp32 operations and gloo reductions in the same order).
 """
 
 from __future__ import annotations
@@ -47,14 +60,18 @@ import contextlib
 import functools
 import itertools
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dtensor_ring as dr
@@ -209,6 +226,39 @@ def reference_losses(args: argparse.Namespace, cfg: TinyConfig) -> list[float]:
     return losses
 
 
+def save_checkpoint(
+    directory: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> str:
+    """Save the model, the optimizer and ``step`` to ``directory/step-NNNNNN`` (collective)."""
+    path = os.path.join(directory, f"step-{step:06d}")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=path)
+    return path
+
+
+def load_checkpoint(
+    directory: str, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, str | None]:
+    """Load the latest complete checkpoint in ``directory`` (collective); ``(its step, path)``,
+    ``(0, None)`` if there is none."""
+    names = sorted(
+        name
+        for name in (os.listdir(directory) if os.path.isdir(directory) else ())
+        if name.startswith("step-") and os.path.exists(os.path.join(directory, name, ".metadata"))
+    )
+    latest = [os.path.join(directory, names[-1]) if names else None]
+    dist.broadcast_object_list(latest)  # rank 0's view: every rank loads the same one
+    if latest[0] is None:
+        return 0, None
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "step": 0}
+    dcp.load(state, checkpoint_id=latest[0])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return state["step"], latest[0]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=2, help="context-parallel size (dp = world/cp)")
@@ -240,45 +290,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cuda", action="store_true", help="CUDA + NCCL (default CPU + gloo)")
     parser.add_argument(
+        "--checkpoint-dir", help="where checkpoints go (torch.distributed.checkpoint)"
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="save a checkpoint after every N steps (0: never)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir"
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--verify",
         action="store_true",
         help="compare the losses with a single-process run (exit 1 if > 1e-4)",
     )
-    return parser.parse_args(argv)
-
-
-def main() -> int:
-    args = parse_args()
-    if args.cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)  # one core per rank
-    dist.init_process_group("nccl" if args.cuda else "gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % args.cp != 0:
-        raise SystemExit(f"world size {world} is not a multiple of --cp {args.cp}")
-    dp = world // args.cp
-    if args.batch % dp != 0:
-        raise SystemExit(f"--batch {args.batch} is not a multiple of dp = {dp}")
-    mesh = init_device_mesh(device.type, (dp, args.cp), mesh_dim_names=("dp", "cp"))
-    dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
-    packed = args.layout == "llama3"
-
-    cfg = TinyConfig(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_dim=2 * args.dim,
-        activation_checkpointing=args.checkpoint,
+    mode.add_argument(
+        "--check-resume",
+        type=int,
+        default=0,
+        metavar="K",
+        help="train, then stop after step K with a checkpoint, resume from it, and compare the "
+        "losses (exit 1 unless equal); in a temporary folder (inside --checkpoint-dir if given)",
     )
-    torch.manual_seed(args.seed)  # same initial weights on every rank (and in --verify)
+    args = parser.parse_args(argv)
+    if (args.save_every or args.resume) and not args.checkpoint_dir:
+        parser.error("--save-every and --resume need --checkpoint-dir")
+    if not 0 <= args.check_resume < args.steps:
+        parser.error(f"--check-resume needs 0 < K < --steps {args.steps}")
+    if args.check_resume and (args.save_every or args.resume):
+        parser.error("--check-resume makes its own checkpoints: no --save-every or --resume")
+    return args
+
+
+def build(
+    args: argparse.Namespace, cfg: TinyConfig, mesh: DeviceMesh, device: torch.device, seed: int
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (initialized from ``seed``, FSDP2 on ``mesh``) and its optimizer."""
+    torch.manual_seed(seed)  # same initial weights on every rank (and in --verify)
     model = TinyTransformer(cfg).to(device)
-    window_size = (args.window - 1, 0) if args.window else (-1, -1)
-    if packed:
+    if args.layout == "llama3":
+        window_size = (args.window - 1, 0) if args.window else (-1, -1)
         model.set_attention_fn(
             functools.partial(llama3_attention, group=mesh.get_group("cp"), window_size=window_size)
         )
@@ -289,21 +340,32 @@ def main() -> int:
             block.compile()
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
 
+
+def train(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh: DeviceMesh,
+    device: torch.device,
+    steps: range,
+    save_every: int = 0,
+) -> list[float]:
+    """Train ``steps`` (0-based step numbers); the global mean loss of each step.
+
+    With ``save_every``, saves a checkpoint in ``--checkpoint-dir`` after every
+    ``save_every`` steps.
+    """
+    world, rank = mesh.size(), dist.get_rank()
+    dp, cp_rank = mesh.size(0), mesh.get_local_rank("cp")
+    window_size = (args.window - 1, 0) if args.window else (-1, -1)
+    dp_rank = mesh.get_local_rank("dp")
     rows = slice(dp_rank * args.batch // dp, (dp_rank + 1) * args.batch // dp)
-    if rank == 0:
-        print(
-            f"{world} ranks: dp={dp} x cp={args.cp} ({args.layout}), batch={args.batch}, "
-            f"seq={args.seq}, dim={args.dim}, layers={args.layers}, heads={args.heads}/"
-            f"{args.kv_heads}, {device.type}, compile={args.compile}, "
-            f"checkpoint={args.checkpoint}, window={args.window or 'none'}",
-            flush=True,
-        )
     losses = []
-    for step in range(args.steps):
+    for step in steps:
         attn_kwargs = {}
-        if packed:  # this dp row's rows as one stream; this cp rank's contiguous slice of it
+        if args.layout == "llama3":  # this dp row's rows as one stream; this cp rank's slice
             tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq, args.vocab)
             total_tokens = int((labels != IGNORE).sum())
             lo, hi = rows.start * args.seq, rows.stop * args.seq
@@ -362,20 +424,119 @@ def main() -> int:
                 f"{args.batch * args.seq / elapsed:>9.0f} tokens/s",
                 flush=True,
             )
+        if save_every and (step + 1) % save_every == 0:
+            tic = time.perf_counter()
+            path = save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer)
+            if rank == 0:
+                print(f"saved {path} ({time.perf_counter() - tic:.2f} s)", flush=True)
+    return losses
 
+
+def check_resume(
+    args: argparse.Namespace, cfg: TinyConfig, mesh: DeviceMesh, device: torch.device
+) -> bool:
+    """``--check-resume K``: the losses of steps ``K + 1..`` after a resume from step ``K``
+    against those of the uninterrupted run; exact on CPU, ``VERIFY_TOLERANCE`` with CUDA (whose
+    kernels, e.g. atomics in attention backward, need not repeat bit for bit)."""
+    rank, k = dist.get_rank(), args.check_resume
+    folder = [
+        tempfile.mkdtemp(prefix="check-resume-", dir=args.checkpoint_dir) if rank == 0 else None
+    ]
+    dist.broadcast_object_list(folder)
+    args.checkpoint_dir = folder[0]
+    if rank == 0:
+        print(f"check-resume: {args.steps} steps uninterrupted", flush=True)
+    model, optimizer = build(args, cfg, mesh, device, args.seed)
+    expected = train(args, model, optimizer, mesh, device, range(args.steps))[k:]
+    if rank == 0:
+        print(f"check-resume: again, stopping after step {k}", flush=True)
+    model, optimizer = build(args, cfg, mesh, device, args.seed)
+    train(args, model, optimizer, mesh, device, range(k), save_every=k)
+    model, optimizer = build(args, cfg, mesh, device, args.seed + 1)  # only the load can match
+    start, path = load_checkpoint(args.checkpoint_dir, model, optimizer)
+    if start != k:
+        raise RuntimeError(f"resumed at step {start} from {path}, expected step {k}")
+    if rank == 0:
+        print(f"check-resume: new model and optimizer, resumed from {path}", flush=True)
+    resumed = train(args, model, optimizer, mesh, device, range(k, args.steps))
+    diff = max(abs(a - b) for a, b in zip(resumed, expected, strict=True))
+    tolerance = VERIFY_TOLERANCE if args.cuda else 0.0
+    if rank == 0:
+        print(f"check-resume: uninterrupted losses {expected}", flush=True)
+        print(f"check-resume: resumed losses {resumed}", flush=True)
+        print(
+            f"check-resume: max |resumed - uninterrupted loss| over steps {k + 1}..{args.steps}"
+            f" = {diff:.2e} ({'OK' if diff <= tolerance else 'FAILED'}, tolerance {tolerance:.0e})",
+            flush=True,
+        )
+    dist.barrier()  # every rank is done with the checkpoint
+    if rank == 0:
+        shutil.rmtree(args.checkpoint_dir)
+    return diff <= tolerance
+
+
+def main() -> int:
+    args = parse_args()
+    if args.cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # one core per rank
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % args.cp != 0:
+        raise SystemExit(f"world size {world} is not a multiple of --cp {args.cp}")
+    dp = world // args.cp
+    if args.batch % dp != 0:
+        raise SystemExit(f"--batch {args.batch} is not a multiple of dp = {dp}")
+    mesh = init_device_mesh(device.type, (dp, args.cp), mesh_dim_names=("dp", "cp"))
+
+    cfg = TinyConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_dim=2 * args.dim,
+        activation_checkpointing=args.checkpoint,
+    )
+    if rank == 0:
+        print(
+            f"{world} ranks: dp={dp} x cp={args.cp} ({args.layout}), batch={args.batch}, "
+            f"seq={args.seq}, dim={args.dim}, layers={args.layers}, heads={args.heads}/"
+            f"{args.kv_heads}, {device.type}, compile={args.compile}, "
+            f"checkpoint={args.checkpoint}, window={args.window or 'none'}",
+            flush=True,
+        )
     status = 0
-    if args.verify:
-        if rank == 0:
-            ref = reference_losses(args, cfg)
-            diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
-            ok = diff <= VERIFY_TOLERANCE
-            print(
-                f"verify: max |loss - single-process loss| over {args.steps} steps = "
-                f"{diff:.2e} ({'OK' if ok else 'FAILED'}, tolerance {VERIFY_TOLERANCE:.0e})",
-                flush=True,
-            )
-            status = 0 if ok else 1
-        dist.barrier()
+    if args.check_resume:
+        status = 0 if check_resume(args, cfg, mesh, device) else 1
+    else:
+        model, optimizer = build(args, cfg, mesh, device, args.seed)
+        start = 0
+        if args.resume:
+            start, path = load_checkpoint(args.checkpoint_dir, model, optimizer)
+            if rank == 0:
+                print(
+                    f"resumed from {path} at step {start}" if path else "no checkpoint yet",
+                    flush=True,
+                )
+        losses = train(
+            args, model, optimizer, mesh, device, range(start, args.steps), args.save_every
+        )
+        if args.verify:
+            if rank == 0:
+                ref = reference_losses(args, cfg)[start:]
+                diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
+                ok = diff <= VERIFY_TOLERANCE
+                print(
+                    f"verify: max |loss - single-process loss| over {len(losses)} steps = "
+                    f"{diff:.2e} ({'OK' if ok else 'FAILED'}, tolerance {VERIFY_TOLERANCE:.0e})",
+                    flush=True,
+                )
+                status = 0 if ok else 1
+            dist.barrier()
     dist.destroy_process_group()
     return status
 

@@ -5,6 +5,7 @@ Each run starts 4 processes that import torch: the slow tier.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -59,6 +60,21 @@ def test_train_llama_cp_window_verify(layout):
     """A sliding window of 24 tokens (sequences of 128) against the windowed single process."""
     out = _torchrun("train_llama_cp.py", "--layout", layout, "--window", "24", "--verify")
     assert "window=24" in out and "verify:" in out and "OK" in out, out
+
+
+def test_train_llama_cp_check_resume(tmp_path):
+    """Stopped after step 2 with a DCP checkpoint and resumed into a new model and optimizer
+    (another seed), the run's losses of steps 3 and 4 equal the uninterrupted run's exactly."""
+    args = ["--steps", "4", "--check-resume", "2", "--checkpoint-dir", str(tmp_path)]
+    out = _torchrun("train_llama_cp.py", *args)
+    assert re.search(r"^saved .*step-000002 ", out, flags=re.M), out
+    losses = {
+        m[1]: ast.literal_eval(m[2])
+        for m in re.finditer(r"^check-resume: (uninterrupted|resumed) losses (\[.*\])$", out, re.M)
+    }
+    assert len(losses["uninterrupted"]) == 2 and losses["resumed"] == losses["uninterrupted"], out
+    assert "over steps 3..4 = 0.00e+00 (OK" in out, out
+    assert not any(tmp_path.iterdir()), "the check's checkpoints were not removed"
 
 
 # examples/demo.py on CPU: fp32 against fp64 full attention (S=2048, H=8, H_kv=2, D=64); a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -44,7 +46,10 @@ def _model(arch: str, attn_implementation: str):
     )
 
 
-def _cp_vs_full(group, arch: str, layout: str) -> tuple[float, float, float]:
+def _cp_vs_full(
+    group, arch: str, layout: str, extra: dict | None = None
+) -> tuple[float, float, float]:
+    """The model with CP (given ``extra`` keywords) vs without."""
     import dtensor_ring as dr
     import dtensor_ring.hf as drhf
 
@@ -58,7 +63,7 @@ def _cp_vs_full(group, arch: str, layout: str) -> tuple[float, float, float]:
 
     drhf.setup(group=group, layout=layout)
     model = _model(arch, "dtensor_ring")
-    out = model(**drhf.shard_batch(batch, group=group, layout=layout))
+    out = model(**drhf.shard_batch(batch, group=group, layout=layout), **(extra or {}))
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)  # each rank's share of the global mean
@@ -100,9 +105,10 @@ def test_matches_without_cp(dist_pool, arch, layout):
 
 
 def _packed_vs_per_document(
-    group, layout: str, lengths: tuple[int, ...], arch: str = "llama"
+    group, layout: str, lengths: tuple[int, ...], arch: str = "llama", extra: dict | None = None
 ) -> tuple[float, float, float]:
-    """A packed row (DataCollatorWithFlattening) with CP vs the model run on each document."""
+    """A packed row (DataCollatorWithFlattening) with CP (given ``extra`` keywords) vs the
+    model run on each document."""
     from transformers import DataCollatorWithFlattening
 
     import dtensor_ring as dr
@@ -122,7 +128,7 @@ def _packed_vs_per_document(
     drhf.setup(group=group, layout=layout)
     model = _model(arch, "dtensor_ring")
     inputs = drhf.shard_batch(batch, group=group, layout=layout)
-    out = model(**inputs)
+    out = model(**inputs, **(extra or {}))
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
@@ -209,3 +215,132 @@ def _rejects(group, what: str) -> str:
 def test_rejects_what_it_cannot_honour(dist_pool, what):
     for message in dist_pool.run(_rejects, WORLD, what=what):
         assert "dtensor_ring" in message
+
+
+@pytest.mark.parametrize(
+    "run, kwargs",
+    [
+        (
+            _cp_vs_full,
+            dict(
+                arch="mistral",
+                layout="zigzag",
+                extra=dict(
+                    is_causal=True,
+                    use_cache=False,
+                    output_attentions=False,
+                    output_hidden_states=True,
+                ),
+            ),
+        ),
+        (
+            _packed_vs_per_document,
+            dict(layout="llama3", lengths=(5, 8, 3), extra=dict(max_length_q=8, max_length_k=8)),
+        ),
+    ],
+    ids=["dense", "packed"],
+)
+def test_accepts_harmless_keywords(dist_pool, run, kwargs):
+    """Keywords that cannot change the attention (forwarded by the model to every layer) are
+    accepted, and the model still matches the one without CP."""
+    for errors in dist_pool.run(run, WORLD, **kwargs):
+        assert max(errors) < 1e-5, errors
+
+
+H, S_LOCAL, D = 4, 8, 8
+
+#: label -> (keywords of ring_attention_forward, error type, text of its message)
+REJECTED = {
+    "s_aux": ({"s_aux": torch.zeros(H)}, ValueError, "s_aux=Tensor[4]"),
+    "sinks": ({"sinks": torch.zeros(H)}, ValueError, "sinks=Tensor[4]"),
+    "softcap": ({"softcap": 30.0}, ValueError, "softcap=30.0"),
+    "is_causal=False": ({"is_causal": False}, ValueError, "is_causal=False"),
+    "is_causal=str": ({"is_causal": "False"}, TypeError, "is_causal"),
+    "dropout": ({"dropout": 0.1}, ValueError, "dropout=0.1"),
+    "dropout=str": ({"dropout": "0"}, TypeError, "dropout"),
+    "sliding_window=0": ({"sliding_window": 0}, ValueError, "sliding_window=0"),
+    "sliding_window=-3": ({"sliding_window": -3}, ValueError, "sliding_window=-3"),
+    "sliding_window=True": ({"sliding_window": True}, TypeError, "sliding_window"),
+    "sliding_window=2.5": ({"sliding_window": 2.5}, TypeError, "sliding_window"),
+    "attention_mask": (
+        {"attention_mask": torch.ones(1, 1, S_LOCAL, S_LOCAL, dtype=torch.bool)},
+        ValueError,
+        "attention_mask=Tensor[1, 1, 8, 8]",
+    ),
+    "head_mask": ({"head_mask": torch.ones(H)}, ValueError, "head_mask"),
+    "position_bias": ({"position_bias": torch.zeros(1, H, 8, 8)}, ValueError, "position_bias"),
+    "seq_idx": ({"seq_idx": torch.zeros(1, S_LOCAL, dtype=torch.int32)}, ValueError, "seq_idx"),
+    "output_attentions": ({"output_attentions": True}, ValueError, "output_attentions=True"),
+    "cu_seq_lens_k_alone": (
+        {"cu_seq_lens_k": torch.tensor([0, 16], dtype=torch.int32)},
+        ValueError,
+        "cu_seq_lens_k",
+    ),
+    "unknown": ({"softcap": None, "not_an_argument": 1}, TypeError, "not_an_argument=1"),
+}
+
+
+def _call_attention(module_is_causal: bool = True, keys: int = S_LOCAL, **kwargs):
+    """``ring_attention_forward`` on one process, no process group: what it rejects must raise
+    before any communication."""
+    import dtensor_ring.api.hf as hf
+
+    module = torch.nn.Module()
+    module.is_causal = module_is_causal
+    q, k = torch.randn(1, H, S_LOCAL, D), torch.randn(1, H // 2, keys, D)
+    return hf.ring_attention_forward(module, q, k, k, kwargs.pop("attention_mask", None), **kwargs)
+
+
+@pytest.fixture
+def zigzag_setup(monkeypatch):
+    """``setup(layout="zigzag")`` in this process, undone afterwards."""
+    import dtensor_ring.api.hf as hf
+
+    monkeypatch.setattr(hf, "_config", None)
+    hf.setup(layout="zigzag")
+
+
+@pytest.mark.parametrize("label", REJECTED)
+def test_rejects_keyword(zigzag_setup, label):
+    kwargs, error, text = REJECTED[label]
+    with pytest.raises(error, match=re.escape(text)):
+        _call_attention(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        (dict(module_is_causal=False), "is_causal=False"),
+        (dict(keys=2 * S_LOCAL, use_cache=True), "use_cache=False"),  # a KV cache's earlier keys
+    ],
+    ids=["module_not_causal", "cached_keys"],
+)
+def test_rejects_module_state(zigzag_setup, kwargs, text):
+    with pytest.raises(ValueError, match=re.escape(text)):
+        _call_attention(**kwargs)
+
+
+@pytest.mark.parametrize("arch, keyword", [("gpt_oss", "s_aux"), ("gemma2", "softcap")])
+def test_model_features_raise(zigzag_setup, arch, keyword):
+    """gpt-oss passes its attention sinks (s_aux), Gemma 2 its softcap: both raise, naming
+    the keyword, rather than training on another attention."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    common = dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+    )
+    config = (
+        transformers.GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1)
+        if arch == "gpt_oss"
+        else transformers.Gemma2Config(**common)
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="dtensor_ring")
+    with pytest.raises(ValueError, match=keyword):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)))

@@ -19,11 +19,14 @@ boundaries from the full ``position_ids`` and returns them as ``cu_seq_lens_q`` 
 "ring" / "zigzag" cut every document into W / 2W pieces).
 
 Limits (each raises ``ValueError`` rather than computing something else): causal attention
-only, no attention mask (padding) or 4-D masks, packed sequences only with B == 1, the
-"llama3" layout only with B == 1 and "stripe" not packed, position ids only as
-:func:`shard_batch` builds them (positions restarting without the ``cu_seq_lens_*`` metadata
-are rejected), no softcap, no dropout, no KV cache. Sliding windows (``sliding_window``) are
-supported, dense and packed.
+only (``is_causal=False`` is rejected), no attention mask (padding) or 4-D masks, packed
+sequences only with B == 1, the "llama3" layout only with B == 1 and "stripe" not packed,
+position ids only as :func:`shard_batch` builds them (positions restarting without the
+``cu_seq_lens_*`` metadata are rejected), no attention sinks (gpt-oss's ``s_aux``), softcap,
+dropout, head mask, position bias or ``output_attentions=True``, no KV cache holding earlier
+tokens. Sliding windows (``sliding_window``, a positive int) are supported, dense and packed.
+Every keyword the attention function receives is used or rejected: an unknown one raises
+``TypeError``, as does a wrongly typed ``sliding_window``, ``dropout`` or ``is_causal``.
 
 ``transformers`` is imported only inside the functions here; ``import dtensor_ring`` never
 imports this module.
@@ -42,6 +45,7 @@ from torch import Tensor
 
 from ..layouts import LAYOUTS, Layout, get_layout, layout_names, shard_local, token_indices
 from ..layouts.varlen import host_values, varlen_local_cu_seqlens, varlen_token_indices
+from ..resolve import check_bool
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .functional import ring_attention_func
 from .varlen import llama3_attention_func, ring_varlen_attention_func
@@ -112,47 +116,103 @@ def _no_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> None:
         )
 
 
+#: Keywords that transformers' model code passes to attention functions and that cannot change
+#: what this one computes, whatever their value.
+_HARMLESS = frozenset(
+    {
+        # the module fills its KV cache before calling attention (models pass use_cache=True
+        # even in training); key/value hold this call's tokens only (checked: as many as queries)
+        "use_cache",
+        # flash-attn's kernel sizes for cu_seq_lens_q/k: the varlen path derives its own
+        "max_length_q",
+        "max_length_k",
+        # loss and output arguments (TransformersKwargs) that the model forwards to every layer
+        "num_items_in_batch",
+        "shift_labels",
+        "output_hidden_states",
+        "output_router_logits",
+    }
+)
+
+_WITHOUT = 'run the model without dtensor_ring (e.g. attn_implementation="eager")'
+
+#: Keywords of features this function does not implement: name -> (the values besides None that
+#: mean the feature is off, why another value is rejected and what to do).
+_FEATURE_OFF: dict[str, tuple[tuple[object, ...], str]] = {
+    "s_aux": ((), f"attention sinks (gpt-oss) are not supported yet; {_WITHOUT}"),
+    "sinks": ((), f"attention sinks are not supported yet; {_WITHOUT}"),
+    "softcap": (
+        (0,),
+        "logit softcapping (Gemma 2) is not supported; set the config's "
+        f"attn_logit_softcapping=None, or {_WITHOUT}",
+    ),
+    "head_mask": ((), "per-head masks are not supported; drop head_mask"),
+    "position_bias": ((), f"additive position biases (T5-style) are not supported; {_WITHOUT}"),
+    "output_attentions": (
+        (False,),
+        "ring attention never forms the attention weights; pass output_attentions=False",
+    ),
+    "seq_idx": (
+        (),
+        "the packed documents come from cu_seq_lens_q/k (dtensor_ring.hf.shard_batch); "
+        "drop seq_idx",
+    ),
+}
+
+#: Keywords this function reads (below), besides attention_mask, scaling and dropout.
+_USED = frozenset({"is_causal", "sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
+
+
+def _summary(value: object) -> str:
+    """``value`` for a message: a tensor's shape and dtype, a short repr of anything else."""
+    if isinstance(value, Tensor):
+        return f"Tensor{list(value.shape)} {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def ring_attention_forward(
     module: torch.nn.Module,
     query: Tensor,
     key: Tensor,
     value: Tensor,
     attention_mask: Tensor | None,
+    *,
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers attention function: causal ring attention over the :func:`setup` group.
 
+    Every keyword is used or rejected, before any communication (:func:`_check_call`).
+
     Args:
-        module: the calling attention module (must have ``is_causal`` unset or True).
+        module: the calling attention module (``is_causal`` unset or True, unless the
+            ``is_causal`` keyword says True).
         query: ``[B, H, S, D]`` (S local tokens); key, value: ``[B, H_kv, S, D]``.
         attention_mask: must be None (:func:`setup`'s mask function builds none).
         scaling: softmax scale (default ``D ** -0.5``).  dropout: must be 0.
         kwargs: ``position_ids [B, S]`` must be this rank's positions as :func:`shard_batch`
             builds them; ``cu_seq_lens_q`` (and ``cu_seq_lens_k``, equal to it), the *global*
             document boundaries ``[N + 1]`` of a packed batch (B == 1), select the varlen
-            attention (``max_length_q/k`` are not needed and ignored); ``sliding_window``
-            (Mistral, Qwen2, Gemma ...: a query sees the ``sliding_window`` latest keys, itself
-            included) becomes ``window_size=(sliding_window - 1, 0)`` (docs/window.md); a
-            ``softcap`` other than None is rejected.
+            attention; ``sliding_window`` (Mistral, Qwen2, Gemma ...: a query sees the
+            ``sliding_window`` latest keys, itself included) becomes
+            ``window_size=(sliding_window - 1, 0)`` (docs/window.md); ``is_causal`` must be
+            None or True. Accepted as harmless: ``use_cache`` (no cached earlier tokens),
+            ``max_length_q/k``, the loss and output flags models forward to every layer.
+            Accepted only with the feature off: ``s_aux`` / ``sinks``, ``softcap`` (or 0),
+            ``head_mask``, ``position_bias``, ``seq_idx`` None, ``output_attentions`` False.
 
     Returns:
         ``(out [B, S, H, D], None)``.
+
+    Raises:
+        TypeError: an unknown keyword, or a keyword of the wrong type.
+        ValueError: a keyword or value that it cannot honour, naming it and what to do.
     """
     if _config is None:
         raise RuntimeError("call dtensor_ring.hf.setup(group=..., layout=...) first")
-    if attention_mask is not None:
-        raise ValueError("dtensor_ring attention cannot honour an attention mask (4-D or custom)")
-    if not getattr(module, "is_causal", True):
-        raise ValueError("dtensor_ring attention supports causal attention only")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"dtensor_ring attention does not support softcap={kwargs['softcap']}")
-    sliding_window = kwargs.get("sliding_window")
-    # transformers' masks: key j visible to query i iff i - sliding_window < j <= i
-    window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
-    if dropout != 0.0:
-        raise ValueError(f"dtensor_ring attention does not support dropout={dropout}")
+    window = _check_call(module, query, key, attention_mask, dropout, kwargs)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
         return _varlen_attention(query, key, value, scaling, cu_seqlens, window, kwargs), None
@@ -182,6 +242,82 @@ def ring_attention_forward(
     return out, None
 
 
+def _check_call(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    attention_mask: Tensor | None,
+    dropout: object,
+    kwargs: dict,
+) -> tuple[int, int]:
+    """Reject what :func:`ring_attention_forward` cannot honour (local checks only); return
+    the ``window_size`` of ``sliding_window``."""
+    unknown = sorted(set(kwargs) - _USED - _HARMLESS - set(_FEATURE_OFF))
+    if unknown:
+        given = ", ".join(f"{name}={_summary(kwargs[name])}" for name in unknown)
+        raise TypeError(
+            f"dtensor_ring attention got unknown keyword(s) {given}; it cannot tell whether "
+            "ignoring them would change the result: drop them if the model does not need "
+            f"them, or {_WITHOUT}"
+        )
+    for name, (off, why) in _FEATURE_OFF.items():
+        value = kwargs.get(name)
+        if value is not None and (isinstance(value, Tensor) or value not in off):
+            raise ValueError(f"dtensor_ring attention got {name}={_summary(value)}: {why}")
+    if attention_mask is not None:
+        raise ValueError(
+            f"dtensor_ring attention cannot honour attention_mask={_summary(attention_mask)} "
+            "(4-D or custom masks); it computes causality itself: drop the mask, and pack "
+            "documents with dtensor_ring.hf.shard_batch instead of masking them"
+        )
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dtensor_ring attention: dropout must be a float, got {_summary(dropout)}")
+    if dropout != 0:  # transformers passes the config's attention_dropout in training mode
+        raise ValueError(
+            f"dtensor_ring attention does not support dropout={dropout}; set the model config's "
+            "attention_dropout to 0"
+        )
+    is_causal = kwargs.get("is_causal")
+    if not check_bool(
+        "is_causal", getattr(module, "is_causal", True) if is_causal is None else is_causal
+    ):
+        raise ValueError(
+            "dtensor_ring attention supports causal attention only, got is_causal=False (the "
+            "keyword, or the module's attribute); non-causal models cannot use it yet"
+        )
+    if query.dim() == key.dim() == 4 and key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"dtensor_ring attention got {key.shape[2]} keys for {query.shape[2]} queries: a KV "
+            "cache holding earlier tokens (generation) is not supported; pass use_cache=False"
+        )
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu_q and (cu_q is None or not torch.equal(cu_k, cu_q)):
+        raise ValueError(
+            f"dtensor_ring attention needs cu_seq_lens_k == cu_seq_lens_q, got "
+            f"cu_seq_lens_q={_summary(cu_q)}, cu_seq_lens_k={_summary(cu_k)}; build them with "
+            "dtensor_ring.hf.shard_batch"
+        )
+    return _window(kwargs.get("sliding_window"))
+
+
+def _window(sliding_window: object) -> tuple[int, int]:
+    """flash-attn's ``window_size`` of transformers' ``sliding_window`` (None: no window)."""
+    if sliding_window is None:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(
+            "dtensor_ring attention: sliding_window must be a positive int or None, got "
+            f"{_summary(sliding_window)}"
+        )
+    if sliding_window <= 0:
+        raise ValueError(
+            f"dtensor_ring attention: sliding_window={sliding_window} must be positive (the "
+            "number of latest keys a query sees, itself included), or None for no window"
+        )
+    # transformers' masks: key j visible to query i iff i - sliding_window < j <= i
+    return (sliding_window - 1, 0)
+
+
 def _varlen_attention(
     query: Tensor,
     key: Tensor,
@@ -197,9 +333,6 @@ def _varlen_attention(
     assert _config is not None
     layout, group = _config.layout, _config.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    cu_k = kwargs.get("cu_seq_lens_k")
-    if cu_k is not None and cu_k is not cu_seqlens and not torch.equal(cu_k, cu_seqlens):
-        raise ValueError("dtensor_ring attention needs cu_seq_lens_k == cu_seq_lens_q")
     lay = _varlen_layout(layout)
     if query.shape[0] != 1:
         raise ValueError(f"dtensor_ring packed attention needs batch size 1, got {query.shape[0]}")
