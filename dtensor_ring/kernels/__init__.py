@@ -11,13 +11,21 @@ from .base import BlockKernel, KernelCall, accumulation_dtype
 from .cpu import CpuFlashKernel
 from .cuda_flash import TorchFlashKernel
 from .cudnn import CudnnKernel
+from .flash_attn4 import FlashAttn4Kernel
 from .flash_attn_pkg import FlashAttnKernel
 from .math import MathKernel
 
-# cuDNN first: on an H200 it runs 570-680 TFLOP/s forward against ~350 for FlashAttention-2
-# (docs/performance.md); flash_attn then serves what cuDNN cannot (varlen, fp16 with head dim
-# beyond cuDNN's limits) ahead of PyTorch's vendored copy of the same kernels.
+# flash_attn4 first where installed (an optional extra): on an H200 (2026-12-03, torch 2.11,
+# cuDNN 9.19, flash-attn-4 4.0.0b36; bf16, H=32, H_kv=8, D=128) one forward + one backward block
+# took 21.1 ms against cuDNN's 22.6 over the ring's 12 block shapes (2048-8192 tokens, square
+# causal and not, zigzag halves): 8.5% less at 4096 tokens, 6.8% at 8192, 1.3% more at 2048,
+# where its forward is host-bound (0.11-0.13 ms a call whatever the block; forward alone 0.46
+# vs 0.37 ms); benchmarks/results/check_flash_attn4_h200_2026-12-03.json. cuDNN next: 570-680
+# TFLOP/s forward against ~350 for FlashAttention-2 (docs/performance.md); flash_attn then
+# serves what cuDNN cannot (varlen, windows, fp16 with head dim beyond cuDNN's limits) ahead of
+# PyTorch's vendored copy of the same kernels.
 BACKENDS: tuple[BlockKernel, ...] = (
+    FlashAttn4Kernel(),
     CudnnKernel(),
     FlashAttnKernel(),
     TorchFlashKernel(),

@@ -1,0 +1,465 @@
+"""GPU check of the ``flash_attn4`` backend (flash-attn 4, CuTe DSL) against fp64, cuDNN and
+PyTorch's FlashAttention-2, at the ring's block shapes, and the ring through it.
+
+bf16, ``B=1, H=32, H_kv=8, D=128``; K/V are views of the second half of a buffer and q of a
+local shard, as the engine passes them.
+
+* dense blocks ``S x S`` (S = 2048, 4096, 8192), causal and not: ``out, lse, dq, dk, dv`` against
+  an fp64 reference (the math kernel, a few heads at a time); ``ratio`` = our max abs error /
+  cuDNN's on the same inputs (1.0 = as accurate as cuDNN). Timings (median of 20 CUDA-event
+  timed calls after 3 warm-ups) of one forward and one backward block for ``flash_attn4``,
+  ``cudnn`` and ``cuda_flash``, also for the zigzag half blocks ``S x S/2`` and ``S/2 x S``;
+  ``first_s`` is the wall time of flash_attn4's first call (its JIT compile).
+* sliding windows (dense, the trimmed shapes of windowed plans) and varlen (with and without a
+  window): errors against fp64, ratio against ``cuda_flash`` (cuDNN has neither).
+* deterministic backward (``torch.use_deterministic_algorithms(True)``): two runs bitwise equal.
+* the ring: ``simulate_ring`` (zigzag, 4 ranks, 8192 tokens, causal; and with a window) and
+  the functional API on a real 1-rank NCCL group, ``backend="flash_attn4"`` vs ``cudnn`` /
+  ``cuda_flash``, against the same fp64 reference.
+
+Each part runs under ``try``; results are written to ``$OUT/flash_attn4.json`` after each part
+(a run cut short keeps what it measured); the tables are printed last.
+
+    source .fa4/install.sh && python tests/gpu/check_flash_attn4.py
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import dtensor_ring as dr  # noqa: E402
+from dtensor_ring.kernels import BlockKernel, get_kernel  # noqa: E402
+from dtensor_ring.simulate import simulate_ring  # noqa: E402
+
+B, H, H_KV, D = 1, 32, 8, 128
+DTYPE = torch.bfloat16
+SCALE = D**-0.5
+SEQLENS = (2048, 4096, 8192)
+BACKENDS = ("flash_attn4", "cudnn", "cuda_flash")
+NAMES = ("out", "lse", "dq", "dk", "dv")
+WINDOWS = [  # (S_q, S_k, window): shapes and bands of windowed plans (tests/gpu/check_window.py)
+    (4096, 4096, (512, 0)),
+    (2048, 2048, (0, -1)),
+    (3000, 2000, (40, 1000)),
+    (1536, 4096, (-1, 7)),
+]
+VARLEN = [  # (cu_seqlens, causal, window)
+    ((0, 256, 7648, 8192), False, None),
+    ((0, 256, 7648, 8192), True, None),
+    ((0, 256, 3000, 4096), False, (200, 0)),
+]
+DEADLINE_S = float(os.environ.get("FA4_CHECK_DEADLINE_S", "300"))
+START = time.perf_counter()
+RESULT: dict[str, object] = {}
+
+
+# --- inputs, runs, reference ------------------------------------------------------------------
+def make_inputs(s_q: int, s_k: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``q, k, v, dout`` in BSHD; q a view of a local shard, K/V of a double buffer's halves."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kw = dict(device="cuda", dtype=DTYPE, generator=gen)
+    q = torch.randn(B, 2 * s_q, H, D, **kw)[:, s_q:]
+    k, v = torch.randn(2, B, 2 * s_k, H_KV, D, **kw)[:, :, s_k:].unbind(0)
+    return q, k, v, torch.randn(B, s_q, H, D, **kw)
+
+
+def run(
+    kernel: BlockKernel,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None = None,
+    cu: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """``out, lse, dq, dk, dv`` of one block (varlen if ``cu``, packed ``[T, H, D]``)."""
+    kw = dict(causal=causal, scale=SCALE, window=window)
+    if cu is None:
+        out, lse = kernel.forward(q, k, v, **kw)
+        grads = kernel.backward(dout, q, k, v, out, lse, **kw)
+    else:
+        n = int(cu.diff().max())
+        out, lse = kernel.forward_varlen(q, k, v, cu, cu, n, n, **kw)
+        grads = kernel.backward_varlen(dout, q, k, v, out, lse, cu, cu, n, n, **kw)
+    return dict(zip(NAMES, (out, lse, *grads), strict=True))
+
+
+def reference(q, k, v, dout, heads_per_chunk: int = 8, **kw) -> dict[str, Tensor]:
+    """fp64 ``run`` of the math kernel, a group of KV heads at a time (exact: query heads only
+    meet their own KV heads)."""
+    group = q.shape[-2] // k.shape[-2]
+    step = max(1, heads_per_chunk // group)
+    parts: dict[str, list[Tensor]] = {n: [] for n in NAMES}
+    for j in range(0, k.shape[-2], step):
+        hq, hk = slice(j * group, (j + step) * group), slice(j, j + step)
+        chunk = (t[..., h, :].double() for t, h in ((q, hq), (k, hk), (v, hk), (dout, hq)))
+        for name, t in run(get_kernel("math"), *chunk, **kw).items():
+            parts[name].append(t)
+    return {n: torch.cat(ts, dim=ts[0].dim() - 2) for n, ts in parts.items()}
+
+
+def errors(got: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str, float]:
+    """Max abs error of each result against the fp64 reference."""
+    return {n: (got[n].double() - ref[n]).abs().max().item() for n in NAMES}
+
+
+def ratios(err: dict[str, float], base: dict[str, float]) -> dict[str, float]:
+    """Our error / the baseline's, per result except lse (fp32 in every backend)."""
+    return {n: err[n] / max(base[n], 1e-30) for n in NAMES if n != "lse"}
+
+
+def median_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn`` in ms over ``reps`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    events = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def first_call_s(fn: Callable[[], object]) -> float:
+    """Wall time of one call of ``fn`` (the JIT compile for a new flash_attn4 configuration)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def error_text(e: Exception) -> str:
+    traceback.print_exc()
+    return f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def save() -> None:
+    """Write what was measured so far to ``$OUT/flash_attn4.json``."""
+    RESULT["seconds"] = round(time.perf_counter() - START, 1)
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "flash_attn4.json"), "w") as f:
+        json.dump(RESULT, f, indent=1)
+
+
+def late(part: str) -> bool:
+    """Whether the deadline has passed (then ``part`` is recorded as skipped)."""
+    if time.perf_counter() - START < DEADLINE_S:
+        return False
+    RESULT.setdefault("skipped", []).append(part)
+    return True
+
+
+# --- parts ------------------------------------------------------------------------------------
+def environment() -> dict[str, object]:
+    try:
+        fa4 = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        fa4 = None
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "gpu": torch.cuda.get_device_name(),
+        "capability": torch.cuda.get_device_capability(),
+        "flash_attn_4": fa4,
+        "available": {n: get_kernel(n).is_available() for n in BACKENDS},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def dense_case(S: int, causal: bool) -> tuple[list[dict], tuple, dict]:
+    """One square block: every backend's errors (ratios vs cuDNN) and timings; also returns
+    the inputs and the fp64 reference."""
+    x = make_inputs(S, S)
+    ref = reference(*x, causal=causal)
+    rows, errs = [], {}
+    for name in BACKENDS:
+        row: dict[str, object] = dict(backend=name, s_q=S, s_k=S, causal=causal)
+        kernel = get_kernel(name)
+        try:
+            if name == "flash_attn4":
+                row["first_s"] = first_call_s(functools.partial(run, kernel, *x, causal=causal))
+            errs[name] = errors(run(kernel, *x, causal=causal), ref)
+            row["errors"] = errs[name]
+            row |= block_times(kernel, *x, causal=causal)
+        except Exception as e:
+            row["status"] = error_text(e)
+        rows.append(row)
+    for row in rows:
+        if row["backend"] in errs and "cudnn" in errs:
+            row["ratio_vs_cudnn"] = ratios(errs[row["backend"]], errs["cudnn"])
+    return rows, x, ref
+
+
+def dense_part() -> dict[str, object]:
+    """Square blocks vs fp64 and block timings (also of the zigzag half blocks); returns the
+    S=8192 causal inputs and reference for the ring part."""
+    rows, keep = [], {}
+    for S in SEQLENS:
+        for causal in (False, True):
+            if late(f"dense {S} causal={causal}"):
+                continue
+            case_rows, x, ref = dense_case(S, causal)
+            rows += case_rows
+            if S == 8192 and causal:
+                keep = {"inputs": x, "ref": ref}
+            del x, ref
+            torch.cuda.empty_cache()
+        for s_q, s_k in ((S, S // 2), (S // 2, S)):
+            q, k, v, dout = make_inputs(s_q, s_k)
+            for name in BACKENDS:
+                row: dict[str, object] = dict(backend=name, s_q=s_q, s_k=s_k, causal=False)
+                try:
+                    row |= block_times(get_kernel(name), q, k, v, dout, causal=False)
+                except Exception as e:
+                    row["status"] = error_text(e)
+                rows.append(row)
+        RESULT["dense"] = rows
+        save()
+    RESULT["summary"] = summary(rows)
+    save()
+    return keep
+
+
+def block_times(kernel: BlockKernel, q, k, v, dout, *, causal: bool, window=None) -> dict:
+    """ms of one forward and one backward block, and TFLOP/s for unwindowed blocks
+    (``4*B*H*S_q*S_k*D`` forward FLOPs, half if causal; backward 2.5x)."""
+    kw = dict(causal=causal, scale=SCALE, window=window)
+    out, lse = kernel.forward(q, k, v, **kw)
+    times = dict(
+        fwd_ms=median_ms(lambda: kernel.forward(q, k, v, **kw)),
+        bwd_ms=median_ms(lambda: kernel.backward(dout, q, k, v, out, lse, **kw)),
+    )
+    if window is None:
+        flops = 4 * B * H * q.shape[1] * k.shape[1] * D * (0.5 if causal else 1.0)
+        times["fwd_tflops"] = flops / times["fwd_ms"] / 1e9
+        times["bwd_tflops"] = 2.5 * flops / times["bwd_ms"] / 1e9
+    return times
+
+
+def summary(rows: list[dict]) -> dict[str, object]:
+    """Total ms of forward and backward over every timed block shape, per backend."""
+    shapes = {(r["s_q"], r["s_k"], r["causal"]) for r in rows}
+    timed = {(r["backend"], r["s_q"], r["s_k"], r["causal"]): r for r in rows if "fwd_ms" in r}
+    common = [s for s in shapes if all((b, *s) in timed for b in BACKENDS)]
+    out: dict[str, object] = {"shapes": len(common)}
+    for b in BACKENDS:
+        fwd = sum(timed[(b, *s)]["fwd_ms"] for s in common)
+        bwd = sum(timed[(b, *s)]["bwd_ms"] for s in common)
+        out[b] = dict(fwd_ms=fwd, bwd_ms=bwd, fwd_bwd_ms=fwd + bwd)
+    return out
+
+
+def window_part() -> None:
+    rows = []
+    for s_q, s_k, window in WINDOWS:
+        if late(f"window {s_q}x{s_k} {window}"):
+            continue
+        x = make_inputs(s_q, s_k, seed=1)
+        ref = reference(*x, causal=False, window=window)
+        errs = {}
+        for name in ("flash_attn4", "cuda_flash"):
+            row: dict[str, object] = dict(backend=name, s_q=s_q, s_k=s_k, window=window)
+            try:
+                errs[name] = errors(run(get_kernel(name), *x, causal=False, window=window), ref)
+                row["errors"] = errs[name]
+                row |= block_times(get_kernel(name), *x, causal=False, window=window)
+            except Exception as e:
+                row["status"] = error_text(e)
+            rows.append(row)
+        if len(errs) == 2:
+            rows[-2]["ratio_vs_cuda_flash"] = ratios(errs["flash_attn4"], errs["cuda_flash"])
+        RESULT["window"] = rows
+        save()
+
+
+def varlen_part() -> None:
+    rows = []
+    for bounds, causal, window in VARLEN:
+        if late(f"varlen {bounds}"):
+            continue
+        T = bounds[-1]
+        cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+        q, k, v, dout = (t[0] for t in make_inputs(T, T, seed=2))
+        kw = dict(causal=causal, window=window, cu=cu)
+        ref = reference(q, k, v, dout, **kw)
+        errs = {}
+        for name in ("flash_attn4", "cuda_flash"):
+            row: dict[str, object] = dict(backend=name, cu_seqlens=bounds, causal=causal)
+            row["window"] = window
+            try:
+                errs[name] = errors(run(get_kernel(name), q, k, v, dout, **kw), ref)
+                row["errors"] = errs[name]
+            except Exception as e:
+                row["status"] = error_text(e)
+            rows.append(row)
+        if len(errs) == 2:
+            rows[-2]["ratio_vs_cuda_flash"] = ratios(errs["flash_attn4"], errs["cuda_flash"])
+        RESULT["varlen"] = rows
+        save()
+
+
+def deterministic_part() -> None:
+    if late("deterministic"):
+        return
+    x = make_inputs(2048, 2048, seed=3)
+    kernel = get_kernel("flash_attn4")
+    try:
+        torch.use_deterministic_algorithms(True)
+        first, second = (run(kernel, *x, causal=True) for _ in range(2))
+        same = {n: torch.equal(first[n], second[n]) for n in ("dq", "dk", "dv")}
+        ref = reference(*x, causal=True)
+        RESULT["deterministic"] = dict(bitwise_equal=same, errors=errors(first, ref))
+    except Exception as e:
+        RESULT["deterministic"] = dict(status=error_text(e))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    save()
+
+
+def ring_part(keep: dict) -> None:
+    """zigzag W=4 on one device (simulated), and the functional API on a real 1-rank group."""
+    rows = []
+    q, k, v, dout = keep["inputs"]
+    cases = [(None, keep["ref"], ("flash_attn4", "cudnn"))]
+    if not late("ring window"):
+        window = (1024, 0)
+        ref = reference(q, k, v, dout, causal=False, window=window)  # square: causal is implied
+        cases.append((window, ref, ("flash_attn4", "cuda_flash")))  # cudnn: no window
+    for window, ref, names in cases:
+        errs = {}
+        for name in names:
+            row: dict[str, object] = dict(path="simulate zigzag W=4", backend=name, S=8192)
+            row["window"] = window
+            try:
+                got = simulate_ring(
+                    q,
+                    k,
+                    v,
+                    dout,
+                    layout="zigzag",
+                    world_size=4,
+                    causal=True,
+                    backend=name,
+                    window_size=window or (-1, -1),
+                )
+                errs[name] = errors(dict(zip(NAMES, got, strict=True)), ref)
+                row["errors"] = errs[name]
+            except Exception as e:
+                row["status"] = error_text(e)
+            rows.append(row)
+        base = "cudnn" if window is None else "cuda_flash"
+        if "flash_attn4" in errs and base in errs:
+            rows[-len(names)][f"ratio_vs_{base}"] = ratios(errs["flash_attn4"], errs[base])
+        RESULT["ring"] = rows
+        save()
+    if late("functional"):
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        for name in ("flash_attn4", "cudnn"):
+            rows.append(functional_row(name, q, k, v, dout, keep["ref"]))
+            RESULT["ring"] = rows
+            save()
+    finally:
+        dist.destroy_process_group()
+
+
+def functional_row(name: str, q, k, v, dout, ref) -> dict[str, object]:
+    """``zigzag_ring_flash_attn_func`` on the 1-rank group: errors and fwd / fwd+bwd ms."""
+    row: dict[str, object] = dict(path="functional zigzag W=1 (NCCL)", backend=name, S=8192)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def fwd():
+        return dr.zigzag_ring_flash_attn_func(*leaves, causal=True, backend=name)
+
+    def fwd_bwd():
+        fwd().backward(dout)
+
+    try:
+        out = fwd()
+        out.backward(dout)
+        got = dict(out=out, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+        row["errors"] = {n: (t.double() - ref[n]).abs().max().item() for n, t in got.items()}
+        row["fwd_ms"] = median_ms(fwd)
+        row["fwd_bwd_ms"] = median_ms(fwd_bwd)
+    except Exception as e:
+        row["status"] = error_text(e)
+    return row
+
+
+# --- report -----------------------------------------------------------------------------------
+def _f(x: float | None, spec: str = "8.3f") -> str:
+    return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
+
+
+def print_tables() -> None:
+    print(json.dumps(RESULT.get("environment"), indent=1))
+    print(
+        f"\n{'backend':<12}{'block':>12}{'causal':>7}{'fwd ms':>9}{'bwd ms':>9}"
+        f"{'fwd TF':>8}{'bwd TF':>8}  ratio vs cudnn out/dq/dk/dv, first call s, status"
+    )
+    for r in RESULT.get("dense", []):
+        rat = r.get("ratio_vs_cudnn", {})
+        print(
+            f"{r['backend']:<12}{str(r['s_q']) + 'x' + str(r['s_k']):>12}{r['causal']!s:>7}"
+            f"{_f(r.get('fwd_ms'), '9.3f')}{_f(r.get('bwd_ms'), '9.3f')}"
+            f"{_f(r.get('fwd_tflops'), '8.0f')}{_f(r.get('bwd_tflops'), '8.0f')}  "
+            f"{' '.join(_f(rat.get(n), '5.2f') for n in ('out', 'dq', 'dk', 'dv'))} "
+            f"{_f(r.get('first_s'), '6.1f')} {r.get('status', '')}"
+        )
+    print("\nsummary (ms over all timed block shapes):", json.dumps(RESULT.get("summary")))
+    for part in ("window", "varlen", "ring"):
+        print(f"\n{part}:")
+        for r in RESULT.get(part, []):
+            print(" ", json.dumps(r))
+    print("\ndeterministic:", json.dumps(RESULT.get("deterministic")))
+    print("skipped:", RESULT.get("skipped"), f"; {RESULT.get('seconds')} s")
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("CUDA is not available: run on a GPU machine.")
+    RESULT["environment"] = environment()
+    save()
+    keep = {}
+    for part in (dense_part, window_part, varlen_part, deterministic_part):
+        try:
+            keep = part() or keep
+        except Exception as e:
+            RESULT[f"{part.__name__}_error"] = error_text(e)
+        print(f"[{time.perf_counter() - START:6.1f}s] {part.__name__}", flush=True)
+    if keep:
+        try:
+            ring_part(keep)
+        except Exception as e:
+            RESULT["ring_part_error"] = error_text(e)
+    save()
+    print_tables()
+
+
+if __name__ == "__main__":
+    main()
