@@ -1,2 +1,3 @@
 """Communication: point-to-point K/V exchange of the ring (``p2p.py``) and the all-to-all of
-Ulysses (``all_to_all.py``). The engine sees only the small ``Exchanger`` protocol."""
+Ulysses (``all_to_all.py``). The engine sees only the small ``Exchanger`` protocol. A failed
+wait raises an error naming the operation, step and peers (``faults.py``, Note [Faults])."""

@@ -21,6 +21,11 @@ and the gradients straight back:
 Each step moves one K/V chunk per rank, as a ring hop does (the volume is the same; the peers
 are farther apart). The owner sums the dK/dV shares it receives; full plans keep the ring and
 its travelling accumulators (Note [Ring backward] in ``engine/ring.py``).
+
+Every launch and wait runs inside a :class:`~dtensor_ring.comm.faults.CommSite` (Note [Faults]
+in ``faults.py``): a rank that died or stopped calling makes the others raise an error naming
+the exchange, its step and the peers. Step ``k of n`` counts the plan's steps from 1 and names
+the step the data belongs to: the K/V used in step k, the dK/dV computed in step k.
 """
 
 from __future__ import annotations
@@ -31,20 +36,28 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..schedule.plan import Plan
+from .faults import CommSite
 
 
 class PendingExchange:
     """Transfers in flight; :meth:`wait` returns the received tensors."""
 
-    def __init__(self, works: list, sent: list[Tensor], received: list[Tensor]):
+    def __init__(self, works: list, sent: list[Tensor], received: list[Tensor], site: CommSite):
         self._works = works
         self._sent = sent  # keeps contiguous copies alive until the sends complete
         self._received = received
+        self._site = site
 
     def wait(self) -> list[Tensor]:
-        """Block until the transfers are done; return the received tensors."""
-        for w in self._works:
-            w.wait()
+        """Block until the transfers are done; return the received tensors.
+
+        Raises:
+            RuntimeError: a transfer failed, e.g. a peer died or stopped calling and the process
+                group's timeout ran out (Note [Faults]).
+        """
+        with self._site:
+            for w in self._works:
+                w.wait()
         return self._received
 
 
@@ -56,15 +69,29 @@ class _PeerExchanger:
     sends; with ``recycle_first=True`` it allocates one and takes the tensors of the first
     ``start`` as the second (the caller gives them up: e.g. the step-0 dK/dV accumulator,
     free once sent; never the caller's K/V, which autograd keeps).
+
+    ``op`` names the exchange in errors, ``steps`` is the plan's number of steps and
+    ``first_step`` the step (from 0) whose data the first ``start`` moves.
     """
 
-    def __init__(self, group: dist.ProcessGroup, tag: int, recycle_first: bool = False):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        tag: int,
+        op: str,
+        steps: int,
+        *,
+        first_step: int = 1,
+        recycle_first: bool = False,
+    ):
         self.group = group
         self.tag = tag
+        self.op, self.steps, self.first_step = op, steps, first_step
         self.recycle_first = recycle_first
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._buffers: list[list[Tensor]] = []
         self._turn = 0
+        self._count = 0  # starts so far
 
     def _global(self, hops: int) -> int:
         """Global rank of the group rank ``hops`` to the right of this one."""
@@ -88,7 +115,12 @@ class _PeerExchanger:
         received = self._receive_buffers(tensors)
         ops = [dist.P2POp(dist.isend, t, send_to, self.group, self.tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, recv_from, self.group, self.tag) for t in received]
-        return PendingExchange(dist.batch_isend_irecv(ops), tensors, received)
+        step = (self.first_step + self._count + 1, self.steps)
+        site = CommSite(self.op, self.group, step, (send_to, recv_from))
+        self._count += 1
+        with site:  # gloo raises here at once when a peer's connection is closed
+            works = dist.batch_isend_irecv(ops)
+        return PendingExchange(works, tensors, received, site)
 
 
 class RingExchanger(_PeerExchanger):
@@ -96,8 +128,17 @@ class RingExchanger(_PeerExchanger):
 
     direct = False
 
-    def __init__(self, group: dist.ProcessGroup, tag: int = 0, recycle_first: bool = False):
-        super().__init__(group, tag, recycle_first)
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        tag: int,
+        op: str,
+        steps: int,
+        *,
+        first_step: int = 1,
+        recycle_first: bool = False,
+    ):
+        super().__init__(group, tag, op, steps, first_step=first_step, recycle_first=recycle_first)
         self._next, self._prev = self._global(1), self._global(-1)
 
     def start(self, tensors: Sequence[Tensor]) -> PendingExchange:
@@ -121,16 +162,16 @@ class DirectExchanger(_PeerExchanger):
         self,
         group: dist.ProcessGroup,
         offsets: Sequence[int],
-        tag: int = 0,
+        tag: int,
+        op: str,
         *,
         to_source: bool = False,
     ):
-        super().__init__(group, tag)
+        super().__init__(group, tag, op, len(offsets))
         sign = -1 if to_source else 1
         self._peers = [(self._global(sign * o), self._global(-sign * o)) for o in offsets[1:]]
         self._to_source = to_source
         self._own: list[Tensor] | None = None
-        self._count = 0
 
     def start(self, tensors: Sequence[Tensor]) -> PendingExchange:
         """Start the exchange of the next step (see the class doc)."""
@@ -139,7 +180,6 @@ class DirectExchanger(_PeerExchanger):
                 self._own = [t.contiguous() for t in tensors]
             tensors = self._own
         send_to, recv_from = self._peers[self._count]
-        self._count += 1
         return self._transfer(tensors, send_to, recv_from)
 
 
@@ -149,8 +189,8 @@ KV_TAG, DKV_TAG = 0, 1  # K/V and dK/dV transfers are in flight together in the 
 def forward_exchanger(group: dist.ProcessGroup, plan: Plan) -> RingExchanger | DirectExchanger:
     """The forward's K/V exchanger for ``plan`` (ring hops, or direct for a sparse plan)."""
     if plan.full_ring:
-        return RingExchanger(group, KV_TAG)
-    return DirectExchanger(group, plan.offsets, KV_TAG)
+        return RingExchanger(group, KV_TAG, _op("forward", "ring", "K/V"), len(plan.offsets))
+    return DirectExchanger(group, plan.offsets, KV_TAG, _op("forward", "direct", "K/V"))
 
 
 def backward_exchangers(group: dist.ProcessGroup, plan: Plan):
@@ -161,8 +201,26 @@ def backward_exchangers(group: dist.ProcessGroup, plan: Plan):
     step's dK/dV go straight back to their owner (Note [Direct exchange]).
     """
     if plan.full_ring:
-        return RingExchanger(group, KV_TAG), RingExchanger(group, DKV_TAG, recycle_first=True)
+        n = len(plan.offsets)
+        return (
+            RingExchanger(group, KV_TAG, _op("backward", "ring", "K/V"), n),
+            # the i-th start sends the accumulator of step i (Note [Ring backward])
+            RingExchanger(
+                group,
+                DKV_TAG,
+                _op("backward", "ring", "dK/dV"),
+                n,
+                first_step=0,
+                recycle_first=True,
+            ),
+        )
     return (
-        DirectExchanger(group, plan.offsets, KV_TAG),
-        DirectExchanger(group, plan.offsets, DKV_TAG, to_source=True),
+        DirectExchanger(group, plan.offsets, KV_TAG, _op("backward", "direct", "K/V")),
+        DirectExchanger(
+            group, plan.offsets, DKV_TAG, _op("backward", "direct", "dK/dV"), to_source=True
+        ),
     )
+
+
+def _op(direction: str, kind: str, what: str) -> str:
+    return f"ring attention {direction}, {kind} exchange of {what}"

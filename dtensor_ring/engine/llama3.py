@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm.faults import CommSite
 from ..kernels import BlockKernel, accumulation_dtype
-from ..kernels.merge import merge_
+from ..kernels.merge import empty_rows_nan_, merge_
 from ..schedule.blocks import Block
 from ..schedule.llama3 import Llama3Meta
 from .blocks import varlen_blocks
@@ -57,6 +58,11 @@ from .blocks import varlen_blocks
 # the *_single names (same signature); use whichever this torch has.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# What failing waits name (Note [Faults] in comm/faults.py); step k of n: KV head group k.
+_GATHER_FORWARD = "llama3 attention forward, all-gather of K/V"
+_GATHER_BACKWARD = "llama3 attention backward, all-gather of K/V"
+_REDUCE_SCATTER = "llama3 attention backward, reduce-scatter of dK/dV"
 
 
 class _KVGather:
@@ -147,7 +153,8 @@ def llama3_forward(
                 scale=scale,
                 window=m.window,
             )
-        k_full, v_full = pending.wait()
+        with CommSite(_GATHER_FORWARD, group, (i + 1, len(groups))):
+            k_full, v_full = pending.wait()
         if i + 1 < len(groups):
             pending = gather.start(groups[i + 1][0])
         if m.causal:
@@ -182,7 +189,7 @@ def llama3_forward(
                     scale,
                 )
                 rows.init_(out[:, hq], lse[hq], blk.q, out_b, lse_b)
-    return out, lse
+    return empty_rows_nan_(out, lse), lse
 
 
 def llama3_backward(
@@ -212,12 +219,13 @@ def llama3_backward(
     groups = _head_groups(H, k_THD.shape[1], heads_k_stride)
     gather = _KVGather(k_THD, v_THD, heads_k_stride, group)
     pending = gather.start(groups[0][0])
-    reducing = None  # (work, result [L, 2, s, D], kv heads, input) of the previous group
+    reducing = None  # (work, result [L, 2, s, D], kv heads, input, step) of the previous group
     m = meta
 
     def finish(reduced) -> None:
-        work, result, kv_heads, _input = reduced  # the input stays alive until the wait
-        work.wait()
+        work, result, kv_heads, _input, step = reduced  # the input stays alive until the wait
+        with CommSite(_REDUCE_SCATTER, group, (step, len(groups))):
+            work.wait()
         dk[:, kv_heads] += result[:, 0]
         dv[:, kv_heads] += result[:, 1]
 
@@ -243,7 +251,8 @@ def llama3_backward(
             dq[:, hq] += dq_d
             dk[:, kv_heads] += dk_d
             dv[:, kv_heads] += dv_d
-        k_full, v_full = pending.wait()
+        with CommSite(_GATHER_BACKWARD, group, (i + 1, len(groups))):
+            k_full, v_full = pending.wait()
         if i + 1 < len(groups):
             pending = gather.start(groups[i + 1][0])
         dkv_full = torch.zeros(W * L, 2, heads_k_stride, D, dtype=acc, device=q_THD.device)
@@ -285,6 +294,6 @@ def llama3_backward(
             finish(reducing)
         result = dkv_full.new_empty(L, 2, heads_k_stride, D)
         work = _reduce_scatter(result, dkv_full, group=group, async_op=True)
-        reducing = (work, result, kv_heads, dkv_full)
+        reducing = (work, result, kv_heads, dkv_full, i + 1)
     finish(reducing)
     return dq.to(q_THD.dtype), dk.to(k_THD.dtype), dv.to(v_THD.dtype)
