@@ -60,6 +60,7 @@ from .api.varlen import (
     zigzag_ring_flash_attn_varlen_kvpacked_func,
     zigzag_ring_flash_attn_varlen_qkvpacked_func,
 )
+from .consistency import consistency_checks_enabled, set_consistency_checks
 from .kernels import BACKEND_NAMES
 from .layouts import (
     LAYOUTS,
@@ -82,6 +83,8 @@ from .schedule.plan import make_plan
 from .simulate import RankSimulator, simulate_ring
 
 __all__ = [
+    "consistency_checks_enabled",
+    "set_consistency_checks",
     "RankSimulator",
     "simulate_ring",
     "BACKEND_NAMES",

@@ -1,0 +1,198 @@
+"""The fixed cost of one call: ring attention on a 1-rank group against plain SDPA.
+
+    python benchmarks/bench_overhead.py --out results/     # one GPU, ~1 min
+
+On a real 1-rank NCCL group (gloo on CPU), bf16 ``B=1, H=32, H_kv=8, D=128``, causal, for
+several sequence lengths: forward and forward+backward time of
+
+* ``sdpa``: ``F.scaled_dot_product_attention`` on ``[B, H, S, D]`` views of ``[B, S, H, D]``
+  tensors (``enable_gqa=True``), the baseline measured in the same run;
+* ``functional``: ``ring_flash_attn_func`` (W = 1: one block, no communication);
+* ``dtensor``: SDPA on ``Shard(2)`` DTensors of a 1-rank mesh inside ``ring_sdpa()``;
+
+and ``host``: the wall time of issuing one forward (the mean of 200 calls issued back to back,
+divided, without synchronising in between; at small S the GPU waits for the host). Prints a
+table and writes ``bench_overhead.json`` to --out; ``--profile`` also writes the cProfile of
+200 forward calls per contender at the smallest S (``profile_<what>.txt``, top 40 by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dtensor_ring as dr  # noqa: E402
+
+
+def _median_ms(fn, reps: int) -> float:
+    """Median time of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _host_ms(fn, calls: int = 200) -> float:
+    for _ in range(3):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
+def _profile(fn, path: str, calls: int = 200) -> None:
+    """cProfile of ``calls`` calls of ``fn`` (after warm-up): top 40 functions by own time."""
+    for _ in range(3):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+
+
+def _callables(name: str, q, k, v, mesh):
+    """``(forward, forward + backward)`` of one contender on ``[B, S, H, D]`` leaves."""
+    if name == "sdpa":
+
+        def fwd():
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=True,
+            )
+
+    elif name == "functional":
+
+        def fwd():
+            return dr.ring_flash_attn_func(q, k, v, causal=True)
+
+    else:
+        from torch.distributed.tensor import DTensor, Shard
+
+        qd, kd, vd = (
+            DTensor.from_local(x.transpose(1, 2), mesh, [Shard(2)], run_check=False)
+            for x in (q, k, v)
+        )
+
+        def fwd():
+            with dr.ring_sdpa():
+                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
+        def fwd_bwd():  # the scope must cover the backward too
+            with dr.ring_sdpa():
+                out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+                out.backward(torch.ones_like(out))
+
+        return fwd, fwd_bwd
+
+    def fwd_bwd():
+        out = fwd()
+        out.backward(torch.ones_like(out))
+
+    return fwd, fwd_bwd
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--seq", default="1024,4096,8192")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny: checks the code paths")
+    p.add_argument("--profile", action="store_true", help="cProfile the forwards at the first S")
+    a = p.parse_args()
+    cuda = torch.cuda.is_available() and not a.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    heads, kv_heads, dim = (32, 8, 128) if cuda else (4, 2, 16)
+    seqs = [int(s) for s in a.seq.split(",")] if not a.smoke else [16]
+    os.makedirs(a.out, exist_ok=True)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+    rows = []
+    for S in seqs:
+        leaves = [
+            torch.randn(1, S, h, dim, device=device, dtype=dtype, requires_grad=True)
+            for h in (heads, kv_heads, kv_heads)
+        ]
+        for name in ("sdpa", "functional", "dtensor"):
+            fwd, fwd_bwd = _callables(name, *leaves, mesh)
+            if a.profile and S == seqs[0]:
+                _profile(fwd, os.path.join(a.out, f"profile_{name}.txt"))
+            rows.append(
+                dict(
+                    seq=S,
+                    what=name,
+                    fwd_ms=_median_ms(fwd, a.reps),
+                    fwd_bwd_ms=_median_ms(fwd_bwd, a.reps),
+                    host_fwd_ms=_host_ms(fwd, 20 if a.smoke else 200),
+                )
+            )
+    base = {r["seq"]: r for r in rows if r["what"] == "sdpa"}
+    print(
+        f"{'S':>6} {'what':>11} {'fwd ms':>8} {'x sdpa':>7} {'f+b ms':>8} {'x sdpa':>7} {'host':>7}"
+    )
+    for r in rows:
+        b = base[r["seq"]]
+        r["fwd_vs_sdpa"] = r["fwd_ms"] / b["fwd_ms"]
+        r["fwd_bwd_vs_sdpa"] = r["fwd_bwd_ms"] / b["fwd_bwd_ms"]
+        print(
+            f"{r['seq']:>6} {r['what']:>11} {r['fwd_ms']:8.3f} {r['fwd_vs_sdpa']:7.2f} "
+            f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_vs_sdpa']:7.2f} {r['host_fwd_ms']:7.3f}"
+        )
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        config=dict(heads=heads, kv_heads=kv_heads, head_dim=dim, dtype=str(dtype), causal=True),
+    )
+    with open(os.path.join(a.out, "bench_overhead.json"), "w") as f:
+        json.dump(dict(**meta, rows=rows), f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

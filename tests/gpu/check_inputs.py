@@ -1,0 +1,135 @@
+"""GPU check of Note [Kernel inputs] and of the fused merge's non-finite semantics.
+
+* every CUDA dense backend on strided views (every second element of the head dim,
+  ``channels_last``, a ``[B, H, S, D]`` buffer), a stride-0 ``dout`` and scales 0 / negative,
+  forward + backward in bf16 against an fp64 reference: max error <= 3x the error of the same
+  backend on contiguous inputs with the positive scale, + 1e-3 (a wrong stride gives garbage);
+* the Triton merge (``kernels/_triton_merge.py``) against the eager merge on fp32 rows with
+  Inf outputs and -inf / +inf / NaN lse: the same NaN/Inf positions, finite values within
+  1e-6.
+
+    python tests/gpu/check_inputs.py     # one GPU, seconds; JSON to $OUT/check_inputs.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from dtensor_ring.kernels import KernelCall, get_kernel  # noqa: E402
+from dtensor_ring.kernels.merge import merge_eager_  # noqa: E402
+from tests.reference import reference_attention  # noqa: E402
+
+B, S, H, H_KV, D = 2, 512, 8, 2, 128
+
+
+def _view(x: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "stride_d":
+        wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)
+        wide[..., ::2] = x
+        return wide[..., ::2]
+    if how == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if how == "transposed":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    return x
+
+
+def _errors(kernel, q, k, v, do, scale, causal, how):
+    dout = torch.ones_like(do[:1, :1, :1, :1]).expand_as(do) if how == "expanded" else do
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref, _ = reference_attention(*leaves, causal=causal, scale=scale)
+    want = [ref.detach(), *torch.autograd.grad(ref, leaves, dout.double())]
+    views = [_view(x, how) for x in (q, k, v)]
+    out, lse = kernel.forward(*views, causal=causal, scale=scale)
+    grads = kernel.backward(_view(dout, how), *views, out, lse, causal=causal, scale=scale)
+    return [float((g.double() - w).abs().max()) for g, w in zip((out, *grads), want, strict=True)]
+
+
+def check_kernels() -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name in ("cudnn", "cuda_flash", "flash_attn4"):
+        kernel = get_kernel(name)
+        q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (
+            torch.randn(B, S, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2)
+        )
+        do = torch.randn_like(q)
+        reason = kernel.unsupported_reason(KernelCall.of(q, k))
+        if reason is not None:
+            rows.append({"backend": name, "skipped": reason})
+            continue
+        for causal in (False, True):
+            base = _errors(kernel, q, k, v, do, D**-0.5, causal, "contiguous")
+            cases = [(how, D**-0.5) for how in ("stride_d", "channels_last", "transposed")]
+            cases += [("expanded", D**-0.5), ("contiguous", 0.0), ("contiguous", -(D**-0.5))]
+            for how, scale in cases:
+                try:
+                    errs = _errors(kernel, q, k, v, do, scale, causal, how)
+                    ok = all(e <= 3 * b + 1e-3 for e, b in zip(errs, base, strict=True))
+                    row = dict(errors=errs, baseline=base, ok=ok)
+                except Exception as e:  # record and go on
+                    row = dict(error=f"{type(e).__name__}: {e}", ok=False)
+                rows.append(dict(backend=name, causal=causal, view=how, scale=scale, **row))
+    return rows
+
+
+def check_merge() -> dict:
+    from dtensor_ring.kernels._triton_merge import triton_merge_
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    Bm, Sm, Hm, Dm = 2, 64, 8, 128
+    out_acc = torch.randn(Bm, Sm, Hm, Dm, device="cuda", generator=gen)
+    lse_acc = torch.randn(Bm, Hm, Sm, device="cuda", generator=gen)
+    out_b = torch.randn(Bm, Sm, Hm, Dm, device="cuda", generator=gen).bfloat16()
+    lse_b = torch.randn(Bm, Hm, Sm, device="cuda", generator=gen)
+    out_acc[0, 1, 0, 0] = math.inf
+    out_b[0, 2, 1, 3] = -math.inf
+    lse_acc[0, 0, 3] = -math.inf
+    lse_b[0, 0, 4] = -math.inf
+    lse_acc[0, 0, 5] = lse_b[0, 0, 5] = -math.inf
+    lse_b[1, 2, 6] = math.inf
+    lse_acc[1, 3, 7] = math.nan
+    eager_out, eager_lse = out_acc.clone(), lse_acc.clone()
+    merge_eager_(eager_out, eager_lse, out_b, lse_b)
+    fused_out, fused_lse = out_acc.clone(), lse_acc.clone()
+    triton_merge_(fused_out, fused_lse, out_b, lse_b)
+    result = {}
+    for name, got, want in (("out", fused_out, eager_out), ("lse", fused_lse, eager_lse)):
+        same = all(
+            torch.equal(f(got), f(want)) for f in (torch.isnan, torch.isposinf, torch.isneginf)
+        )
+        fin = torch.isfinite(want) & torch.isfinite(got)
+        result[name] = dict(
+            same_nonfinite=same, max_finite_diff=float((got[fin] - want[fin]).abs().max())
+        )
+    result["ok"] = all(
+        r["same_nonfinite"] and r["max_finite_diff"] <= 1e-5 for r in result.values()
+    )
+    return result
+
+
+def main() -> None:
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    kernels = check_kernels()
+    merge = check_merge()
+    for r in kernels:
+        print(r)
+    print("merge:", merge)
+    with open(os.path.join(out_dir, "check_inputs.json"), "w") as f:
+        json.dump(dict(torch=torch.__version__, kernels=kernels, merge=merge), f, indent=1)
+    bad = [r for r in kernels if r.get("ok") is False] + ([merge] if not merge["ok"] else [])
+    print("check_inputs:", "OK" if not bad else f"{len(bad)} FAILED")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""The consistency mode (Note [Consistency mode] in ``dtensor_ring/consistency.py``), directly.
+
+With the mode on, every call first compares a fingerprint of its metadata across its group
+(one ``all_gather_object``). These tests run on 2, 3 and 4 ranks of the worker pool
+(``_dist.py``); in each disagreement one rank (:data:`ODD`, rank 1) passes a different value of
+one field, and EVERY rank must raise the same ``ValueError``, whose text names the field and
+the ranks holding each value (asserted on each rank's exception text). A rank that does not
+raise would wait in the ring for peers that already returned: the pool reports that as a hang,
+so a missed disagreement fails the test instead of blocking it.
+
+Also: the environment variable and the Python switch both turn it on, the variable is read at
+every call, the mode off adds no collective, one rank's own error reaches every rank, and
+``DTensor.from_local(..., run_check=False)`` with uneven local shapes is caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from reference import random_qkv
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+import dtensor_ring as dr
+from dtensor_ring import consistency
+
+ENV = consistency.ENV_VAR
+SUFFIX = f" ({ENV}=1 consistency check)"
+ODD = 1  # the rank that disagrees
+WORLDS = (2, 3, 4)
+B, S, H, H_KV, D = 1, 4, 12, 6, 8  # H divisible by 2, 3 and 4 (Ulysses shards the heads)
+SHAPES = [(B, S, H, D), (B, S, H_KV, D), (B, S, H_KV, D)]
+
+
+def _qkv(s_local: int = S, dtype: torch.dtype = torch.float64, varlen: bool = False):
+    q, k, v = random_qkv(B, s_local, H, H_KV, D, dtype, seed=0)
+    return (q[0], k[0], v[0]) if varlen else (q, k, v)
+
+
+@contextlib.contextmanager
+def _mode(how: str | None) -> Iterator[None]:
+    """The consistency mode on through ``how`` ("python": ``set_consistency_checks(True)``;
+    "env": ``DTENSOR_RING_DEBUG=1``) or off (None); the worker's state restored after (the
+    pool's workers serve every test of the session)."""
+    old = os.environ.pop(ENV, None)
+    try:
+        if how == "env":
+            os.environ[ENV] = "1"
+        consistency.set_consistency_checks(True if how == "python" else None)
+        yield
+    finally:
+        consistency.set_consistency_checks(None)
+        os.environ.pop(ENV, None)
+        if old is not None:
+            os.environ[ENV] = old
+
+
+def _outcome(call: Callable[[], object]) -> tuple[str, str]:
+    """``(exception type, message)`` of ``call()``, or ``("no exception", "")``."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - reported to the main process and checked there
+        return type(e).__name__, str(e)
+    return "no exception", ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    """How ``first_difference`` names a set of ranks: ``rank 1 has`` / ``ranks 0,2 have``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} has"
+    return f"ranks {','.join(map(str, ranks))} have"
+
+
+def _expected(field: str, base: object, odd: object, world: int) -> str:
+    """The message of a disagreement in which rank :data:`ODD` alone holds ``odd``."""
+    others = [r for r in range(world) if r != ODD]
+    return f"ranks disagree on {field}: {_ranks(others)} {base!r}; {_ranks([ODD])} {odd!r}{SUFFIX}"
+
+
+def _assert_same_error_everywhere(results: list[tuple[str, str]]) -> str:
+    """Every rank raised ValueError with the same message; returns it."""
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
+        assert message == results[0][1], f"rank {rank} differs:\n{message}\n{results[0][1]}"
+    return results[0][1]
+
+
+# --- disagreements: one field differs on rank ODD ------------------------------------------
+
+
+def _mesh(group) -> DeviceMesh:
+    return DeviceMesh.from_group(group, "cpu")
+
+
+def _sdpa_dtensors(group, s_local: int = S) -> tuple[DTensor, DTensor, DTensor]:
+    """``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` DTensors from this rank's local shards."""
+    mesh = _mesh(group)
+    return tuple(
+        DTensor.from_local(t.transpose(1, 2), mesh, [Shard(2)], run_check=False)
+        for t in _qkv(s_local)
+    )
+
+
+def _ring(group, **kw) -> None:
+    """``ring_flash_attn_func`` on this rank's ``_qkv()`` (or ``qkv=``), causal, math kernel."""
+    kw = {"causal": True, "backend": "math", **kw}
+    dr.ring_flash_attn_func(*kw.pop("qkv", _qkv()), group=group, **kw)
+
+
+def _varlen(group, odd: bool) -> None:
+    local_docs = (0, 2, 2 * S) if odd else (0, S, 2 * S)  # global cu_seqlens // W
+    cu = torch.tensor(local_docs, dtype=torch.int32)
+    dr.ring_flash_attn_varlen_func(*_qkv(2 * S, varlen=True), cu, None, causal=True, group=group)
+
+
+def _llama3(group, odd: bool) -> None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    local_len = 2 * S
+    docs = torch.tensor([0, 5 if odd else 3, local_len * world], dtype=torch.int32)
+    cu_q, cu_k, max_q, max_k, k_slice = dr.llama3_flash_attn_prepare_cu_seqlens(
+        docs, True, rank, world
+    )
+    q, k, v = _qkv(local_len, varlen=True)
+    dr.llama3_flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, 1, k_slice, causal=True, group=group
+    )
+
+
+def _sdpa_mode(group, odd: bool) -> None:
+    q, k, v = _sdpa_dtensors(group)
+    mode = "ulysses" if odd else "ring"
+    dr.scaled_dot_product_ring_attention(q, k, v, is_causal=True, enable_gqa=True, mode=mode)
+
+
+def _scope_layout(group, odd: bool) -> None:
+    q, k, v = _sdpa_dtensors(group)
+    with dr.ring_sdpa(layout="zigzag" if odd else "ring"):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """``call(group, odd)`` makes the call (``odd``: this rank disagrees); ``field`` is what the
+    message names; ``values(W)`` the value of the other ranks and of rank ODD."""
+
+    field: str
+    call: Callable[..., None]
+    values: Callable[[int], tuple[object, object]]
+
+
+def _shapes(s_local: int) -> list[tuple[int, ...]]:
+    return [(b, s_local, h, d) for b, _, h, d in SHAPES]
+
+
+DISAGREEMENTS = {
+    "shape": Disagreement(
+        "shapes",
+        lambda g, odd: _ring(g, qkv=_qkv(6 if odd else S)),
+        lambda w: (SHAPES, _shapes(6)),
+    ),
+    "dtype": Disagreement(
+        "dtype",
+        lambda g, odd: _ring(g, qkv=_qkv(dtype=torch.float32 if odd else torch.float64)),
+        lambda w: ("torch.float64", "torch.float32"),
+    ),
+    "causal": Disagreement(
+        "causal", lambda g, odd: _ring(g, causal=not odd), lambda w: (True, False)
+    ),
+    "layout": Disagreement(
+        "layout",
+        lambda g, odd: (dr.zigzag_ring_flash_attn_func if odd else dr.ring_flash_attn_func)(
+            *_qkv(), causal=True, group=g, backend="math"
+        ),
+        lambda w: ("ring", "zigzag"),
+    ),
+    "window": Disagreement(
+        "window",
+        lambda g, odd: _ring(g, window_size=(2, 0) if odd else (-1, -1)),
+        lambda w: (None, (2, 0)),
+    ),
+    "softmax_scale": Disagreement(
+        "scale",  # the resolved scale: None is D ** -0.5
+        lambda g, odd: _ring(g, softmax_scale=0.5 if odd else None),
+        lambda w: (D**-0.5, 0.5),
+    ),
+    "backend": Disagreement(
+        "backend",
+        lambda g, odd: _ring(g, backend="cpu_flash" if odd else "math"),
+        lambda w: ("math", "cpu_flash"),
+    ),
+    "op": Disagreement(
+        "op",
+        lambda g, odd: (dr.ulysses_flash_attn_func if odd else dr.ring_flash_attn_func)(
+            *_qkv(), causal=True, group=g, backend="math"
+        ),
+        lambda w: ("ring_attention", "ulysses"),
+    ),
+    "cu_seqlens": Disagreement("cu_seqlens", _varlen, lambda w: ((0, S, 2 * S), (0, 2, 2 * S))),
+    "sdpa_mode": Disagreement("op", _sdpa_mode, lambda w: ("sdpa[ring]", "sdpa[ulysses]")),
+    "ring_sdpa_layout": Disagreement("layout", _scope_layout, lambda w: ("ring", "zigzag")),
+    "from_local_uneven": Disagreement(  # DTensor.from_local(run_check=False), uneven shards
+        "shapes",
+        lambda g, odd: dr.scaled_dot_product_ring_attention(
+            *_sdpa_dtensors(g, 6 if odd else S), is_causal=True, enable_gqa=True
+        ),
+        # the DTensors' global shapes: each rank takes its own local length times W
+        lambda w: (_shapes(S * w), _shapes(6 * w)),
+    ),
+    "from_local_uneven_scope": Disagreement(
+        "shapes",
+        lambda g, odd: _scope_call(_sdpa_dtensors(g, 6 if odd else S)),
+        lambda w: (SHAPES, _shapes(6)),  # the scope's handler resolves the local shards
+    ),
+}
+
+
+def _scope_call(qkv) -> None:
+    with dr.ring_sdpa():
+        F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=True)
+
+
+def run_disagreement(group, name: str, how: str = "python") -> tuple[str, str]:
+    """Worker body: the call of ``DISAGREEMENTS[name]`` with the mode on through ``how``."""
+    odd = dist.get_rank(group) == ODD
+    with _mode(how):
+        return _outcome(lambda: DISAGREEMENTS[name].call(group, odd))
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", list(DISAGREEMENTS))
+def test_disagreement_raises_on_every_rank(dist_pool, name, world_size):
+    results = dist_pool.run(run_disagreement, world_size, timeout_s=30, name=name)
+    case = DISAGREEMENTS[name]
+    message = _assert_same_error_everywhere(results)
+    assert message == _expected(case.field, *case.values(world_size), world_size)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_llama3_metadata_disagreement(dist_pool, world_size):
+    """Rank ODD prepares its llama3 metadata from other documents: the fingerprints agree (the
+    metadata legitimately differs per rank), the check of all ranks' metadata does not."""
+    results = dist_pool.run(run_llama3, world_size, timeout_s=30)
+    message = _assert_same_error_everywhere(results)
+    assert re.fullmatch(
+        rf"ranks disagree on llama3 metadata: rank \d has cu_seqlens_q=\[.*\], cu_seqlens_k="
+        rf"\[.*\], local_k_slice=\(\d+, \d+\), but the documents \[.*\] of all ranks "
+        rf"\(causal=True\) give .*{re.escape(SUFFIX)}",
+        message,
+    ), message
+
+
+def run_llama3(group) -> tuple[str, str]:
+    odd = dist.get_rank(group) == ODD
+    with _mode("python"):
+        return _outcome(lambda: _llama3(group, odd))
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def run_hybrid_group_size(group) -> tuple[str, str]:
+    """Worker body on 4 ranks: hybrid attention over ring groups {0, 2} and {1, 3}; ranks 0 and
+    1 pass a Ulysses group of 1 rank, ranks 2 and 3 the Ulysses group {2, 3}: the ranks of each
+    ring group disagree on the size of the whole call (U * R)."""
+    if not _GROUPS:  # new_group is a collective of the default group: every rank, same order
+        for ranks in ((0,), (1,), (2, 3), (0, 2), (1, 3)):
+            _GROUPS[ranks] = dist.new_group(list(ranks))
+    rank = dist.get_rank()
+    ulysses = _GROUPS[(rank,) if rank < 2 else (2, 3)]
+    ring = _GROUPS[(0, 2) if rank % 2 == 0 else (1, 3)]
+    with _mode("python"):
+        return _outcome(
+            lambda: dr.hybrid_flash_attn_func(
+                *_qkv(), causal=True, ulysses_group=ulysses, ring_group=ring, backend="math"
+            )
+        )
+
+
+def test_group_size_disagreement(dist_pool):
+    results = dist_pool.run(run_hybrid_group_size, 4, timeout_s=30)
+    message = _assert_same_error_everywhere(results)
+    # The ranks are those of the group the check runs over (the ring group): in {0, 2}, global
+    # rank 2 is rank 1.
+    assert message == f"ranks disagree on world_size: rank 0 has 2; rank 1 has 4{SUFFIX}"
+
+
+@pytest.mark.parametrize("name", ["causal", "layout", "from_local_uneven"])
+def test_env_var_turns_it_on(dist_pool, name):
+    results = dist_pool.run(run_disagreement, 3, timeout_s=30, name=name, how="env")
+    case = DISAGREEMENTS[name]
+    assert _assert_same_error_everywhere(results) == _expected(case.field, *case.values(3), 3)
+
+
+# --- one rank's own error reaches every rank -----------------------------------------------
+
+# name -> (call(group, bad), regex of the bad rank's own error, as the message quotes it)
+OWN_ERRORS = {
+    "window": (
+        lambda g, bad: _ring(g, window_size=(-2, 0) if bad else (-1, -1)),
+        r"ValueError: window_size=\(-2, 0\) must be two ints",
+    ),
+    "causal_type": (
+        lambda g, bad: _ring(g, causal="False" if bad else True),
+        r"TypeError: causal must be a bool, got str 'False'",
+    ),
+    "scale_nan": (
+        lambda g, bad: _ring(g, softmax_scale=math.nan if bad else None),
+        r"ValueError: softmax_scale=nan must be finite",
+    ),
+    "zigzag_odd_length": (
+        lambda g, bad: dr.zigzag_ring_flash_attn_func(*_qkv(3 if bad else S), causal=True, group=g),
+        r"ValueError: .*S_local=3",
+    ),
+    "cu_seqlens_dtype": (  # a front door's own further checks (resolve_call(checks=...))
+        lambda g, bad: dr.ring_flash_attn_varlen_func(
+            *_qkv(2 * S, varlen=True),
+            torch.tensor([0, S, 2 * S], dtype=torch.int64 if bad else torch.int32),
+            None,
+            causal=True,
+            group=g,
+        ),
+        r"ValueError: cu_seqlens must be int32",
+    ),
+}
+
+
+def run_own_error(group, name: str, bad_ranks: tuple[int, ...] = (ODD,)) -> tuple[str, str]:
+    bad = dist.get_rank(group) in bad_ranks
+    with _mode("python"):
+        return _outcome(lambda: OWN_ERRORS[name][0](group, bad))
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", list(OWN_ERRORS))
+def test_one_rank_error_reaches_every_rank(dist_pool, name, world_size):
+    results = dist_pool.run(run_own_error, world_size, timeout_s=30, name=name)
+    message = _assert_same_error_everywhere(results)  # the bad rank raises it too
+    others = [r for r in range(world_size) if r != ODD]
+    prefix = f"ranks disagree on error: {_ranks(others)} '<missing>'; {_ranks([ODD])} "
+    assert message.startswith(prefix) and message.endswith(SUFFIX), message
+    assert re.match(rf"['\"]{OWN_ERRORS[name][1]}", message[len(prefix) :]), message
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_two_ranks_with_different_errors(dist_pool, world_size):
+    results = dist_pool.run(run_two_errors, world_size, timeout_s=30)
+    message = _assert_same_error_everywhere(results)
+    parts = message.removesuffix(SUFFIX).split("; ")
+    assert parts[0] == f"ranks disagree on error: {_ranks([0])} '<missing>'", message
+    window_ranks = _ranks([1] if world_size == 3 else [1, 3])
+    assert parts[1].startswith(f"{window_ranks} 'ValueError: window_size=(-2, 0)"), message
+    assert parts[2].startswith("rank 2 has 'ValueError: softmax_scale=nan"), message
+
+
+def run_two_errors(group) -> tuple[str, str]:
+    rank = dist.get_rank(group)
+    with _mode("python"):
+        if rank == 2:
+            return _outcome(lambda: _ring(group, softmax_scale=math.nan))
+        return _outcome(lambda: _ring(group, window_size=(-2, 0) if rank else (-1, -1)))
+
+
+def run_same_error(group) -> tuple[str, str]:
+    with _mode("python"):
+        return _outcome(lambda: _ring(group, window_size=(-2, 0)))
+
+
+def test_same_error_on_every_rank_is_the_error_itself(dist_pool):
+    """When every rank fails alike, the fingerprints agree: each rank raises its own error."""
+    results = dist_pool.run(run_same_error, 3, timeout_s=30)
+    message = _assert_same_error_everywhere(results)
+    assert message.startswith("window_size=(-2, 0) must be two ints"), message
+
+
+# --- cost: the mode off communicates nothing extra ----------------------------------------
+
+
+def _counting_gathers() -> tuple[list[int], Callable[[], None]]:
+    """Count ``dist.all_gather_object`` calls (the mode's one collective); returns the
+    counter and the function that undoes the patch."""
+    count = [0]
+    original = dist.all_gather_object
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_object = counted
+
+    def undo() -> None:
+        dist.all_gather_object = original
+
+    return count, undo
+
+
+def run_counted(group, how: str | None) -> tuple[int, list[torch.Tensor]]:
+    """Worker body: one consistent forward + backward; the number of all_gather_object calls
+    and the results (out, dq, dk, dv)."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    count, undo = _counting_gathers()
+    try:
+        with _mode(how):
+            out = dr.ring_flash_attn_func(q, k, v, causal=True, group=group)
+            out.sum().backward()
+    finally:
+        undo()
+    return count[0], [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("world_size", [1, *WORLDS])
+def test_mode_off_adds_no_collective(dist_pool, world_size):
+    off = dist_pool.run(run_counted, world_size, timeout_s=30, how=None)
+    on = dist_pool.run(run_counted, world_size, timeout_s=30, how="python")
+    assert [n for n, _ in off] == [0] * world_size
+    # On: one all_gather_object per call (none in the backward; none on a group of 1 rank).
+    assert [n for n, _ in on] == [int(world_size > 1)] * world_size
+    for (_, a), (_, b) in zip(off, on, strict=True):  # a consistent call is unchanged
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def run_switches(group) -> dict[str, int]:
+    """Worker body: gathers per call under each setting, changed between calls in one process
+    (the environment variable is read at every call, not at import)."""
+    settings = {
+        "unset": (None, None),
+        "env=1": ("1", None),
+        "env=0": ("0", None),
+        "env=true": ("true", None),
+        "env=off": ("off", None),
+        "env=1, switch False": ("1", False),
+        "unset, switch True": (None, True),
+        "env=1, switch None": ("1", None),
+    }
+    counts = {}
+    old = os.environ.pop(ENV, None)
+    count, undo = _counting_gathers()
+    try:
+        for label, (env, switch) in settings.items():
+            os.environ.pop(ENV, None)
+            if env is not None:
+                os.environ[ENV] = env
+            consistency.set_consistency_checks(switch)
+            before = count[0]
+            _ring(group)
+            counts[label] = count[0] - before
+    finally:
+        undo()
+        consistency.set_consistency_checks(None)
+        os.environ.pop(ENV, None)
+        if old is not None:
+            os.environ[ENV] = old
+    return counts
+
+
+def test_env_var_read_at_call_time_and_switch_overrides_it(dist_pool):
+    expected = {
+        "unset": 0,
+        "env=1": 1,
+        "env=0": 0,
+        "env=true": 1,
+        "env=off": 0,
+        "env=1, switch False": 0,
+        "unset, switch True": 1,
+        "env=1, switch None": 1,
+    }
+    assert dist_pool.run(run_switches, 2, timeout_s=30) == [expected, expected]
+
+
+# --- the pieces, in one process -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, on",
+    [("1", True), ("true", True), ("yes", True), (" 1 ", True), ("2", True)]
+    + [("0", False), ("", False), ("false", False), ("No", False), ("OFF", False)],
+)
+def test_env_values(monkeypatch, value, on):
+    monkeypatch.setenv(ENV, value)
+    assert consistency.consistency_checks_enabled() is on
+
+
+def test_switch(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    try:
+        assert not consistency.consistency_checks_enabled()
+        consistency.set_consistency_checks(True)
+        assert consistency.consistency_checks_enabled()
+        monkeypatch.setenv(ENV, "1")
+        consistency.set_consistency_checks(False)
+        assert not consistency.consistency_checks_enabled()
+        consistency.set_consistency_checks(None)
+        assert consistency.consistency_checks_enabled()
+        with pytest.raises(TypeError, match="enabled must be a bool or None"):
+            consistency.set_consistency_checks(1)
+    finally:
+        consistency.set_consistency_checks(None)
+
+
+def test_first_difference():
+    fd = consistency.first_difference
+    assert fd([{"op": "a", "causal": True}] * 3) is None
+    assert (
+        fd([{"op": "a", "causal": True}, {"op": "a", "causal": False}, {"op": "a", "causal": True}])
+        == "causal: ranks 0,2 have True; rank 1 has False"
+    )
+    # the first differing field in the fingerprints' order; values as repr
+    assert fd([{"a": 1, "b": "x"}, {"a": 2, "b": "y"}]) == "a: rank 0 has 1; rank 1 has 2"
+    assert fd([{"a": 1, "b": "x"}, {"a": 1, "b": "y"}]) == "b: rank 0 has 'x'; rank 1 has 'y'"
+    # a field one rank lacks; an error explains the rest and comes first
+    assert fd([{"a": 1}, {"a": 1, "b": 2}]) == "b: rank 0 has '<missing>'; rank 1 has 2"
+    assert (
+        fd([{"op": "x", "a": 1}, {"op": "x", "error": "ValueError: bad"}])
+        == "error: rank 0 has '<missing>'; rank 1 has 'ValueError: bad'"
+    )
+
+
+def test_mode_off_or_one_rank_is_a_no_op(monkeypatch):
+    """No group is even looked up with the mode off (nor under a 1-rank group, see above)."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the mode is off: no group lookup, no collective")
+
+    monkeypatch.setattr(consistency, "resolve_group", fail)
+    monkeypatch.delenv(ENV, raising=False)
+    consistency.check_consistent("no-such-group", {"op": "x"})
