@@ -16,7 +16,14 @@ with one small collective before any communication of the call:
                                                      the values and the ranks holding each
 
 A rank whose own checks failed still joins the collective (with its error as the fingerprint),
-so its error reaches every rank instead of leaving the others waiting in the ring.
+so its error reaches every rank instead of leaving the others waiting in the ring: checks
+inside ``resolve_call`` and those a front door makes before it (:func:`relay_errors`: packed
+``kv``/``qkv``, SDPA on DTensors, the transformers function). A call over two groups (hybrid:
+ring group, then Ulysses group) gathers over each in turn, carrying what the first found:
+
+    ring groups (rows)      u0: [r0 r1]   -> a difference inside a row is found there
+    Ulysses groups (cols)   [u0 u1] per r -> every column has one rank of every row,
+                                             so every rank of the grid learns it
 
 Switch: the environment variable ``DTENSOR_RING_DEBUG=1`` (read at every call), or
 :func:`set_consistency_checks` (True/False override the variable; None follows it again).
@@ -28,8 +35,9 @@ with the mode on.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,35 +68,72 @@ def consistency_checks_enabled() -> bool:
 PerRankCheck = Callable[[list], "str | None"]
 
 
+class ConsistencyError(ValueError):
+    """Ranks disagree (raised on every rank of the compared group(s) alike)."""
+
+
 def check_consistent(
-    group_name: str,
+    group_names: str | Sequence[str],
     fingerprint: Mapping[str, object],
     local: object = None,
     check_locals: PerRankCheck | None = None,
 ) -> None:
-    """Compare ``fingerprint`` across the ranks of the group called ``group_name``; raise the
-    same ``ValueError`` on every rank when they differ. A no-op unless the mode is on (and
-    under ``torch.compile``).
+    """Compare ``fingerprint`` across the ranks of the group(s) called ``group_names``; raise
+    a ``ValueError`` on every rank when they differ. A no-op unless the mode is on (and under
+    ``torch.compile``).
 
     ``fingerprint`` maps field names to picklable values, most telling first (the first field
     that differs is reported); a rank that failed its own checks passes ``{"error": ...}``.
     ``local`` is per-rank data that legitimately differs between ranks (e.g. llama3 metadata);
     when the fingerprints agree, ``check_locals(all ranks' local data)`` returns what is
     inconsistent about them, or None.
+
+    Several groups (the hybrid's ring and Ulysses groups, a grid of ranks) are compared one
+    after the other, each gather carrying what the previous ones found: a difference inside
+    any row of the grid reaches every column, so every rank of the union raises.
     """
     if torch.compiler.is_compiling() or not consistency_checks_enabled():
         return
-    group = resolve_group(group_name)
-    world_size = dist.get_world_size(group)
-    if world_size == 1:
-        return
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (dict(fingerprint), local), group=group)
-    mismatch = first_difference([fp for fp, _ in gathered])
-    if mismatch is None and check_locals is not None:
-        mismatch = check_locals([data for _, data in gathered])
+    mismatch = None
+    for name in (group_names,) if isinstance(group_names, str) else group_names:
+        group = resolve_group(name)
+        world_size = dist.get_world_size(group)
+        if world_size == 1:
+            continue
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, (dict(fingerprint), local, mismatch), group=group)
+        found = [m for _, _, m in gathered if m is not None]
+        mismatch = found[0] if found else first_difference([fp for fp, _, _ in gathered])
+        if mismatch is None and check_locals is not None:
+            mismatch = check_locals([data for _, data, _ in gathered])
     if mismatch is not None:
-        raise ValueError(f"ranks disagree on {mismatch} ({ENV_VAR}=1 consistency check)")
+        raise ConsistencyError(f"ranks disagree on {mismatch} ({ENV_VAR}=1 consistency check)")
+
+
+@contextlib.contextmanager
+def relay_errors(
+    group_names: str | Sequence[str] | Callable[[], str | Sequence[str]], op: str
+) -> Iterator[None]:
+    """Around a front door's checks: with the mode on, a ``TypeError``/``ValueError`` raised
+    inside joins the consistency collective with this rank's error as its fingerprint (the
+    other ranks are in :func:`check_consistent` too), so that every rank raises. A callable
+    ``group_names`` is evaluated only then; if it raises itself (e.g. this rank is not in the
+    group), the error stays on this rank; a :class:`ConsistencyError` is every rank's already."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        if (
+            isinstance(err, ConsistencyError)
+            or torch.compiler.is_compiling()
+            or not consistency_checks_enabled()
+        ):
+            raise
+        try:
+            names = group_names() if callable(group_names) else group_names
+        except (TypeError, ValueError):
+            raise err from None
+        check_consistent(names, {"op": op, "error": f"{type(err).__name__}: {err}"})
+        raise
 
 
 def first_difference(fingerprints: list[Mapping[str, object]]) -> str | None:

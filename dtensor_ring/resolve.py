@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._compat import group_name as _group_name
-from .consistency import PerRankCheck, check_consistent, consistency_checks_enabled
+from .consistency import PerRankCheck, check_consistent, consistency_checks_enabled, relay_errors
 from .kernels import KernelCall, select_kernel
 from .layouts import Form, Layout, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
@@ -222,15 +222,21 @@ def check_qkv_tensors(q: Tensor, k: Tensor, v: Tensor, *, seq_dims: str = "B, S_
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
 
 
-def unpack(name: str, packed: Tensor, n: int, *, varlen: bool = False) -> tuple[Tensor, ...]:
+def unpack(
+    name: str, packed: Tensor, n: int, group: object, *, varlen: bool = False
+) -> tuple[Tensor, ...]:
     """The ``n`` views of a packed ``kv`` (n = 2) or ``qkv`` (n = 3): ``[B, S_local, n, H, D]``
-    (``varlen``: ``[T_local, n, H, D]``); raises ``ValueError`` for another shape."""
+    (``varlen``: ``[T_local, n, H, D]``); raises ``ValueError`` for another shape, on every
+    rank of ``group`` in the consistency mode."""
     dim = 1 if varlen else 2
     lead = "T_local" if varlen else "B, S_local"
     heads = "H" if n == 3 else "H_kv"
-    if not isinstance(packed, Tensor) or packed.dim() != dim + 3 or packed.shape[dim] != n:
-        shape = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
-        raise ValueError(f"{name} must be [{lead}, {n}, {heads}, D] (packed), got shape {shape}")
+    with relay_errors(lambda: group_arg(group)[0], "unpack"):
+        if not isinstance(packed, Tensor) or packed.dim() != dim + 3 or packed.shape[dim] != n:
+            shape = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
+            raise ValueError(
+                f"{name} must be [{lead}, {n}, {heads}, D] (packed), got shape {shape}"
+            )
     return packed.unbind(dim)
 
 
@@ -372,6 +378,7 @@ def resolve_call(
     metadata: Callable[[], Mapping[str, object]] | None = None,
     local: Callable[[], object] | None = None,
     check_locals: PerRankCheck | None = None,
+    check_groups: tuple[str, ...] = (),
 ) -> AttentionSpec:
     """Check and normalise one attention call (Note [Call resolution]).
 
@@ -397,12 +404,15 @@ def resolve_call(
             mode]): the front door's name, its further fields that every rank must agree on
             (e.g. ``cu_seqlens`` values), and per-rank data with its cross-rank check; the
             callables run only when the mode is on.
+        check_groups: further groups the call spans, compared after ``group_name`` (hybrid:
+            the Ulysses group).
 
     Raises:
         ValueError: naming the argument and how to fix it, on every rank, before any
             communication.
     """
-    try:
+    groups = (group_name, *check_groups)
+    with relay_errors(groups, op):
         spec = _resolve(
             q,
             k,
@@ -425,9 +435,6 @@ def resolve_call(
         )
         if checks is not None:
             checks()
-    except (TypeError, ValueError) as e:
-        check_consistent(group_name, {"op": op, "error": f"{type(e).__name__}: {e}"})
-        raise
     if not torch.compiler.is_compiling() and consistency_checks_enabled():
         fingerprint = {
             "op": op,
@@ -437,7 +444,7 @@ def resolve_call(
             "device type": q.device.type,
             **(metadata() if metadata else {}),
         }
-        check_consistent(group_name, fingerprint, local() if local else None, check_locals)
+        check_consistent(groups, fingerprint, local() if local else None, check_locals)
     return spec
 
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import dtensor_ring as dr
 from dtensor_ring import consistency
+from dtensor_ring.consistency import ConsistencyError
 
 ENV = consistency.ENV_VAR
 SUFFIX = f" ({ENV}=1 consistency check)"
@@ -65,9 +66,12 @@ def _mode(how: str | None) -> Iterator[None]:
 
 
 def _outcome(call: Callable[[], object]) -> tuple[str, str]:
-    """``(exception type, message)`` of ``call()``, or ``("no exception", "")``."""
+    """``(exception type, message)`` of ``call()``, or ``("no exception", "")``; a
+    disagreement (``ConsistencyError``) counts as the ``ValueError`` it subclasses."""
     try:
         call()
+    except ConsistencyError as e:
+        return "ValueError", str(e)
     except Exception as e:  # noqa: BLE001 - reported to the main process and checked there
         return type(e).__name__, str(e)
     return "no exception", ""
@@ -285,6 +289,36 @@ def run_hybrid_group_size(group) -> tuple[str, str]:
         )
 
 
+def run_hybrid_disagreement(group) -> tuple[str, str]:
+    """Worker body on 4 ranks: hybrid attention over Ulysses groups {0, 1}, {2, 3} and ring
+    groups {0, 2}, {1, 3}; rank 3 alone passes causal=False. Its ring group finds the
+    difference, and the Ulysses groups carry it to ranks 0 and 2."""
+    if not _GROUPS:  # new_group is a collective of the default group: every rank, same order
+        for ranks in ((0,), (1,), (2, 3), (0, 2), (1, 3), (0, 1)):
+            _GROUPS[ranks] = dist.new_group(list(ranks))
+    rank = dist.get_rank()
+    ulysses = _GROUPS[(0, 1) if rank < 2 else (2, 3)]
+    ring = _GROUPS[(0, 2) if rank % 2 == 0 else (1, 3)]
+    with _mode("python"):
+        return _outcome(
+            lambda: dr.hybrid_flash_attn_func(
+                *_qkv(),
+                causal=rank != 3,
+                ulysses_group=ulysses,
+                ring_group=ring,
+                layout="ring",
+                backend="math",
+            )
+        )
+
+
+def test_hybrid_disagreement_reaches_both_groups(dist_pool):
+    results = dist_pool.run(run_hybrid_disagreement, 4, timeout_s=30)
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
+        assert message.startswith("ranks disagree on causal: rank 0 has True; rank 1 has False")
+
+
 def test_group_size_disagreement(dist_pool):
     results = dist_pool.run(run_hybrid_group_size, 4, timeout_s=30)
     message = _assert_same_error_everywhere(results)
@@ -330,7 +364,32 @@ OWN_ERRORS = {
         ),
         r"ValueError: cu_seqlens must be int32",
     ),
+    # checks a front door runs before resolve_call, relayed by consistency.relay_errors
+    "kv_packed_shape": (
+        lambda g, bad: dr.ring_flash_attn_kvpacked_func(
+            _qkv()[0], _packed_kv(extra=bad), causal=True, group=g, backend="math"
+        ),
+        r"ValueError: kv must be \[B, S_local, 2, H_kv, D\] \(packed\)",
+    ),
+    "sdpa_is_causal_type": (
+        lambda g, bad: dr.scaled_dot_product_ring_attention(
+            *_sdpa_dtensors(g), is_causal="yes" if bad else True, enable_gqa=True
+        ),
+        r"TypeError: is_causal must be a bool, got str 'yes'",
+    ),
+    "sdpa_zigzag_noncausal": (
+        lambda g, bad: dr.scaled_dot_product_ring_attention(
+            *_sdpa_dtensors(g), is_causal=not bad, enable_gqa=True, layout="zigzag"
+        ),
+        r"ValueError: layout='zigzag' is for causal attention only",
+    ),
 }
+
+
+def _packed_kv(extra: bool) -> torch.Tensor:
+    """``kv [B, S, 2, H_kv, D]`` of ``_qkv()``, or a malformed ``[B, S, 3, H_kv, D]``."""
+    _, k, v = _qkv()
+    return torch.stack([k, v, v] if extra else [k, v], dim=2)
 
 
 def run_own_error(group, name: str, bad_ranks: tuple[int, ...] = (ODD,)) -> tuple[str, str]:

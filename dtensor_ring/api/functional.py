@@ -133,7 +133,7 @@ def ring_flash_attn_kvpacked_func(
     ``q [B, S_local, H, D]``, ``kv [B, S_local, 2, H_kv, D]`` -> ``out [B, S_local, H, D]``
     (other arguments: module docstring).
     """
-    k, v = unpack("kv", kv, 2)
+    k, v = unpack("kv", kv, 2, group)
     return ring_attention_func(
         "ring",
         q,
@@ -169,7 +169,7 @@ def ring_flash_attn_qkvpacked_func(
     ``qkv [B, S_local, 3, H, D]`` -> ``out [B, S_local, H, D]``
     (other arguments: module docstring).
     """
-    q, k, v = unpack("qkv", qkv, 3)
+    q, k, v = unpack("qkv", qkv, 3, group)
     return ring_attention_func(
         "ring",
         q,
@@ -243,7 +243,7 @@ def zigzag_ring_flash_attn_kvpacked_func(
     ``q [B, S_local, H, D]``, ``kv [B, S_local, 2, H_kv, D]`` -> ``out [B, S_local, H, D]``
     (other arguments: module docstring).
     """
-    k, v = unpack("kv", kv, 2)
+    k, v = unpack("kv", kv, 2, group)
     return ring_attention_func(
         "zigzag",
         q,
@@ -279,7 +279,7 @@ def zigzag_ring_flash_attn_qkvpacked_func(
     ``qkv [B, S_local, 3, H, D]`` -> ``out [B, S_local, H, D]``
     (other arguments: module docstring).
     """
-    q, k, v = unpack("qkv", qkv, 3)
+    q, k, v = unpack("qkv", qkv, 3, group)
     return ring_attention_func(
         "zigzag",
         q,
@@ -353,7 +353,7 @@ def stripe_flash_attn_kvpacked_func(
     ``q [B, S_local, H, D]``, ``kv [B, S_local, 2, H_kv, D]`` -> ``out [B, S_local, H, D]``
     (other arguments: module docstring).
     """
-    k, v = unpack("kv", kv, 2)
+    k, v = unpack("kv", kv, 2, group)
     return ring_attention_func(
         "stripe",
         q,
@@ -389,7 +389,7 @@ def stripe_flash_attn_qkvpacked_func(
     ``qkv [B, S_local, 3, H, D]`` -> ``out [B, S_local, H, D]``
     (other arguments: module docstring).
     """
-    q, k, v = unpack("qkv", qkv, 3)
+    q, k, v = unpack("qkv", qkv, 3, group)
     return ring_attention_func(
         "stripe",
         q,

@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..consistency import relay_errors
 from ..layouts import LAYOUTS, Layout, get_layout, layout_names, shard_local, token_indices
 from ..layouts.varlen import host_values, varlen_local_cu_seqlens, varlen_token_indices
-from ..resolve import check_bool
+from ..resolve import check_bool, group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .functional import ring_attention_func
 from .varlen import llama3_attention_func, ring_varlen_attention_func
@@ -100,8 +101,8 @@ def setup(
 
     global _config
     get_layout(layout)
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+    if group is not None:
+        group_arg(group)  # a ProcessGroup this rank belongs to (TypeError / ValueError)
     _config = _Config(group, layout, backend)
     AttentionInterface.register(ATTN_IMPLEMENTATION, ring_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
@@ -212,21 +213,23 @@ def ring_attention_forward(
     """
     if _config is None:
         raise RuntimeError("call dtensor_ring.hf.setup(group=..., layout=...) first")
-    window = _check_call(module, query, key, attention_mask, dropout, kwargs)
+    with relay_errors(_group_name, "hf"):
+        window = _check_call(module, query, key, attention_mask, dropout, kwargs)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
         return _varlen_attention(query, key, value, scaling, cu_seqlens, window, kwargs), None
-    if not get_layout(_config.layout).dense:
-        raise ValueError(
-            f"dtensor_ring attention with layout={_config.layout!r} needs the cu_seq_lens_q "
-            "metadata that dtensor_ring.hf.shard_batch returns"
-        )
     world = dist.get_world_size(_config.group)
-    seq_local = query.shape[2]
-    _check_positions(
-        kwargs.get("position_ids"),
-        token_indices(_config.layout, seq_local * world, dist.get_rank(_config.group), world),
-    )
+    with relay_errors(_group_name, "hf"):
+        if not get_layout(_config.layout).dense:
+            raise ValueError(
+                f"dtensor_ring attention with layout={_config.layout!r} needs the cu_seq_lens_q "
+                "metadata that dtensor_ring.hf.shard_batch returns"
+            )
+        seq_local = query.shape[2]
+        _check_positions(
+            kwargs.get("position_ids"),
+            token_indices(_config.layout, seq_local * world, dist.get_rank(_config.group), world),
+        )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = ring_attention_func(
         _config.layout,
@@ -240,6 +243,12 @@ def ring_attention_forward(
         backend=_config.backend,
     )
     return out, None
+
+
+def _group_name() -> str:
+    """The name of :func:`setup`'s group (for the consistency mode's relay)."""
+    assert _config is not None
+    return group_arg(_config.group)[0]
 
 
 def _check_call(
@@ -333,19 +342,22 @@ def _varlen_attention(
     assert _config is not None
     layout, group = _config.layout, _config.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    lay = _varlen_layout(layout)
-    if query.shape[0] != 1:
-        raise ValueError(f"dtensor_ring packed attention needs batch size 1, got {query.shape[0]}")
-    bounds = host_values(cu_seqlens)
-    if bounds[-1] != query.shape[2] * world:
-        raise ValueError(
-            f"cu_seq_lens_q must be the global document boundaries (ending at T_local * W = "
-            f"{query.shape[2] * world}), got {list(bounds)}; build it with shard_batch"
+    with relay_errors(_group_name, "hf"):
+        lay = _varlen_layout(layout)
+        if query.shape[0] != 1:
+            raise ValueError(
+                f"dtensor_ring packed attention needs batch size 1, got {query.shape[0]}"
+            )
+        bounds = host_values(cu_seqlens)
+        if bounds[-1] != query.shape[2] * world:
+            raise ValueError(
+                f"cu_seq_lens_q must be the global document boundaries (ending at T_local * W "
+                f"= {query.shape[2] * world}), got {list(bounds)}; build it with shard_batch"
+            )
+        _check_positions(
+            kwargs.get("position_ids"),
+            _doc_positions(bounds)[varlen_token_indices(bounds, layout, rank, world)],
         )
-    _check_positions(
-        kwargs.get("position_ids"),
-        _doc_positions(bounds)[varlen_token_indices(bounds, layout, rank, world)],
-    )
     q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))  # [T_local, H(_kv), D]
     if lay.varlen == "stream":
         cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
+from ..consistency import relay_errors
 from ..layouts import Layout, LayoutName, get_layout, token_indices
 from ..ops.ring import ring_attention
 from ..ops.ulysses import gathered_order, to_heads, ulysses_all_to_all, ulysses_local_attention
@@ -129,7 +130,7 @@ def ulysses_flash_attn_kvpacked_func(
 ) -> Result:
     """:func:`ulysses_flash_attn_func` with ``q [B, S_local, H, D]``,
     ``kv [B, S_local, 2, H_kv, D]``."""
-    k, v = unpack("kv", kv, 2)
+    k, v = unpack("kv", kv, 2, group)
     return ulysses_flash_attn_func(
         q,
         k,
@@ -162,7 +163,7 @@ def ulysses_flash_attn_qkvpacked_func(
     backend: str | None = None,
 ) -> Result:
     """:func:`ulysses_flash_attn_func` with ``qkv [B, S_local, 3, H, D]``."""
-    q, k, v = unpack("qkv", qkv, 3)
+    q, k, v = unpack("qkv", qkv, 3, group)
     return ulysses_flash_attn_func(
         q,
         k,
@@ -270,11 +271,12 @@ def hybrid_flash_attn_func(
     """
     u_name, U = group_arg(ulysses_group, "ulysses_group")
     r_name, R = group_arg(ring_group, "ring_group")
-    if u_name == r_name and U * R > 1:
-        raise ValueError(
-            "ulysses_group and ring_group are the same process group; hybrid attention needs "
-            "two orthogonal groups (e.g. the GPUs of a node, and one rank per node)"
-        )
+    with relay_errors((r_name, u_name), "hybrid"):
+        if u_name == r_name and U * R > 1:
+            raise ValueError(
+                "ulysses_group and ring_group are the same process group; hybrid attention "
+                "needs two orthogonal groups (e.g. the GPUs of a node, and one rank per node)"
+            )
     spec = resolve_call(
         q,
         k,
@@ -290,6 +292,7 @@ def hybrid_flash_attn_func(
         backend=backend,
         group_name=r_name,
         world_size=U * R,
+        check_groups=(u_name,),
         ring_func='hybrid_flash_attn_func(layout="ring")',
         layout_world=R,
         head_split=U,

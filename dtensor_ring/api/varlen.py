@@ -257,7 +257,7 @@ def ring_flash_attn_varlen_kvpacked_func(
     ``q [T_local, H, D]``, ``kv [T_local, 2, H_kv, D]`` -> ``out [T_local, H, D]``
     (other arguments: module docstring).
     """
-    k, v = unpack("kv", kv, 2, varlen=True)
+    k, v = unpack("kv", kv, 2, group, varlen=True)
     return ring_varlen_attention_func(
         "ring",
         q,
@@ -297,7 +297,7 @@ def ring_flash_attn_varlen_qkvpacked_func(
     ``qkv [T_local, 3, H, D]`` -> ``out [T_local, H, D]``
     (other arguments: module docstring).
     """
-    q, k, v = unpack("qkv", qkv, 3, varlen=True)
+    q, k, v = unpack("qkv", qkv, 3, group, varlen=True)
     return ring_varlen_attention_func(
         "ring",
         q,
@@ -379,7 +379,7 @@ def zigzag_ring_flash_attn_varlen_kvpacked_func(
     ``q [T_local, H, D]``, ``kv [T_local, 2, H_kv, D]`` -> ``out [T_local, H, D]``
     (other arguments: module docstring).
     """
-    k, v = unpack("kv", kv, 2, varlen=True)
+    k, v = unpack("kv", kv, 2, group, varlen=True)
     return ring_varlen_attention_func(
         "zigzag",
         q,
@@ -419,7 +419,7 @@ def zigzag_ring_flash_attn_varlen_qkvpacked_func(
     ``qkv [T_local, 3, H, D]`` -> ``out [T_local, H, D]``
     (other arguments: module docstring).
     """
-    q, k, v = unpack("qkv", qkv, 3, varlen=True)
+    q, k, v = unpack("qkv", qkv, 3, group, varlen=True)
     return ring_varlen_attention_func(
         "zigzag",
         q,
@@ -514,7 +514,7 @@ def llama3_flash_attn_varlen_kvpacked_func(
     ``q [L, H, D]``, ``kv [L, 2, H_kv, D]`` -> ``out [L, H, D]``
     (other arguments: module docstring).
     """
-    k, v = unpack("kv", kv, 2, varlen=True)
+    k, v = unpack("kv", kv, 2, group, varlen=True)
     return llama3_attention_func(
         q,
         k,
@@ -562,7 +562,7 @@ def llama3_flash_attn_varlen_qkvpacked_func(
     ``qkv [L, 3, H, D]`` -> ``out [L, H, D]``
     (other arguments: module docstring).
     """
-    q, k, v = unpack("qkv", qkv, 3, varlen=True)
+    q, k, v = unpack("qkv", qkv, 3, group, varlen=True)
     return llama3_attention_func(
         q,
         k,

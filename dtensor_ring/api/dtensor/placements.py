@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from ...consistency import relay_errors
 from ...layouts import get_layout
 from ...resolve import check_bool, check_heads, check_unsupported
 
@@ -158,11 +159,45 @@ def check_sdpa_args(
     layout: str,
     mode: str = "ring",
 ) -> tuple[int, str]:
-    """Validate an SDPA call on DTensors ``[B, H, S, D]``.
+    """Validate an SDPA call on DTensors ``[B, H, S, D]`` (errors reach every rank of the
+    sequence dim's group in the consistency mode).
 
     Returns:
         ``(cp_dim, group_name)``: the context-parallel mesh dim and its process group's name.
     """
+    args = (query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode)
+    if torch.compiler.is_compiling():
+        return _check_sdpa_args(*args)
+    with relay_errors(lambda: _sequence_group(query), "sdpa"):
+        return _check_sdpa_args(*args)
+
+
+def _sequence_group(query: object) -> str:
+    """The name of the process group of ``query``'s sequence-sharded mesh dim (ValueError when
+    there is not exactly one)."""
+    if not isinstance(query, DTensor):
+        raise ValueError("query is not a DTensor")
+    dims = [
+        i
+        for i, p in enumerate(query.placements)
+        if isinstance(p, Shard) and p.dim % query.dim() == SDPA_SEQ_DIM
+    ]
+    if len(dims) != 1:
+        raise ValueError("query has no single sequence-sharded mesh dim")
+    return query.device_mesh.get_group(dims[0]).group_name
+
+
+def _check_sdpa_args(
+    query: DTensor,
+    key: DTensor,
+    value: DTensor,
+    attn_mask: object,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    layout: str,
+    mode: str,
+) -> tuple[int, str]:
 
     is_causal = check_bool("is_causal", is_causal)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
