@@ -12,6 +12,10 @@ version), and ``import dtensor_ring`` keeps working.
   :func:`aten_op`, cached. The block-kernel backends report a missing op from
   ``is_available()`` (via :func:`missing_aten_ops`), so kernel selection skips them and says
   why; ``ring_sdpa`` installs handlers only for the SDPA op families this torch has.
+* Whether a Python dispatch / function mode is active (``torch._C._len_torch_dispatch_stack``,
+  ``torch._C._is_torch_function_mode_enabled``, torch 2.11-2.13): :func:`python_modes_active`,
+  True when either is missing (the front doors then always take the custom op, Note [Eager
+  calls] in ``ops/common.py``).
 * DTensor's custom op handler table and ``OpOverload._schema``: :mod:`._compat.dtensor`
   (probed with ``getattr`` defaults, never raising at import; ``ring_sdpa`` raises without it).
 
@@ -129,3 +133,14 @@ def resolve_group(name: str) -> dist.ProcessGroup:
             "version (ring attention needs it to find the process group of a custom op call)"
         )
     return resolve(name)
+
+
+def python_modes_active() -> bool:
+    """Whether a Python ``TorchDispatchMode`` or ``TorchFunctionMode`` is active (private:
+    ``torch._C._len_torch_dispatch_stack`` and ``torch._C._is_torch_function_mode_enabled``,
+    torch 2.11-2.13). True when either is missing: callers then take the general path."""
+    dispatch = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    function = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+    if dispatch is None or function is None:
+        return True
+    return dispatch() > 0 or function()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..resolve import group_arg, resolve_call, unpack
 
@@ -73,7 +74,7 @@ def ring_attention_func(
         group_name=name,
         world_size=world_size,
     )
-    out, lse = ring_attention(q, k, v, *spec.op_args())
+    out, lse = call_attention(ring_attention, q, k, v, *spec.op_args())
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ..consistency import relay_errors
 from ..layouts import Layout, LayoutName, get_layout, token_indices
+from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..ops.ulysses import gathered_order, to_heads, ulysses_all_to_all, ulysses_local_attention
 from ..resolve import group_arg, resolve_call, unpack
@@ -102,11 +103,13 @@ def ulysses_flash_attn_func(
     )
     name, _, causal, scale, backend, *window = spec.op_args()
     if W == 1:
-        out, lse = ulysses_local_attention(q, k, v, causal, scale, backend, *window)
+        out, lse = call_attention(ulysses_local_attention, q, k, v, causal, scale, backend, *window)
         return (out, lse, None) if return_attn_probs else out
     order = gathered_order(spec.layout, causal, window)
     qh, kh, vh = to_heads(q, k, v, name, W, order)
-    out_h, lse_h = ulysses_local_attention(qh, kh, vh, causal, scale, backend, *window)
+    out_h, lse_h = call_attention(
+        ulysses_local_attention, qh, kh, vh, causal, scale, backend, *window
+    )
     out = ulysses_all_to_all(out_h, name, 1, 2, False, order)
     if not return_attn_probs:
         return out
@@ -298,7 +301,7 @@ def hybrid_flash_attn_func(
         head_split=U,
     )
     qh, kh, vh = to_heads(q, k, v, u_name, U, "ring")  # plain concatenation: no reordering
-    out_h, lse_h = ring_attention(qh, kh, vh, *spec.op_args())
+    out_h, lse_h = call_attention(ring_attention, qh, kh, vh, *spec.op_args())
     out = ulysses_all_to_all(out_h, u_name, 1, 2, False, "ring")
     if not return_attn_probs:
         return out

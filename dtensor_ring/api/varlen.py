@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..layouts.varlen import host_values
+from ..ops.common import call_attention
 from ..ops.varlen import llama3_attention, ring_attention_varlen
 from ..resolve import (
     check_cu_seqlens_arg,
@@ -113,7 +114,9 @@ def ring_varlen_attention_func(
         metadata=lambda: {"cu_seqlens": host_values(cu_seqlens), "max_seqlen": max_seqlen},
     )
     max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
-    out, lse = ring_attention_varlen(q, k, v, cu_seqlens, max_seqlen, *spec.op_args())
+    out, lse = call_attention(
+        ring_attention_varlen, q, k, v, cu_seqlens, max_seqlen, *spec.op_args()
+    )
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -179,7 +182,8 @@ def llama3_attention_func(
     k_start, k_stop = local_k_slice_bounds(local_k_slice)
     max_q = max_seqlen_value(max_seqlen_q, "max_seqlen_q")
     max_k = max_seqlen_value(max_seqlen_k, "max_seqlen_k")
-    out, lse = llama3_attention(
+    out, lse = call_attention(
+        llama3_attention,
         q,
         k,
         v,

@@ -9,7 +9,8 @@ Note [Ring forward]
 
 Step 0 is always the diagonal block over all local queries, so it initialises ``(out, lse)``
 instead of merging into them. K/V travel in their input dtype; ``out``/``lse`` accumulate in
-the accumulation dtype and ``out`` is cast once at the end.
+the accumulation dtype and ``out`` is cast once at the end. A plan of one block of all queries
+against all keys (W = 1) is one kernel call, forward and backward: no accumulator at all.
 
 Note [Ring backward]
 ~~~~~~~~~~~~~~~~~~~~
@@ -54,6 +55,7 @@ from torch import Tensor
 
 from ..kernels import BlockKernel, accumulation_dtype
 from ..kernels.merge import empty_rows_nan_
+from ..schedule.blocks import Block, Part
 from ..schedule.plan import Step
 from .blocks import Blocks, DenseBlocks
 
@@ -126,6 +128,11 @@ def ring_forward(
         (varlen: ``(out_THD, lse_HT)``).
     """
     blocks = DenseBlocks(q_BSHD.shape[1]) if blocks is None else blocks
+    whole = _whole_block(steps)
+    if whole is not None:  # one block is the whole call: the kernel's result is the answer
+        out, lse = blocks.forward(kernel, q_BSHD, k_BSHD, v_BSHD, whole, scale)
+        lse = lse.contiguous()  # the layout of the fakes (ops/common.py)
+        return empty_rows_nan_(out.contiguous(), lse), lse
     acc = accumulation_dtype(q_BSHD.dtype)
     out_acc = torch.empty(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     lse_acc = blocks.new_lse(q_BSHD, acc)
@@ -158,6 +165,17 @@ def ring_forward(
     return empty_rows_nan_(out_acc, lse_acc).to(q_BSHD.dtype), lse_acc
 
 
+def _whole_block(steps: Sequence[Step]) -> Block | None:
+    """The block when ``steps`` are one block of all local queries against all local keys
+    (one rank, or a plan that needs nothing else), else None. Its kernel call is then the
+    whole forward / backward: no accumulators, merges or casts (the result is bitwise the
+    same: one block's result converted to fp32 and back)."""
+    if len(steps) != 1 or len(steps[0].blocks) != 1:
+        return None
+    blk = steps[0].blocks[0]
+    return blk if blk.q is Part.ALL and blk.kv is Part.ALL else None
+
+
 def _zeros_like(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
     return [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in tensors]
 
@@ -185,6 +203,12 @@ def ring_backward(
     ``comm.py``). ``blocks`` as in :func:`ring_forward`.
     """
     blocks = DenseBlocks(q_BSHD.shape[1]) if blocks is None else blocks
+    whole = _whole_block(steps)
+    if whole is not None:
+        grads = blocks.backward(
+            kernel, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, whole, scale
+        )
+        return tuple(g.contiguous() for g in grads)
     acc = accumulation_dtype(q_BSHD.dtype)
     direct = dkv_exchanger is not None and dkv_exchanger.direct
     dq_acc = torch.zeros(q_BSHD.shape, dtype=acc, device=q_BSHD.device)

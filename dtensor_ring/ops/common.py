@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._compat import python_modes_active
 from ..kernels import accumulation_dtype
 
 
@@ -26,13 +27,37 @@ def fake_grads(dout, q, k, v, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-def register_attention_autograd(forward_op, backward_op, saved_inputs: int = 0) -> None:
-    """Autograd of an attention op pair of the shape every ``dtensor_ring::`` op has.
+# Note [Eager calls]
+# ~~~~~~~~~~~~~~~~~~
+# The ``dtensor_ring::`` custom ops are what torch.compile, DTensor, FakeTensor and Python
+# dispatch modes see. In plain eager mode on plain tensors their dispatch layers (the autograd
+# wrapper, the backend wrapper, schema-driven argument handling) are pure host time, and at
+# small sizes more than the attention itself (benchmarks/bench_overhead.py). There,
+# :func:`call_attention` runs the op's implementation through an ``autograd.Function`` with the
+# op's own ``setup_context`` and backward (the backward implementation, not the backward op):
+#
+#     front door --call_attention(op, q, k, v, ...)--+-- eager, plain tensors, no Python mode
+#                                                    |     -> EagerAttention.apply -> impl
+#                                                    +-- otherwise -> op (custom op dispatch)
+#
+# Same code, same saved tensors, same results; "otherwise" is compiling, a tensor subclass
+# (DTensor, FakeTensor, functional tensors) or an active TorchDispatchMode / TorchFunctionMode
+# (e.g. selective activation checkpointing, which must see the op).
+
+_EAGER: dict[object, type[torch.autograd.Function]] = {}
+
+
+def register_attention_autograd(
+    forward_op, backward_op, forward_impl, backward_impl, saved_inputs: int = 0
+) -> None:
+    """Autograd of an attention op pair of the shape every ``dtensor_ring::`` op has, for the
+    op and for its eager path (Note [Eager calls]).
 
     ``forward_op(q, k, v, *meta, *args) -> (out, lse)`` and
     ``backward_op(dout, q, k, v, out, lse, *meta, *args) -> (dq, dk, dv)``, where ``meta`` are
     the ``saved_inputs`` tensor inputs the backward needs too (e.g. ``cu_seqlens``) and ``args``
-    are non-tensor inputs. ``lse`` is marked non-differentiable.
+    are non-tensor inputs; ``forward_impl`` / ``backward_impl`` are the functions the ops
+    were made from. ``lse`` is marked non-differentiable.
     """
 
     def setup_context(ctx, inputs, output):
@@ -42,8 +67,36 @@ def register_attention_autograd(forward_op, backward_op, saved_inputs: int = 0) 
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, *meta)
 
-    def backward(ctx, dout, _dlse):
-        grads = backward_op(dout, *ctx.saved_tensors, *ctx.args)
-        return (*grads, *(None,) * (saved_inputs + len(ctx.args)))
+    def backward_with(backward_fn):
+        def backward(ctx, dout, _dlse):
+            grads = backward_fn(dout, *ctx.saved_tensors, *ctx.args)
+            return (*grads, *(None,) * (saved_inputs + len(ctx.args)))
 
-    forward_op.register_autograd(backward, setup_context=setup_context)
+        return backward
+
+    forward_op.register_autograd(backward_with(backward_op), setup_context=setup_context)
+
+    class EagerAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward_impl(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        backward = staticmethod(backward_with(backward_impl))
+
+    _EAGER[forward_op] = EagerAttention
+
+
+def call_attention(op, *args):
+    """``op(*args)`` for a front door: through :data:`_EAGER`'s ``autograd.Function`` in plain
+    eager mode on plain tensors, else the custom op itself (Note [Eager calls])."""
+    eager = _EAGER.get(op)
+    if (
+        eager is None
+        or torch.compiler.is_compiling()
+        or any(isinstance(a, Tensor) and type(a) is not Tensor for a in args)
+        or python_modes_active()
+    ):
+        return op(*args)
+    return eager.apply(*args)

@@ -37,8 +37,7 @@ def _setup(
     return plan, dist.get_rank(group), group
 
 
-@torch.library.custom_op("dtensor_ring::ring_attention", mutates_args=())
-def ring_attention(
+def ring_attention_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -59,14 +58,18 @@ def ring_attention(
     return ring_forward(q, k, v, plan.steps[rank], exchanger, get_kernel(backend), scale)
 
 
+ring_attention = torch.library.custom_op("dtensor_ring::ring_attention", mutates_args=())(
+    ring_attention_impl
+)
+
+
 @ring_attention.register_fake
 def _(q, k, v, group_name, layout, causal, scale, backend, window_left=-1, window_right=-1):
     B, S, H, _ = q.shape
     return fake_out_lse(q, (B, H, S))
 
 
-@torch.library.custom_op("dtensor_ring::ring_attention_backward", mutates_args=())
-def ring_attention_backward(
+def ring_attention_backward_impl(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -101,5 +104,12 @@ def ring_attention_backward(
     )
 
 
+ring_attention_backward = torch.library.custom_op(
+    "dtensor_ring::ring_attention_backward", mutates_args=()
+)(ring_attention_backward_impl)
+
+
 ring_attention_backward.register_fake(fake_grads)
-register_attention_autograd(ring_attention, ring_attention_backward)
+register_attention_autograd(
+    ring_attention, ring_attention_backward, ring_attention_impl, ring_attention_backward_impl
+)

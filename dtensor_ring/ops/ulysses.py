@@ -120,8 +120,7 @@ ulysses_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup_con
 # --- local (single-rank) attention op ------------------------------------------------------
 
 
-@torch.library.custom_op("dtensor_ring::ulysses_local_attention", mutates_args=())
-def ulysses_local_attention(
+def ulysses_local_attention_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -140,14 +139,18 @@ def ulysses_local_attention(
     return out, lse.to(accumulation_dtype(q.dtype)).contiguous()
 
 
+ulysses_local_attention = torch.library.custom_op(
+    "dtensor_ring::ulysses_local_attention", mutates_args=()
+)(ulysses_local_attention_impl)
+
+
 @ulysses_local_attention.register_fake
 def _(q, k, v, causal, scale, backend, window_left=-1, window_right=-1):
     B, S, H, _ = q.shape
     return fake_out_lse(q, (B, H, S))
 
 
-@torch.library.custom_op("dtensor_ring::ulysses_local_attention_backward", mutates_args=())
-def ulysses_local_attention_backward(
+def ulysses_local_attention_backward_impl(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -166,8 +169,18 @@ def ulysses_local_attention_backward(
     return tuple(g.contiguous() for g in grads)
 
 
+ulysses_local_attention_backward = torch.library.custom_op(
+    "dtensor_ring::ulysses_local_attention_backward", mutates_args=()
+)(ulysses_local_attention_backward_impl)
+
+
 ulysses_local_attention_backward.register_fake(fake_grads)
-register_attention_autograd(ulysses_local_attention, ulysses_local_attention_backward)
+register_attention_autograd(
+    ulysses_local_attention,
+    ulysses_local_attention_backward,
+    ulysses_local_attention_impl,
+    ulysses_local_attention_backward_impl,
+)
 
 
 # --- sequence <-> head shards ------------------------------------------------------------
@@ -189,8 +202,7 @@ def gathered_order(layout: str, causal: bool, window: tuple[int, int]) -> str:
 # --- sequence-sharded attention ops (the DTensor path) ---------------------------------------
 
 
-@torch.library.custom_op("dtensor_ring::ulysses_attention", mutates_args=())
-def ulysses_attention(
+def ulysses_attention_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -224,14 +236,18 @@ def ulysses_attention(
     )
 
 
+ulysses_attention = torch.library.custom_op("dtensor_ring::ulysses_attention", mutates_args=())(
+    ulysses_attention_impl
+)
+
+
 @ulysses_attention.register_fake
 def _(q, k, v, group_name, layout, causal, scale, backend, window_left=-1, window_right=-1):
     B, S, H, _ = q.shape
     return fake_out_lse(q, (B, H, S))
 
 
-@torch.library.custom_op("dtensor_ring::ulysses_attention_backward", mutates_args=())
-def ulysses_attention_backward(
+def ulysses_attention_backward_impl(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -268,5 +284,15 @@ def ulysses_attention_backward(
     return dq, dk, dv
 
 
+ulysses_attention_backward = torch.library.custom_op(
+    "dtensor_ring::ulysses_attention_backward", mutates_args=()
+)(ulysses_attention_backward_impl)
+
+
 ulysses_attention_backward.register_fake(fake_grads)
-register_attention_autograd(ulysses_attention, ulysses_attention_backward)
+register_attention_autograd(
+    ulysses_attention,
+    ulysses_attention_backward,
+    ulysses_attention_impl,
+    ulysses_attention_backward_impl,
+)

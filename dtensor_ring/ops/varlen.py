@@ -52,8 +52,7 @@ def _setup_ring(
     return plan, dist.get_rank(group), varlen_blocks(plan, bounds, q.device), group
 
 
-@torch.library.custom_op("dtensor_ring::ring_attention_varlen", mutates_args=())
-def ring_attention_varlen(
+def ring_attention_varlen_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -82,6 +81,11 @@ def ring_attention_varlen(
     return ring_forward(q, k, v, plan.steps[rank], exchanger, kernel, scale, blocks)
 
 
+ring_attention_varlen = torch.library.custom_op(
+    "dtensor_ring::ring_attention_varlen", mutates_args=()
+)(ring_attention_varlen_impl)
+
+
 @ring_attention_varlen.register_fake
 def _(
     q,
@@ -101,8 +105,7 @@ def _(
     return fake_out_lse(q, (H, T))
 
 
-@torch.library.custom_op("dtensor_ring::ring_attention_varlen_backward", mutates_args=())
-def ring_attention_varlen_backward(
+def ring_attention_varlen_backward_impl(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -134,8 +137,19 @@ def ring_attention_varlen_backward(
     )
 
 
+ring_attention_varlen_backward = torch.library.custom_op(
+    "dtensor_ring::ring_attention_varlen_backward", mutates_args=()
+)(ring_attention_varlen_backward_impl)
+
+
 ring_attention_varlen_backward.register_fake(fake_grads)
-register_attention_autograd(ring_attention_varlen, ring_attention_varlen_backward, saved_inputs=1)
+register_attention_autograd(
+    ring_attention_varlen,
+    ring_attention_varlen_backward,
+    ring_attention_varlen_impl,
+    ring_attention_varlen_backward_impl,
+    saved_inputs=1,
+)
 
 
 # --- llama3 ---------------------------------------------------------------------------------
@@ -171,8 +185,7 @@ def _setup_llama3(
     return meta, group
 
 
-@torch.library.custom_op("dtensor_ring::llama3_attention", mutates_args=())
-def llama3_attention(
+def llama3_attention_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -213,6 +226,11 @@ def llama3_attention(
     return llama3_forward(q, k, v, meta, heads_k_stride, group, kernel, scale)
 
 
+llama3_attention = torch.library.custom_op("dtensor_ring::llama3_attention", mutates_args=())(
+    llama3_attention_impl
+)
+
+
 @llama3_attention.register_fake
 def _(
     q,
@@ -237,8 +255,7 @@ def _(
     return fake_out_lse(q, (H, T))
 
 
-@torch.library.custom_op("dtensor_ring::llama3_attention_backward", mutates_args=())
-def llama3_attention_backward(
+def llama3_attention_backward_impl(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -277,5 +294,16 @@ def llama3_attention_backward(
     return llama3_backward(dout, q, k, v, out, lse, meta, heads_k_stride, group, kernel, scale)
 
 
+llama3_attention_backward = torch.library.custom_op(
+    "dtensor_ring::llama3_attention_backward", mutates_args=()
+)(llama3_attention_backward_impl)
+
+
 llama3_attention_backward.register_fake(fake_grads)
-register_attention_autograd(llama3_attention, llama3_attention_backward, saved_inputs=2)
+register_attention_autograd(
+    llama3_attention,
+    llama3_attention_backward,
+    llama3_attention_impl,
+    llama3_attention_backward_impl,
+    saved_inputs=2,
+)
