@@ -71,3 +71,25 @@ def test_check_window_smoke(tmp_path):
     results = json.loads((tmp_path / "window.json").read_text())
     assert not results["errors"] and len(results["rows"]) >= 8
     assert all(max(r[n] for n in ("out", "dq", "dk", "dv")) < 1e-5 for r in results["rows"])
+
+
+def test_bench_overhead_smoke(tmp_path):
+    """benchmarks/bench_overhead.py on CPU: SDPA, the functional call and DTensor SDPA on a
+    1-rank gloo group, and the profiles."""
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_overhead.py"),
+            "--smoke",
+            "--profile",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    rows = json.loads((tmp_path / "bench_overhead.json").read_text())["rows"]
+    assert {r["what"] for r in rows} == {"sdpa", "functional", "dtensor"}
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
+    assert (tmp_path / "profile_functional.txt").read_text().count("ring_attention_impl") > 0
