@@ -40,11 +40,13 @@ def fake_grads(dout, q, k, v, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
 #                                                    |     -> EagerAttention.apply -> impl
 #                                                    +-- otherwise -> op (custom op dispatch)
 #
+# The DTensor handlers (which run below autograd on local shards) call both ops this way.
+#
 # Same code, same saved tensors, same results; "otherwise" is compiling, a tensor subclass
 # (DTensor, FakeTensor, functional tensors) or an active TorchDispatchMode / TorchFunctionMode
 # (e.g. selective activation checkpointing, which must see the op).
 
-_EAGER: dict[object, type[torch.autograd.Function]] = {}
+_EAGER: dict[object, object] = {}  # forward op -> autograd.Function; backward op -> its impl
 
 
 def register_attention_autograd(
@@ -85,12 +87,14 @@ def register_attention_autograd(
 
         backward = staticmethod(backward_with(backward_impl))
 
-    _EAGER[forward_op] = EagerAttention
+    _EAGER[forward_op] = EagerAttention.apply
+    _EAGER[backward_op] = backward_impl  # not differentiable: the implementation itself
 
 
 def call_attention(op, *args):
-    """``op(*args)`` for a front door: through :data:`_EAGER`'s ``autograd.Function`` in plain
-    eager mode on plain tensors, else the custom op itself (Note [Eager calls])."""
+    """``op(*args)`` for a front door or a DTensor handler: in plain eager mode on plain tensors
+    a forward op through its ``autograd.Function`` and a backward op as its implementation,
+    else the custom op itself (Note [Eager calls])."""
     eager = _EAGER.get(op)
     if (
         eager is None
@@ -99,4 +103,4 @@ def call_attention(op, *args):
         or python_modes_active()
     ):
         return op(*args)
-    return eager.apply(*args)
+    return eager(*args)

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..._compat import aten_op, require_aten_op
 from ..._compat import dtensor as _dtensor_compat
+from ...ops.common import call_attention
 from ...resolve import AttentionSpec
 from .function import MODE_OPS, SDPAConfig, resolve_sdpa
 from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
@@ -76,10 +78,14 @@ def _first(bound: dict, *names: str):
     return None
 
 
-def _replicated_like(like: DTensor, local: Tensor) -> DTensor:
-    return DTensor.from_local(
-        local, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False
-    )
+@functools.lru_cache(maxsize=64)
+def _unused_output(mesh: DeviceMesh, device: torch.device, position: int) -> DTensor:
+    """The replicated empty int64 DTensor returned as output ``position`` of a fused op when
+    our backward never reads it (philox seed / offset, debug mask): made once per mesh, device
+    and position (outputs stay distinct objects), never written (``DTensor.from_local`` costs
+    ~0.1 ms a call)."""
+    local = torch.empty(0, dtype=torch.int64, device=device)
+    return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _bind_sdpa_call(
@@ -114,20 +120,20 @@ def aten_sdpa_forward_handler(
     family = _family_of()[op]
     a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
     query, mesh = a["query"], a["query"].device_mesh
-    out, lse = MODE_OPS[config.mode][0](q, k, v, *spec.op_args())
+    out, lse = call_attention(MODE_OPS[config.mode][0], q, k, v, *spec.op_args())
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(swap_seq_heads(out), mesh, query.placements, run_check=False)
     lse_dt = DTensor.from_local(lse, mesh, query.placements, run_check=False)  # [B, H, S(, 1)]
     results: list[object] = [out_dt, lse_dt]
     S_local = q.shape[1]
-    for name in _dtensor_compat.return_names(op)[2:]:
+    for position, name in enumerate(_dtensor_compat.return_names(op)[2:], start=2):
         if name.startswith("max_"):  # SymInt max_q / max_k
             results.append(S_local)
         elif name.startswith("cum_seq"):  # undefined for dense inputs, as natively
             results.append(None)
         else:  # philox seed/offset, rng_state, unused, debug mask: ignored by our backward
-            results.append(_replicated_like(query, q.new_empty(0, dtype=torch.int64)))
+            results.append(_unused_output(mesh, q.device, position))
     return tuple(results)
 
 
@@ -148,7 +154,8 @@ def aten_sdpa_backward_handler(
     if family.lse_trailing_one:
         lse_l = lse_l.squeeze(-1)
     lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
-    dq, dk, dv = MODE_OPS[config.mode][1](
+    dq, dk, dv = call_attention(
+        MODE_OPS[config.mode][1],
         dout_l.contiguous(),
         q,
         k,
