@@ -197,6 +197,37 @@ def test_ring_sdpa_scope_is_removed_on_exit(dist_pool):
         assert all(rank_checks.values()), rank_checks
 
 
+def _backward_outside_scope(group) -> dict[str, str]:
+    """The backward of SDPA run in a scope: inside one of the same configuration it works;
+    after leaving it, or inside a scope of another layout, it raises ValueError."""
+    mesh = _mesh(group)
+    results = {}
+    for where in ("inside", "outside", "other scope"):
+        q = distribute_tensor(torch.randn(1, 2, 8, 4), mesh, [Shard(2)]).requires_grad_()
+        with dtensor_ring.ring_sdpa(layout="zigzag"):
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            if where == "inside":
+                out.sum().backward()
+        try:
+            if where == "outside":
+                out.sum().backward()
+            elif where == "other scope":
+                with dtensor_ring.ring_sdpa(layout="ring"):
+                    out.sum().backward()
+            results[where] = "ok"
+        except ValueError as e:
+            results[where] = str(e)
+    return results
+
+
+def test_backward_outside_the_scope_raises(dist_pool):
+    for results in dist_pool.run(_backward_outside_scope, 2):
+        assert results["inside"] == "ok"
+        for where in ("outside", "other scope"):
+            assert results[where].startswith("the backward of SDPA on DTensors ran outside")
+            assert "layout='zigzag'" in results[where]
+
+
 # --------------------------------------------------------------------------------------------
 # 2. Numerics
 # --------------------------------------------------------------------------------------------

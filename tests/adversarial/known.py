@@ -7,11 +7,6 @@ in it passes: then remove it from here (or regenerate).
 """
 
 _NAMES = """
-#dtensor:4
-dtensor/distribute+ring_sdpa(),backward_outside/W1
-dtensor/distribute+ring_sdpa(),backward_outside/W2
-dtensor/distribute+ring_sdpa(),backward_outside/W3
-dtensor/distribute+ring_sdpa(),backward_outside/W4
 #hf:1
 hf/hf.ring_attention_forward[ring]/W3/position_ids=local_arange
 """

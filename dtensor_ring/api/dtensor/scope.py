@@ -3,8 +3,10 @@ removed together (Note [How SDPA on DTensors reaches ring attention])."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -67,8 +69,30 @@ class _RingSDPAMode(TorchFunctionMode):
                 if isinstance(t, DTensor) and t.stride(-1) != 1:
                     kwargs[name] = t.contiguous()
             with sdpa_kernel(list(_enabled_fused_backends())):
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(functools.partial(_require_scope, self.config))
+            return out
         return func(*args, **kwargs)
+
+
+# How many ``ring_sdpa`` scopes of each configuration are open, in any thread: the aten
+# handlers they install are process-wide, and autograd may run a backward on its own threads.
+_OPEN_SCOPES: collections.Counter[SDPAConfig] = collections.Counter()
+
+
+def _require_scope(config: SDPAConfig, grad: torch.Tensor) -> None:
+    """Gradient hook on the output of SDPA in a scope: its backward must run in a scope of the
+    same configuration. Outside one, the fused op's backward would run without our handler:
+    an error on CPU (no sharding strategy); on CUDA, where DTensor has strategies of its own
+    for these ops, a computation that knows nothing of the layout (zigzag and stripe shards
+    are not contiguous)."""
+    if _OPEN_SCOPES[config] == 0:
+        raise ValueError(
+            "the backward of SDPA on DTensors ran outside dtensor_ring.ring_sdpa("
+            f"layout={config.layout!r}, mode={config.mode!r}, ...): enter the scope around "
+            "the forward *and* the backward (e.g. the whole training step)"
+        )
 
 
 def _check_dtensor_sdpa_call(
@@ -141,10 +165,12 @@ def ring_sdpa(
         )
     config = SDPAConfig(layout, backend, mode, check_window_size(window_size))
     token = _SCOPE_LAYOUT.set(layout)
+    _OPEN_SCOPES[config] += 1
     try:
         with _dtensor_compat.custom_op_handlers(aten_handlers(config)), _RingSDPAMode(config):
             yield
     finally:
+        _OPEN_SCOPES[config] -= 1
         _SCOPE_LAYOUT.reset(token)
 
 
