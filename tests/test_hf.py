@@ -22,9 +22,14 @@ def _config(arch: str):
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "mistral": transformers.MistralConfig,
+        "gemma3_bidirectional": transformers.Gemma3TextConfig,
     }[arch]
     # mistral: every layer a sliding window of 5 tokens (the model passes sliding_window=5)
     extra = {"sliding_window": 5} if arch == "mistral" else {}
+    if arch == "gemma3_bidirectional":  # non-causal attention (is_causal=False), no windows
+        extra = dict(
+            use_bidirectional_attention=True, layer_types=["full_attention"] * 2, head_dim=16
+        )
     return cls(
         hidden_size=64,
         intermediate_size=128,
@@ -91,6 +96,8 @@ def _cp_vs_full(
         ("qwen2", "ring"),
         ("mistral", "zigzag"),
         ("mistral", "stripe"),
+        ("gemma3_bidirectional", "zigzag"),
+        ("gemma3_bidirectional", "stripe"),
     ],
 )
 def test_matches_without_cp(dist_pool, arch, layout):
@@ -155,6 +162,8 @@ def _packed_vs_per_document(
         ("ring", (6, 8, 2), "llama"),
         ("llama3", (5, 9, 2), "mistral"),  # sliding window 5 inside documents of 9 tokens
         ("zigzag", (8, 12, 4), "mistral"),
+        ("llama3", (5, 8, 3), "gemma3_bidirectional"),
+        ("zigzag", (4, 8, 4), "gemma3_bidirectional"),
     ],
 )
 def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
@@ -254,7 +263,11 @@ REJECTED = {
     "s_aux": ({"s_aux": torch.zeros(H)}, ValueError, "s_aux=Tensor[4]"),
     "sinks": ({"sinks": torch.zeros(H)}, ValueError, "sinks=Tensor[4]"),
     "softcap": ({"softcap": 30.0}, ValueError, "softcap=30.0"),
-    "is_causal=False": ({"is_causal": False}, ValueError, "is_causal=False"),
+    "bidirectional_window": (
+        {"is_causal": False, "sliding_window": 4},
+        ValueError,
+        "sliding_window=4 with is_causal=False",
+    ),
     "is_causal=str": ({"is_causal": "False"}, TypeError, "is_causal"),
     "dropout": ({"dropout": 0.1}, ValueError, "dropout=0.1"),
     "dropout=str": ({"dropout": "0"}, TypeError, "dropout"),
@@ -310,10 +323,10 @@ def test_rejects_keyword(zigzag_setup, label):
 @pytest.mark.parametrize(
     "kwargs, text",
     [
-        (dict(module_is_causal=False), "is_causal=False"),
+        (dict(module_is_causal=False, sliding_window=3), "with is_causal=False"),
         (dict(keys=2 * S_LOCAL, use_cache=True), "use_cache=False"),  # a KV cache's earlier keys
     ],
-    ids=["module_not_causal", "cached_keys"],
+    ids=["module_not_causal_window", "cached_keys"],
 )
 def test_rejects_module_state(zigzag_setup, kwargs, text):
     with pytest.raises(ValueError, match=re.escape(text)):

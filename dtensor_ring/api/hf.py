@@ -18,8 +18,11 @@ boundaries from the full ``position_ids`` and returns them as ``cu_seq_lens_q`` 
 [Varlen layouts] in ``layouts/varlen.py``: "llama3" cuts the packed stream into W contiguous slices;
 "ring" / "zigzag" cut every document into W / 2W pieces).
 
-Limits (each raises ``ValueError`` rather than computing something else): causal attention
-only (``is_causal=False`` is rejected), no attention mask (padding) or 4-D masks, packed
+Causal and bidirectional models (``is_causal=False``, e.g. Gemma 3 with
+``use_bidirectional_attention``), dense and packed, in every layout.
+
+Limits (each raises ``ValueError`` rather than computing something else): no bidirectional
+sliding windows, no attention mask (padding) or 4-D masks, packed
 sequences only with B == 1, the "llama3" layout only with B == 1 and "stripe" not packed,
 position ids only as :func:`shard_batch` builds them (positions restarting without the
 ``cu_seq_lens_*`` metadata are rejected), no attention sinks (gpt-oss's ``s_aux``), softcap,
@@ -161,6 +164,13 @@ _FEATURE_OFF: dict[str, tuple[tuple[object, ...], str]] = {
 }
 
 #: Keywords this function reads (below), besides attention_mask, scaling and dropout.
+# Non-causal attention over every key of the sequence (or of the document) does not depend on
+# the order in which the ranks hold the tokens: whatever the sharding layout, the contiguous
+# layout's plan (every rank's queries against every rank's keys) computes it, as long as the
+# queries and keys of a rank are in the same order (they are: one layout shards the batch).
+# (Zigzag and stripe plans exist for causal masks only.)
+_ORDER_FREE = "ring"
+
 _USED = frozenset({"is_causal", "sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
 
 
@@ -183,13 +193,13 @@ def ring_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """transformers attention function: causal ring attention over the :func:`setup` group.
+    """transformers attention function: ring attention over the :func:`setup` group.
 
     Every keyword is used or rejected, before any communication (:func:`_check_call`).
 
     Args:
-        module: the calling attention module (``is_causal`` unset or True, unless the
-            ``is_causal`` keyword says True).
+        module: the calling attention module; its ``is_causal`` (default True) says whether
+            the model is causal, unless the ``is_causal`` keyword is given.
         query: ``[B, H, S, D]`` (S local tokens); key, value: ``[B, H_kv, S, D]``.
         attention_mask: must be None (:func:`setup`'s mask function builds none).
         scaling: softmax scale (default ``D ** -0.5``).  dropout: must be 0.
@@ -198,9 +208,10 @@ def ring_attention_forward(
             document boundaries ``[N + 1]`` of a packed batch (B == 1), select the varlen
             attention; ``sliding_window`` (Mistral, Qwen2, Gemma ...: a query sees the
             ``sliding_window`` latest keys, itself included) becomes
-            ``window_size=(sliding_window - 1, 0)`` (docs/window.md); ``is_causal`` must be
-            None or True. Accepted as harmless: ``use_cache`` (no cached earlier tokens),
-            ``max_length_q/k``, the loss and output flags models forward to every layer.
+            ``window_size=(sliding_window - 1, 0)`` (docs/window.md), causal models only;
+            ``is_causal`` a bool or None. Accepted as harmless: ``use_cache`` (no cached
+            earlier tokens), ``max_length_q/k``, the loss and output flags models forward to
+            every layer.
             Accepted only with the feature off: ``s_aux`` / ``sinks``, ``softcap`` (or 0),
             ``head_mask``, ``position_bias``, ``seq_idx`` None, ``output_attentions`` False.
 
@@ -214,10 +225,11 @@ def ring_attention_forward(
     if _config is None:
         raise RuntimeError("call dtensor_ring.hf.setup(group=..., layout=...) first")
     with relay_errors(_group_name, "hf"):
-        window = _check_call(module, query, key, attention_mask, dropout, kwargs)
+        window, causal = _check_call(module, query, key, attention_mask, dropout, kwargs)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
-        return _varlen_attention(query, key, value, scaling, cu_seqlens, window, kwargs), None
+        out = _varlen_attention(query, key, value, scaling, cu_seqlens, window, causal, kwargs)
+        return out, None
     world = dist.get_world_size(_config.group)
     with relay_errors(_group_name, "hf"):
         if not get_layout(_config.layout).dense:
@@ -232,12 +244,12 @@ def ring_attention_forward(
         )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = ring_attention_func(
-        _config.layout,
+        _config.layout if causal else _ORDER_FREE,
         q,
         k,
         v,
         softmax_scale=scaling,
-        causal=True,
+        causal=causal,
         window_size=window,
         group=_config.group,
         backend=_config.backend,
@@ -287,12 +299,14 @@ def _check_call(
             "attention_dropout to 0"
         )
     is_causal = kwargs.get("is_causal")
-    if not check_bool(
+    causal = check_bool(
         "is_causal", getattr(module, "is_causal", True) if is_causal is None else is_causal
-    ):
+    )
+    if not causal and kwargs.get("sliding_window") is not None:
         raise ValueError(
-            "dtensor_ring attention supports causal attention only, got is_causal=False (the "
-            "keyword, or the module's attribute); non-causal models cannot use it yet"
+            f"dtensor_ring attention got sliding_window={_summary(kwargs['sliding_window'])} "
+            "with is_causal=False: bidirectional sliding windows (whose extent differs between "
+            f"models) are not supported yet; {_WITHOUT}"
         )
     if query.dim() == key.dim() == 4 and key.shape[2] != query.shape[2]:
         raise ValueError(
@@ -306,7 +320,7 @@ def _check_call(
             f"cu_seq_lens_q={_summary(cu_q)}, cu_seq_lens_k={_summary(cu_k)}; build them with "
             "dtensor_ring.hf.shard_batch"
         )
-    return _window(kwargs.get("sliding_window"))
+    return _window(kwargs.get("sliding_window")), causal
 
 
 def _window(sliding_window: object) -> tuple[int, int]:
@@ -334,9 +348,10 @@ def _varlen_attention(
     scaling: float | None,
     cu_seqlens: Tensor,
     window: tuple[int, int],
+    causal: bool,
     kwargs: dict,
 ) -> Tensor:
-    """Causal varlen attention of a packed row: ``query [1, H, T_local, D]``, key/value
+    """Varlen attention of a packed row: ``query [1, H, T_local, D]``, key/value
     ``[1, H_kv, T_local, D]``, global ``cu_seqlens [N + 1]`` -> ``out [1, T_local, H, D]``;
     ``window`` within documents (llama3 only)."""
     assert _config is not None
@@ -361,7 +376,7 @@ def _varlen_attention(
     q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))  # [T_local, H(_kv), D]
     if lay.varlen == "stream":
         cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
-            cu_seqlens, True, rank, world
+            cu_seqlens, causal, rank, world
         )
         out = llama3_attention_func(
             q,
@@ -374,7 +389,7 @@ def _varlen_attention(
             k.shape[1],
             k_slice,
             softmax_scale=scaling,
-            causal=True,
+            causal=causal,
             window_size=window,
             group=group,
             backend=_config.backend,
@@ -382,14 +397,14 @@ def _varlen_attention(
         )
     else:
         out = ring_varlen_attention_func(
-            layout,
+            layout if causal else _ORDER_FREE,
             q,
             k,
             v,
             varlen_local_cu_seqlens(cu_seqlens, layout, rank, world),
             None,
             softmax_scale=scaling,
-            causal=True,
+            causal=causal,
             window_size=window,
             group=group,
             backend=_config.backend,
