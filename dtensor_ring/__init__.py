@@ -20,10 +20,13 @@ Public names:
       ``shard_sequence``, ``unshard_sequence``;
     * Ulysses and 2-D (Ulysses x ring) context parallelism (docs/ulysses.md):
       ``ulysses_flash_attn_func`` (+ ``_kvpacked`` / ``_qkvpacked``), ``hybrid_flash_attn_func``,
-      ``hybrid_shard_local``, ``hybrid_token_indices``, ``comm_volume``.
+      ``hybrid_shard_local``, ``hybrid_token_indices``, ``comm_volume``;
+    * PyTorch's context-parallel API on ring attention (docs/composability.md):
+      ``context_parallel``, ``context_parallel_unshard``.
 """
 
 from . import ops  # noqa: F401  (registers the dtensor_ring:: ops)
+from .api.context_parallel import context_parallel, context_parallel_unshard
 from .api.dtensor import (
     ring_sdpa,
     scaled_dot_product_ring_attention,
@@ -136,4 +139,7 @@ __all__ = [
     "ulysses_flash_attn_func",
     "ulysses_flash_attn_kvpacked_func",
     "ulysses_flash_attn_qkvpacked_func",
+    # PyTorch's context_parallel API
+    "context_parallel",
+    "context_parallel_unshard",
 ]

@@ -1,0 +1,265 @@
+"""Drop-in for PyTorch's ``context_parallel`` / ``context_parallel_unshard``
+(``torch.distributed.tensor.experimental``): shard buffers in place, and run
+``F.scaled_dot_product_attention`` on the plain local shards as ring attention.
+
+Note [context_parallel: SDPA on plain shards]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+PyTorch's ``context_parallel(mesh, buffers=..., buffer_seq_dims=..., no_restore_buffers=...)``
+reorders each buffer with its head-tail load balancer (chunks ``r`` and ``2W-1-r`` on rank
+``r``: our "zigzag") when ``S % 2W == 0`` and keeps the order otherwise (contiguous chunks: our
+"ring"), keeps this rank's shard *in place* (``resize_`` + ``copy_``: the caller's tensor
+objects now hold the shard), and replaces ``F.scaled_dot_product_attention`` so that calls on
+plain ``[B, H, S_local, D]`` tensors become ring attention. On exit it puts the full buffers
+back, except those in ``no_restore_buffers``. Ours does the same with the library's pieces,
+S = 8, W = 2, zigzag::
+
+    enter   buffer [.., 0 1 2 3 4 5 6 7, ..]  --shard_local-->  rank 0: [0 1 6 7]
+                                                                rank 1: [2 3 4 5]
+    inside  F.scaled_dot_product_attention(q, k, v, is_causal=..)   (plain [B, H, S/W, D])
+              |  the replacement (_sdpa_patched)
+              v  [B, H, S/W, D] -> [B, S/W, H, D]
+            ring_attention_func(layout, q, k, v, causal=.., group=mesh's group)  (autograd)
+              |  [B, S/W, H, D] -> [B, H, S/W, D]
+              v
+            out, in the buffers' token order
+    exit    buffer <- the full original data (unless in no_restore_buffers)
+    unshard context_parallel_unshard: all-gather + reorder (gather_sequence) -> token order
+
+Why a replaced module attribute, as PyTorch does, and not a ``TorchFunctionMode``: torch pops a
+mode while its handler runs, and ``Tensor.backward`` is itself a torch function, so the
+backward (with activation checkpointing's recompute of SDPA) would run without the mode and
+recompute plain local attention. The attribute stays replaced through a backward inside the
+context. As with PyTorch, code that bound ``scaled_dot_product_attention`` before entering
+(``from torch.nn.functional import scaled_dot_product_attention``) is not redirected, and the
+replacement is process-wide. A backward after the context is fine too (the graph holds ring
+attention), provided the buffers autograd saved (embedding indices, labels) are left sharded
+(``no_restore_buffers``): restoring them in place fails autograd's version check, as in
+PyTorch.
+
+Non-causal attention does not depend on token order, so it runs with the "ring" schedule
+whatever the layout (as PyTorch's, which computes every block in full then). SDPA on DTensors
+goes to the original (``ring_sdpa`` handles those). What ring attention cannot do
+(``attn_mask``, ``dropout_p > 0``) raises ``ValueError`` on every rank, before any
+communication: the checks read only arguments that every rank passes alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..layouts import gather_sequence, get_layout, shard_local
+from ..resolve import check_bool, check_unsupported
+from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
+from .functional import ring_attention_func
+
+
+def _cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of the 1-D context-parallel ``mesh`` (``ValueError`` otherwise)."""
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(
+            f"mesh must be a 1-D DeviceMesh over the context-parallel ranks (e.g. mesh['cp']), "
+            f"got {mesh!r}"
+        )
+    return mesh.get_group()
+
+
+def _layout_for(layout: str | None, seq_len: int, world_size: int) -> str:
+    """``layout``, or for None PyTorch's default: head-tail ("zigzag") when ``seq_len % 2W ==
+    0``, else no reordering ("ring")."""
+    if layout is not None:
+        get_layout(layout, "dense")
+        return layout
+    return "zigzag" if seq_len % (2 * world_size) == 0 else "ring"
+
+
+def _check_buffer_args(
+    buffers: Sequence[Tensor], seq_dims: Sequence[int], no_restore: set[Tensor] | None = None
+) -> None:
+    """PyTorch's argument checks, as ``ValueError``."""
+    if len(buffers) != len(seq_dims):
+        raise ValueError(
+            f"buffer_seq_dims ({len(seq_dims)} entries) must have one sequence dim per buffer "
+            f"({len(buffers)} buffers)"
+        )
+    for buffer in no_restore or ():
+        if not any(b is buffer for b in buffers):  # `in` would compare tensor values
+            raise ValueError("no_restore_buffers must be a subset of buffers")
+    if any(isinstance(b, torch.nn.Parameter) for b in buffers):
+        raise ValueError("buffers must not contain an nn.Parameter (they are resized in place)")
+
+
+def _ring_sdpa_local(
+    group: dist.ProcessGroup,
+    layout: str | None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """SDPA's arguments on plain local shards -> ring attention over ``group`` in ``layout``
+    (None: PyTorch's default for the call's global length ``S_local * W``).
+
+    ``query [B, H, S_local, D]``, ``key, value [B, H_kv, S_local, D]`` -> ``[B, H, S_local, D]``.
+    """
+    if attn_mask is not None:
+        raise ValueError(
+            "attn_mask is not supported by F.scaled_dot_product_attention inside "
+            "dtensor_ring.context_parallel (ring attention); pass attn_mask=None and "
+            "is_causal=True for a causal mask"
+        )
+    check_unsupported(dropout_p=dropout_p, alibi_slopes=None)
+    is_causal = check_bool("is_causal", is_causal)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.ndim != 4:
+            raise ValueError(
+                f"{name} must be 4-D [B, H, S_local, D] inside dtensor_ring.context_parallel, "
+                f"got shape {tuple(t.shape)}"
+            )
+    if not check_bool("enable_gqa", enable_gqa) and key.shape[1] != query.shape[1]:
+        raise ValueError(
+            f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+            "for grouped-query attention (as SDPA requires)"
+        )
+    world_size = dist.get_world_size(group)
+    layout = _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
+    out = ring_attention_func(
+        layout if is_causal else "ring",  # order-free without a mask (see the Note)
+        *to_op_layout(query, key, value),
+        softmax_scale=scale,
+        causal=is_causal,
+        group=group,
+    )
+    return out.transpose(1, 2)
+
+
+@contextlib.contextmanager
+def _sdpa_patched(group: dist.ProcessGroup, layout: str | None) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` replaced by :func:`_ring_sdpa_local` for plain
+    tensors (DTensors go to the original), restored on exit."""
+    original = F.scaled_dot_product_attention
+
+    @functools.wraps(original)
+    def scaled_dot_product_attention(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if any(isinstance(t, DTensor) for t in (query, key, value)):
+            return original(*args[:6], scale=scale, enable_gqa=enable_gqa)
+        return _ring_sdpa_local(group, layout, *args)
+
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def context_parallel(
+    mesh: DeviceMesh,
+    *,
+    buffers: list[Tensor] | None = None,
+    buffer_seq_dims: list[int] | None = None,
+    no_restore_buffers: set[Tensor] | None = None,
+    layout: str | None = None,
+) -> Iterator[None]:
+    """PyTorch's ``context_parallel`` on ring attention, on CPU and CUDA.
+
+    Shards every buffer in place along its sequence dim (this rank's ``S // W`` tokens in
+    ``layout``'s order); inside, ``F.scaled_dot_product_attention(q, k, v, is_causal=...,
+    scale=..., enable_gqa=...)`` on plain ``q [B, H, S_local, D]``, ``k, v [B, H_kv, S_local,
+    D]`` runs ring attention over ``mesh`` (differentiable; backward may run inside or after);
+    on exit the buffers get their full data back (except ``no_restore_buffers``). Note
+    [context_parallel: SDPA on plain shards].
+
+    Args:
+        mesh: 1-D DeviceMesh over the context-parallel ranks.
+        buffers: tensors to shard in place (input ids, labels, positions, ...); no Parameters.
+        buffer_seq_dims: the sequence dim of each buffer.
+        no_restore_buffers: buffers (a subset of ``buffers``) left sharded on exit.
+        layout: our extension: "ring", "zigzag" or "stripe". None (PyTorch's behaviour):
+            "zigzag" (its head-tail load balancing) when ``S % 2W == 0``, else "ring", with
+            ``S`` the first buffer's length (without buffers: each SDPA call's ``S_local * W``).
+
+    Raises:
+        ValueError: on a malformed argument, a sequence length the layout cannot split, and
+            inside, on SDPA with ``attn_mask`` or ``dropout_p > 0``.
+    """
+    group = _cp_group(mesh)
+    buffers = [] if buffers is None else buffers
+    buffer_seq_dims = [] if buffer_seq_dims is None else buffer_seq_dims
+    no_restore = set() if no_restore_buffers is None else no_restore_buffers
+    _check_buffer_args(buffers, buffer_seq_dims, no_restore)
+    world_size, rank = mesh.size(), mesh.get_local_rank()
+    if buffers:
+        layout = _layout_for(layout, buffers[0].shape[buffer_seq_dims[0]], world_size)
+    elif layout is not None:
+        get_layout(layout, "dense")
+    with torch.no_grad():
+        originals = [None if b in no_restore else b.clone() for b in buffers]
+        shards = [
+            shard_local(b, layout, rank, world_size, d)
+            for b, d in zip(buffers, buffer_seq_dims, strict=True)
+        ]
+        for buffer, shard in zip(buffers, shards, strict=True):
+            buffer.resize_(shard.shape)
+            buffer.copy_(shard)
+    try:
+        with _sdpa_patched(group, layout):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, original in zip(buffers, originals, strict=True):
+                if original is not None:
+                    buffer.resize_(original.shape)
+                    buffer.copy_(original)
+
+
+@torch.no_grad()
+def context_parallel_unshard(
+    mesh: DeviceMesh,
+    buffers: list[Tensor],
+    seq_dims: list[int],
+    *,
+    layout: str | None = None,
+) -> list[Tensor]:
+    """PyTorch's ``context_parallel_unshard``: every rank's shard of each buffer, all-gathered
+    and put back in token order (a collective; not differentiable).
+
+    Args:
+        mesh: the 1-D DeviceMesh of :func:`context_parallel`.
+        buffers: this rank's shards (e.g. the output, ``S_local`` long on its seq dim).
+        seq_dims: the sequence dim of each buffer.
+        layout: our extension; the layout the shards are in. None: PyTorch's default for the
+            global length ``S_local * W`` of the first buffer, as :func:`context_parallel`.
+
+    Returns:
+        The full tensors, ``S`` long on their sequence dims.
+    """
+    group = _cp_group(mesh)
+    _check_buffer_args(buffers, seq_dims)
+    if not buffers:
+        return []
+    world_size = mesh.size()
+    layout = _layout_for(layout, buffers[0].shape[seq_dims[0]] * world_size, world_size)
+    return [gather_sequence(b, layout, d, group) for b, d in zip(buffers, seq_dims, strict=True)]
