@@ -507,8 +507,8 @@ def test_total_not_divisible():
 
 
 def test_helpers_reject_bad_cu_seqlens():
-    with pytest.raises(ValueError, match="int32"):
-        dr.llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 4]), True, 0, 2)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        dr.llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0.0, 4.0]), True, 0, 2)
     with pytest.raises(ValueError, match="strictly increasing"):
         dr.varlen_balance([0, 4, 4, 8], 2)
     with pytest.raises(ValueError, match="rank=2"):

@@ -8,13 +8,13 @@ attention] in ``engine/llama3.py`` is the algorithm.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..layouts.varlen import (
-    check_bounds,
     check_cu_seqlens_tensor,
     check_divisible,
     check_max_seqlen,
@@ -31,8 +31,9 @@ def llama3_flash_attn_prepare_cu_seqlens(
     """Per-rank metadata of the llama3 layout, as ring-flash-attention's function of this name.
 
     Args:
-        cu_seqlens: *global* document boundaries ``[N + 1]``, int32, ``cu_seqlens[-1] = T``
-            with ``T % world_size == 0``. Read on the host (a sync if it is on a GPU).
+        cu_seqlens: *global* document boundaries ``[N + 1]``, int32 or int64 (values below
+            2**31), ``cu_seqlens[-1] = T > 0`` with ``T % world_size == 0``; non-decreasing:
+            a repeated boundary is an empty document. Read on the host (a sync on a GPU).
         causal: the attention will be causal (then ``cu_seqlens_k`` stops at the rank's slice
             end; otherwise the last local document's keys run to the document's end).
         rank, world_size: position in, and size of, the context-parallel group.
@@ -43,21 +44,24 @@ def llama3_flash_attn_prepare_cu_seqlens(
         tokens cut at document boundaries); ``cu_seqlens_k`` int32 ``[n + 1]``, each local
         document's keys within the all-gathered K/V restricted to ``local_k_slice`` (a
         ``slice`` of the T gathered tokens: from the first local document's start); the
-        ``max_seqlen_*`` are Python ints. Tensors are on ``cu_seqlens``'s device.
+        ``max_seqlen_*`` are Python ints. Tensors are on ``cu_seqlens``'s device. Empty
+        documents inside the slice, or starting at its first token, are kept (repeated
+        entries), as ring-flash-attention keeps them; the llama3 functions skip them.
 
     Raises:
         ValueError: bad ``cu_seqlens``, ``T % world_size != 0``, or a rank out of range.
     """
-    check_cu_seqlens_tensor(cu_seqlens)
-    bounds = host_values(cu_seqlens)
-    check_bounds(bounds, bounds[-1])
+    bounds = _global_bounds(cu_seqlens)
     check_divisible(bounds, "llama3", world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
     length = bounds[-1] // world_size
     lo, hi = rank * length, (rank + 1) * length
-    left = max(i for i, b in enumerate(bounds) if b <= lo)  # the document holding token lo
-    right = min(i for i, b in enumerate(bounds) if b >= hi)  # first boundary at/after hi
+    # ring-flash-attention's torch.searchsorted (first boundary >= lo, one back unless == lo)
+    left = next(i for i, b in enumerate(bounds) if b >= lo)
+    if bounds[left] != lo:
+        left -= 1
+    right = next(i for i, b in enumerate(bounds) if b >= hi)  # first boundary at/after hi
     docs = list(bounds[left : right + 1])
     cu_q = [0, *(b - lo for b in docs[1:-1]), length]
     slice_left = docs[0]
@@ -76,13 +80,59 @@ def llama3_flash_attn_prepare_cu_seqlens(
     )
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _global_bounds(cu_seqlens: object) -> tuple[int, ...]:
+    """Check the global ``cu_seqlens`` of :func:`llama3_flash_attn_prepare_cu_seqlens` (int32
+    or int64; empty documents allowed) and return its values."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        got = cu_seqlens.dtype if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__
+        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {got}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            "cu_seqlens must be 1-D [num_docs + 1] with at least 2 entries (0 and the total), "
+            f"got shape {tuple(cu_seqlens.shape)}"
+        )
+    bounds = host_values(cu_seqlens)
+    check_nondecreasing(bounds, bounds[-1])
+    if not 0 < bounds[-1] <= _INT32_MAX:
+        raise ValueError(
+            f"cu_seqlens must end at the number of tokens T, with 0 < T < 2**31 (the int32 "
+            f"range of the kernels' boundaries), got cu_seqlens[-1]={bounds[-1]}"
+        )
+    return bounds
+
+
+def check_nondecreasing(
+    bounds: Sequence[int], total: int, name: str = "cu_seqlens", what: str = "the number of tokens"
+) -> None:
+    """Check document boundaries that may hold empty documents: start at 0, non-decreasing,
+    end at ``total`` (``what``)."""
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0]={bounds[0]}")
+    for i in range(len(bounds) - 1):
+        if bounds[i + 1] < bounds[i]:
+            raise ValueError(
+                f"{name} must be non-decreasing, but {name}[{i}]={bounds[i]} and "
+                f"{name}[{i + 1}]={bounds[i + 1]}"
+            )
+    if bounds[-1] != total:
+        raise ValueError(f"{name} must end at {what} {total}, got {name}[-1]={bounds[-1]}")
+
+
+def _without_empty(bounds: Sequence[int]) -> tuple[int, ...]:
+    """Non-decreasing boundaries with the empty documents (repeated entries) dropped."""
+    return tuple(b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1])
+
+
 def llama3_locals_disagree(per_rank: list[tuple], causal: bool) -> str | None:
     """Whether every rank's llama3 metadata comes from the same global documents (for the
     consistency mode): ``per_rank[r] = (cu_seqlens_q values, cu_seqlens_k values,
     (k_start, k_stop), L)``. The documents are rebuilt from all ranks (inner query boundaries
-    and each rank's first document start) and each rank's metadata is compared with what
-    :func:`llama3_flash_attn_prepare_cu_seqlens` gives for them; returns the first
-    difference, or None."""
+    and each rank's first document start) and each rank's metadata, without its empty
+    documents, is compared with what :func:`llama3_flash_attn_prepare_cu_seqlens` gives for
+    them; returns the first difference, or None."""
     W, L = len(per_rank), per_rank[0][3]
     starts = {r * L + b for r, (bq, *_) in enumerate(per_rank) for b in bq[1:-1]}
     starts |= {k_slice[0] for _, _, k_slice, _ in per_rank} | {0, W * L}
@@ -90,7 +140,8 @@ def llama3_locals_disagree(per_rank: list[tuple], causal: bool) -> str | None:
     for r, (bq, bk, k_slice, _) in enumerate(per_rank):
         cu_q, cu_k, _, _, sl = llama3_flash_attn_prepare_cu_seqlens(bounds, causal, r, W)
         expected = (tuple(cu_q.tolist()), tuple(cu_k.tolist()), (sl.start, sl.stop))
-        if (tuple(bq), tuple(bk), tuple(k_slice)) != expected:
+        # empty documents are not rebuilt (and change nothing): compare without them
+        if (_without_empty(bq), _without_empty(bk), tuple(k_slice)) != expected:
             return (
                 f"llama3 metadata: rank {r} has cu_seqlens_q={list(bq)}, cu_seqlens_k="
                 f"{list(bk)}, local_k_slice={k_slice}, but the documents {bounds.tolist()} "
@@ -104,13 +155,14 @@ def llama3_locals_disagree(per_rank: list[tuple], causal: bool) -> str | None:
 class Llama3Meta:
     """Checked metadata of one rank's llama3 call (built by :func:`llama3_meta`).
 
-    ``cu_q``/``cu_k`` are on the tensors' device; ``prefix`` (causal only) is the number of
-    keys of the first local document before this rank's slice (0: it starts here), and
-    ``first_len`` that document's local length. ``window``: the causal sliding window
-    ``(left, 0)`` or None; ``prefix_block``: the first document's queries against its keys on
-    earlier ranks, spans relative to the document's local queries and to its prefix keys
-    (None: nothing to compute). Non-causal: ``blocks`` (:class:`DocSpans` parts: query rows,
-    and key rows of the ``local_k_slice``), every local query in exactly one.
+    ``cu_q``/``cu_k`` (empty documents dropped) are on the tensors' device; ``prefix``
+    (causal only) is the number of keys of the first local document before this rank's slice
+    (0: it starts here), and ``first_len`` that document's local length. ``window``: the
+    causal sliding window ``(left, 0)`` or None; ``prefix_block``: the first document's
+    queries against its keys on earlier ranks, spans relative to the document's local queries
+    and to its prefix keys (None: nothing to compute). Non-causal: ``blocks``
+    (:class:`DocSpans` parts: query rows, and key rows of the ``local_k_slice``), every local
+    query in exactly one.
     """
 
     causal: bool
@@ -146,24 +198,34 @@ def llama3_meta(
 ) -> Llama3Meta:
     """Check the llama3 metadata against this rank's ``local_len`` tokens; raise ValueError.
 
+    Empty documents (repeated boundaries, empty in both ``cu_seqlens_q`` and ``_k``) are
+    accepted and dropped: the kernels never see a zero-length document.
+
     ``window``: a normalised sliding window (``resolve.normalize_window``).
     """
     check_cu_seqlens_tensor(cu_seqlens_q, "cu_seqlens_q")
     check_cu_seqlens_tensor(cu_seqlens_k, "cu_seqlens_k")
     bq = host_values(cu_seqlens_q)
     bk = host_values(cu_seqlens_k)
-    check_bounds(bq, local_len, "cu_seqlens_q")
+    check_nondecreasing(bq, local_len, "cu_seqlens_q")
     if not 0 <= k_start < k_stop <= world_size * local_len:
         raise ValueError(
             f"local_k_slice=slice({k_start}, {k_stop}) must lie within the "
             f"{world_size * local_len} gathered tokens and be non-empty"
         )
-    check_bounds(bk, k_stop - k_start, "cu_seqlens_k", "the length of local_k_slice")
+    check_nondecreasing(bk, k_stop - k_start, "cu_seqlens_k", "the length of local_k_slice")
     if len(bk) != len(bq):
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same documents, got {len(bq)} and "
             f"{len(bk)} entries"
         )
+    for i in range(len(bq) - 1):  # an empty document (no queries) is skipped: it has no keys
+        if bq[i + 1] == bq[i] and bk[i + 1] != bk[i]:
+            raise ValueError(
+                f"document {i} is empty in cu_seqlens_q ({bq[i]} twice) but has "
+                f"{bk[i + 1] - bk[i]} keys in cu_seqlens_k; llama3_flash_attn_prepare_cu_seqlens "
+                "gives an empty document no keys"
+            )
     prefix = rank * local_len - k_start
     if causal:
         shifted = [b + prefix for b in bq[1:]]
@@ -179,8 +241,8 @@ def llama3_meta(
     check_max_seqlen("max_seqlen_q", max_seqlen_q, bq, hint)
     check_max_seqlen("max_seqlen_k", max_seqlen_k, bk, hint)
     return _llama3_meta_cached(
-        tuple(bq),
-        tuple(bk),
+        _without_empty(bq),
+        _without_empty(bk),
         k_start,
         k_stop,
         local_len,
