@@ -27,6 +27,7 @@ Public names:
 
 from . import ops  # noqa: F401  (registers the dtensor_ring:: ops)
 from .api.context_parallel import context_parallel, context_parallel_unshard
+from .api.decode import decode_attention_func
 from .api.dtensor import (
     ring_sdpa,
     scaled_dot_product_ring_attention,
@@ -86,6 +87,7 @@ from .schedule.plan import make_plan
 from .simulate import RankSimulator, simulate_ring
 
 __all__ = [
+    "decode_attention_func",
     "consistency_checks_enabled",
     "set_consistency_checks",
     "RankSimulator",

@@ -183,12 +183,16 @@ def default_scale(q: Tensor, softmax_scale: float | None) -> float:
 _SEQ_DIMS_WORDS = {"B, S_local": "batch, local sequence length", "T_local": "packed length"}
 
 
-def check_qkv_tensors(q: Tensor, k: Tensor, v: Tensor, *, seq_dims: str = "B, S_local") -> None:
+def check_qkv_tensors(
+    q: Tensor, k: Tensor, v: Tensor, *, seq_dims: str = "B, S_local", kv_cache: bool = False
+) -> None:
     """Shape/dtype/device checks of ``q [*seq_dims, H, D]``, ``k``/``v [*seq_dims, H_kv, D]``.
 
     Args:
         seq_dims: the leading (token) dims: ``"B, S_local"`` for the dense API (4-D tensors),
             ``"T_local"`` for packed varlen tensors (3-D).
+        kv_cache: k/v are a KV-cache shard ``[B, S_cache, H_kv, D]``: any length, 0 included,
+            independent of q's.
 
     Raises:
         ValueError: naming the offending argument and how to fix it.
@@ -199,17 +203,20 @@ def check_qkv_tensors(q: Tensor, k: Tensor, v: Tensor, *, seq_dims: str = "B, S_
             raise ValueError(
                 f"{name} must be {ndim}-D [{seq_dims}, H, D], got shape {tuple(t.shape)}"
             )
-        if t.numel() == 0:
+        sizes = [n for i, n in enumerate(t.shape) if not (kv_cache and name != "q" and i == 1)]
+        if 0 in sizes:
             raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); every dim must be >= 1")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     (*lead_q, H, D), (*lead_kv, H_kv, D_kv) = q.shape, k.shape
+    if kv_cache:  # only the batch must agree
+        lead_q, lead_kv = lead_q[:1], lead_kv[:1]
     if (*lead_q, D) != (*lead_kv, D_kv):
         raise ValueError(
             f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on "
-            f"{_SEQ_DIMS_WORDS.get(seq_dims, seq_dims)} and head dim "
+            f"{'batch' if kv_cache else _SEQ_DIMS_WORDS.get(seq_dims, seq_dims)} and head dim "
             f"([{seq_dims}, H, D] vs [{seq_dims}, H_kv, D])"
         )
     if H % H_kv != 0:
