@@ -263,6 +263,30 @@ def _group_name() -> str:
     return group_arg(_config.group)[0]
 
 
+def check_model_keywords(who: str, kwargs: dict, used: frozenset[str], dropout: object) -> None:
+    """The checks every transformers attention function of ours makes of what model code
+    passes: a keyword neither ``used`` nor harmless (TypeError), a feature that must be off
+    (:data:`_FEATURE_OFF`), dropout (a number, 0). ``who`` starts the messages."""
+    unknown = sorted(set(kwargs) - used - _HARMLESS - set(_FEATURE_OFF))
+    if unknown:
+        given = ", ".join(f"{name}={_summary(kwargs[name])}" for name in unknown)
+        raise TypeError(
+            f"{who} got unknown keyword(s) {given}; it cannot tell whether ignoring them would "
+            f"change the result: drop them if the model does not need them, or {_WITHOUT}"
+        )
+    for name, (off, why) in _FEATURE_OFF.items():
+        value = kwargs.get(name)
+        if value is not None and (isinstance(value, Tensor) or value not in off):
+            raise ValueError(f"{who} got {name}={_summary(value)}: {why}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"{who}: dropout must be a float, got {_summary(dropout)}")
+    if dropout != 0:  # transformers passes the config's attention_dropout in training mode
+        raise ValueError(
+            f"{who} does not support dropout={dropout}; set the model config's attention_dropout "
+            "to 0"
+        )
+
+
 def _check_call(
     module: torch.nn.Module,
     query: Tensor,
@@ -273,30 +297,12 @@ def _check_call(
 ) -> tuple[int, int]:
     """Reject what :func:`ring_attention_forward` cannot honour (local checks only); return
     the ``window_size`` of ``sliding_window``."""
-    unknown = sorted(set(kwargs) - _USED - _HARMLESS - set(_FEATURE_OFF))
-    if unknown:
-        given = ", ".join(f"{name}={_summary(kwargs[name])}" for name in unknown)
-        raise TypeError(
-            f"dtensor_ring attention got unknown keyword(s) {given}; it cannot tell whether "
-            "ignoring them would change the result: drop them if the model does not need "
-            f"them, or {_WITHOUT}"
-        )
-    for name, (off, why) in _FEATURE_OFF.items():
-        value = kwargs.get(name)
-        if value is not None and (isinstance(value, Tensor) or value not in off):
-            raise ValueError(f"dtensor_ring attention got {name}={_summary(value)}: {why}")
+    check_model_keywords("dtensor_ring attention", kwargs, _USED, dropout)
     if attention_mask is not None:
         raise ValueError(
             f"dtensor_ring attention cannot honour attention_mask={_summary(attention_mask)} "
             "(4-D or custom masks); it computes causality itself: drop the mask, and pack "
             "documents with dtensor_ring.hf.shard_batch instead of masking them"
-        )
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-        raise TypeError(f"dtensor_ring attention: dropout must be a float, got {_summary(dropout)}")
-    if dropout != 0:  # transformers passes the config's attention_dropout in training mode
-        raise ValueError(
-            f"dtensor_ring attention does not support dropout={dropout}; set the model config's "
-            "attention_dropout to 0"
         )
     is_causal = kwargs.get("is_causal")
     causal = check_bool(

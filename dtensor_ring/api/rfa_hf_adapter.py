@@ -50,7 +50,7 @@ from ..consistency import relay_errors
 from ..layouts.varlen import host_values
 from ..resolve import group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
-from .hf import _FEATURE_OFF, _HARMLESS, _no_mask, _summary, _window
+from .hf import _no_mask, _summary, _window, check_model_keywords
 from .varlen import llama3_flash_attn_varlen_func
 
 __all__ = [
@@ -193,26 +193,12 @@ def _check_call(
     kwargs: dict,
 ) -> tuple[int, int]:
     """Reject what :func:`ring_flash_attention_forward` cannot honour; return its window."""
-    unknown = sorted(set(kwargs) - _KNOWN - _HARMLESS - set(_FEATURE_OFF))
-    if unknown:
-        given = ", ".join(f"{name}={_summary(kwargs[name])}" for name in unknown)
-        raise TypeError(f"ring flash attention adapter got unknown keyword(s) {given}")
-    for name, (off, why) in _FEATURE_OFF.items():
-        value = kwargs.get(name)
-        if value is not None and (isinstance(value, Tensor) or value not in off):
-            raise ValueError(f"ring flash attention adapter got {name}={_summary(value)}: {why}")
+    check_model_keywords("ring flash attention adapter", kwargs, _KNOWN, dropout)
     if attention_mask is not None:
         raise ValueError(
             f"ring flash attention adapter cannot honour attention_mask="
             f"{_summary(attention_mask)} (padding): pack the documents without padding and "
             "pass their boundaries to update_ring_flash_attn_params"
-        )
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-        raise TypeError(f"ring flash attention adapter: dropout must be a float, got {dropout!r}")
-    if dropout != 0:
-        raise ValueError(
-            f"ring flash attention adapter does not support dropout={dropout}; set the model "
-            "config's attention_dropout to 0"
         )
     is_causal = kwargs.get("is_causal")
     if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
