@@ -4,11 +4,13 @@ Note [Decoding over a sharded KV cache (pass-Q)]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Each rank holds a shard of the KV cache (any tokens, any number, possibly none); the new
 token's query is the same on every rank. Every rank attends to its own shard, and the partial
-results merge exactly (Note [Online-softmax merge]) after one all-gather of ``(out, lse)``:
+results merge exactly (Note [Online-softmax merge], the ring's ``merge_``) after one all-gather
+of ``(out, lse)``:
 
     rank 0: q . K_0 -> (o_0, lse_0) --+
-    rank 1: q . K_1 -> (o_1, lse_1) --+-- all_gather --> lse = logsumexp_r lse_r
-    rank 2: (empty)  -> (0,  -inf)  --+                  o   = sum_r exp(lse_r - lse) o_r
+    rank 1: q . K_1 -> (o_1, lse_1) --+-- all_gather --> merge_ in rank order:
+    rank 2: (empty)  -> (0,  -inf)  --+                  lse = logsumexp_r lse_r
+                                                         o   = sum_r exp(lse_r - lse) o_r
                                                          (the same on every rank)
 
 Only the query's ``(out, lse)`` travels, ``B * H * (D + 1)`` fp32 values per rank and step,
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from .._compat import resolve_group
 from ..kernels import accumulation_dtype, get_kernel
-from ..kernels.merge import empty_rows_nan_
+from ..kernels.merge import empty_rows_nan_, merge_
 from .common import fake_out_lse
 
 
@@ -49,11 +51,10 @@ def decode_attention_impl(
     gathered = torch.stack(parts)  # [W, B, S_q * H * D + H * S_q]
     outs = gathered[:, :, : S_q * H * D].reshape(world, B, S_q, H, D)
     lses = gathered[:, :, S_q * H * D :].reshape(world, B, H, S_q)
-    lse_all = torch.logsumexp(lses, dim=0)
-    # weights exp(lse_r - lse); ranks with lse_r = -inf weigh 0 (and 0 where lse is -inf too)
-    weights = torch.exp(lses - lse_all.masked_fill(lse_all == float("-inf"), 0))
-    merged = (weights.transpose(2, 3).unsqueeze(-1) * outs).sum(0)
-    return empty_rows_nan_(merged.to(q.dtype), lse_all), lse_all
+    out_acc, lse_acc = outs[0].clone(), lses[0].clone()
+    for r in range(1, world):  # in rank order on every rank: the same result everywhere
+        merge_(out_acc, lse_acc, outs[r], lses[r])
+    return empty_rows_nan_(out_acc.to(q.dtype), lse_acc), lse_acc
 
 
 decode_attention = torch.library.custom_op("dtensor_ring::decode_attention", mutates_args=())(
