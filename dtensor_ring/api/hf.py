@@ -47,7 +47,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..consistency import relay_errors
-from ..layouts import LAYOUTS, Layout, get_layout, layout_names, shard_local, token_indices
+from ..layouts import (
+    LAYOUTS,
+    Layout,
+    get_layout,
+    layout_names,
+    order_layout,
+    shard_local,
+    token_indices,
+)
 from ..layouts.varlen import host_values, varlen_local_cu_seqlens, varlen_token_indices
 from ..resolve import check_bool, group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
@@ -164,13 +172,6 @@ _FEATURE_OFF: dict[str, tuple[tuple[object, ...], str]] = {
 }
 
 #: Keywords this function reads (below), besides attention_mask, scaling and dropout.
-# Non-causal attention over every key of the sequence (or of the document) does not depend on
-# the order in which the ranks hold the tokens: whatever the sharding layout, the contiguous
-# layout's plan (every rank's queries against every rank's keys) computes it, as long as the
-# queries and keys of a rank are in the same order (they are: one layout shards the batch).
-# (Zigzag and stripe plans exist for causal masks only.)
-_ORDER_FREE = "ring"
-
 _USED = frozenset({"is_causal", "sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
 
 
@@ -244,7 +245,7 @@ def ring_attention_forward(
         )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = ring_attention_func(
-        _config.layout if causal else _ORDER_FREE,
+        order_layout(_config.layout, causal, window),  # any sharding order if non-causal
         q,
         k,
         v,
@@ -403,7 +404,7 @@ def _varlen_attention(
         )
     else:
         out = ring_varlen_attention_func(
-            layout if causal else _ORDER_FREE,
+            order_layout(layout, causal, window),
             q,
             k,
             v,

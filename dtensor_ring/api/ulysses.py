@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..consistency import relay_errors
-from ..layouts import Layout, LayoutName, get_layout, token_indices
+from ..layouts import Layout, LayoutName, get_layout, order_layout, token_indices
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
-from ..ops.ulysses import gathered_order, to_heads, ulysses_all_to_all, ulysses_local_attention
+from ..ops.ulysses import to_heads, ulysses_all_to_all, ulysses_local_attention
 from ..resolve import group_arg, resolve_call, unpack
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
@@ -105,7 +105,7 @@ def ulysses_flash_attn_func(
     if W == 1:
         out, lse = call_attention(ulysses_local_attention, q, k, v, causal, scale, backend, *window)
         return (out, lse, None) if return_attn_probs else out
-    order = gathered_order(spec.layout, causal, window)
+    order = order_layout(spec.layout, causal, window)
     qh, kh, vh = to_heads(q, k, v, name, W, order)
     out_h, lse_h = call_attention(
         ulysses_local_attention, qh, kh, vh, causal, scale, backend, *window

@@ -23,6 +23,7 @@ from .registry import (
     LayoutName,
     get_layout,
     layout_names,
+    order_layout,
     register_layout,
     unregister_layout,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "gather_sequence",
     "get_layout",
     "layout_names",
+    "order_layout",
     "register_layout",
     "shard_local",
     "shard_varlen",

@@ -81,3 +81,12 @@ def get_layout(layout: str | Layout, form: Form = "any") -> Layout:
 
 for _layout in BUILTIN_LAYOUTS:
     register_layout(_layout)
+
+
+def order_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
+    """The layout whose token order a call with this mask depends on: ``layout``, or, for
+    attention over every key (no causal mask, no window), "ring", the identity order. Such
+    attention does not depend on the order in which the ranks hold the tokens (as long as each
+    rank's queries and keys share one order), so the contiguous plan serves shards in any
+    layout, and the Ulysses all-to-alls need not reorder them."""
+    return layout if causal or tuple(window) != (-1, -1) else "ring"

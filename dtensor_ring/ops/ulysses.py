@@ -52,7 +52,7 @@ from .._compat import resolve_group
 from ..comm.all_to_all import all_to_all
 from ..kernels import accumulation_dtype, get_kernel
 from ..kernels.merge import empty_rows_nan_
-from ..layouts import get_layout
+from ..layouts import get_layout, order_layout
 from ..schedule.cost import kv_repeat
 from .common import fake_grads, fake_out_lse, op_window, register_attention_autograd
 
@@ -193,12 +193,6 @@ def to_heads(q: Tensor, k: Tensor, v: Tensor, name: str, W: int, layout: str):
     return tuple(ulysses_all_to_all(x, name, 1, 2, True, layout) for x in (q, k, v))
 
 
-def gathered_order(layout: str, causal: bool, window: tuple[int, int]) -> str:
-    """The ``layout`` argument of the all-to-alls: attention without a causal mask or window
-    ignores token order, so it needs no reordering ("ring", the identity order)."""
-    return layout if causal or tuple(window) != (-1, -1) else "ring"
-
-
 # --- sequence-sharded attention ops (the DTensor path) ---------------------------------------
 
 
@@ -225,7 +219,7 @@ def ulysses_attention_impl(
     :func:`ulysses_flash_attn_func` keeps them (autograd through the pieces) and does not.
     """
     W = dist.get_world_size(resolve_group(group_name))
-    order = gathered_order(layout, causal, (window_left, window_right))
+    order = order_layout(layout, causal, (window_left, window_right))
     qh, kh, vh = to_heads(q, k, v, group_name, W, order)
     out_h, lse_h = ulysses_local_attention(
         qh, kh, vh, causal, scale, backend, window_left, window_right
@@ -269,7 +263,7 @@ def ulysses_attention_backward_impl(
     and dq, dk, dv go back; the gradients of repeated K/V heads are summed.
     """
     W = dist.get_world_size(resolve_group(group_name))
-    order = gathered_order(layout, causal, (window_left, window_right))
+    order = order_layout(layout, causal, (window_left, window_right))
     H_kv = k.shape[2]
     qh, kh, vh = to_heads(q, k, v, group_name, W, order)
     dout_h, out_h = (ulysses_all_to_all(t, group_name, 1, 2, True, order) for t in (dout, out))
