@@ -229,6 +229,30 @@ def check_qkv_tensors(
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
 
 
+def check_sinks(sinks: object, q: Tensor) -> None:
+    """``sinks`` must be None or the per-head sink logits ``[H]`` of ``q [..., H, D]``: a
+    floating-point tensor on q's device (Note [Attention sinks]); raises TypeError/ValueError
+    naming it."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a tensor [H] or None, got {type(sinks).__name__}")
+    if type(sinks) is not Tensor and type(q) is Tensor and type(sinks).__name__ == "DTensor":
+        raise TypeError(
+            "sinks is a DTensor but q is a plain tensor: pass sinks.full_tensor() (the logits "
+            "are replicated on every rank)"
+        )
+    H = q.shape[-2]
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(
+            f"sinks must be [H] = [{H}] (one logit per query head), got shape {tuple(sinks.shape)}"
+        )
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device}, q on {q.device}: move sinks to q's device")
+
+
 def unpack(
     name: str, packed: Tensor, n: int, group: object, *, varlen: bool = False
 ) -> tuple[Tensor, ...]:
@@ -374,6 +398,7 @@ def resolve_call(
     dropout_p: float = 0.0,
     alibi_slopes: object = None,
     deterministic: bool = False,
+    sinks: object = None,
     backend: str | None,
     group_name: str,
     world_size: int,
@@ -396,6 +421,8 @@ def resolve_call(
             (:func:`dtensor_ring.layouts.get_layout`).
         causal, softmax_scale, window_size, dropout_p, alibi_slopes, deterministic, backend:
             flash-attn's arguments.
+        sinks: None or the sink logits ``[H]`` (:func:`check_sinks`; values compared across
+            ranks in the consistency mode).
         group_name, world_size: the process group the call runs over (its size W); the global
             length is ``tokens_local * W``.
         ring_func: ring attention is asked of the layout: check its mask, naming this function
@@ -432,6 +459,7 @@ def resolve_call(
             dropout_p=dropout_p,
             alibi_slopes=alibi_slopes,
             deterministic=deterministic,
+            sinks=sinks,
             backend=backend,
             group_name=group_name,
             world_size=world_size,
@@ -451,6 +479,7 @@ def resolve_call(
             "shapes": [tuple(t.shape) for t in (q, k, v)],
             "dtype": str(q.dtype),
             "device type": q.device.type,
+            "sinks": None if sinks is None else sinks.detach().double().cpu().tolist(),
             **(metadata() if metadata else {}),
         }
         check_consistent(groups, fingerprint, local() if local else None, check_locals)
@@ -470,6 +499,7 @@ def _resolve(
     dropout_p: float,
     alibi_slopes: object,
     deterministic: bool,
+    sinks: object,
     backend: str | None,
     group_name: str,
     world_size: int,
@@ -488,6 +518,7 @@ def _resolve(
     if ring_func is not None:
         lay.check_mask(causal, ring_func=ring_func)
     check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
+    check_sinks(sinks, q)
     tokens = q.shape[0] if varlen else q.shape[1]
     if global_len is not None:
         tokens = global_len // world_size

@@ -33,6 +33,7 @@ def reference_attention(
     causal: bool,
     scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact softmax attention of full sequences, in float64.
 
@@ -44,6 +45,8 @@ def reference_attention(
         scale: softmax scale, default ``D ** -0.5``.
         window_size: ``(left, right)``: query ``i`` sees keys ``i - left <= j <= i + right``
             (-1: unbounded), as flash-attn; with ``causal`` ``right`` is 0.
+        sinks: ``[H]`` attention-sink logits (gpt-oss): one more score per row, of head h's
+            value ``sinks[h]``, whose probability is dropped (it has no value).
 
     Returns:
         ``(out, lse)``: ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` (natural log), both
@@ -69,8 +72,13 @@ def reference_attention(
         if right >= 0:
             visible &= j <= i + right
         scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # the sink column, dropped after the softmax
+        sink_col = sinks.to(torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, S_q]
     probs = torch.exp(scores - lse.unsqueeze(-1))
+    if sinks is not None:
+        probs = probs[..., :-1]
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v64)
     return out, lse
 
@@ -84,9 +92,10 @@ def reference_attention_varlen(
     causal: bool,
     scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-document attention of packed sequences, in float64 (``window_size`` over the
-    positions within each document, as :func:`reference_attention`).
+    positions within each document, and ``sinks``, as :func:`reference_attention`).
 
     Args:
         q: ``[T, H, D]``; k, v: ``[T, H_kv, D]``; ``cu_seqlens``: ``[N + 1]`` document
@@ -109,6 +118,7 @@ def reference_attention_varlen(
             causal=causal,
             scale=scale,
             window_size=window_size,
+            sinks=sinks,
         )
         outs.append(out[0])
         lses.append(lse[0])

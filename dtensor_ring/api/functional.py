@@ -22,6 +22,10 @@ Arguments common to every function here:
     return_attn_probs: also return ``lse [B, H, S_local]`` (as ``(out, lse, None)``).
     group: the context-parallel process group (default: the default group).
     backend (keyword only): block-kernel backend name, or None for the fastest able one.
+    sinks (keyword only): per-head attention-sink logits ``[H]`` (gpt-oss ``s_aux``), or None:
+        each row's softmax denominator gets ``exp(sinks[h])`` (Note [Attention sinks]); its
+        gradient on each rank is that rank's rows' share (sum over the group: the whole
+        sequence's).
 
 Every argument is checked on every rank before any communication (Note [Call resolution]):
 bad input raises ``ValueError`` naming it.
@@ -54,6 +58,7 @@ def ring_attention_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention in any registered dense ``layout`` (the functions below fix it):
     ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``."""
@@ -71,10 +76,11 @@ def ring_attention_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
+        sinks=sinks,
         group_name=name,
         world_size=world_size,
     )
-    out, lse = call_attention(ring_attention, q, k, v, *spec.op_args())
+    out, lse = call_attention(ring_attention, q, k, v, *spec.op_args(), sinks)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -92,6 +98,7 @@ def ring_flash_attn_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, ring layout (contiguous shards).
 
@@ -112,6 +119,7 @@ def ring_flash_attn_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -128,6 +136,7 @@ def ring_flash_attn_kvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, ring layout (contiguous shards).
 
@@ -149,6 +158,7 @@ def ring_flash_attn_kvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -164,6 +174,7 @@ def ring_flash_attn_qkvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, ring layout (contiguous shards).
 
@@ -185,6 +196,7 @@ def ring_flash_attn_qkvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -202,6 +214,7 @@ def zigzag_ring_flash_attn_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, zigzag layout; causal only.
 
@@ -222,6 +235,7 @@ def zigzag_ring_flash_attn_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -238,6 +252,7 @@ def zigzag_ring_flash_attn_kvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, zigzag layout; causal only.
 
@@ -259,6 +274,7 @@ def zigzag_ring_flash_attn_kvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -274,6 +290,7 @@ def zigzag_ring_flash_attn_qkvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, zigzag layout; causal only.
 
@@ -295,6 +312,7 @@ def zigzag_ring_flash_attn_qkvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -312,6 +330,7 @@ def stripe_flash_attn_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, stripe layout; causal only.
 
@@ -332,6 +351,7 @@ def stripe_flash_attn_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -348,6 +368,7 @@ def stripe_flash_attn_kvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, stripe layout; causal only.
 
@@ -369,6 +390,7 @@ def stripe_flash_attn_kvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -384,6 +406,7 @@ def stripe_flash_attn_qkvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention, stripe layout; causal only.
 
@@ -405,4 +428,5 @@ def stripe_flash_attn_qkvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )

@@ -60,6 +60,7 @@ def ulysses_flash_attn_func(
     *,
     layout: LayoutName = "ring",
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ulysses (all-to-all) attention; see Note [Ulysses attention].
 
@@ -78,6 +79,9 @@ def ulysses_flash_attn_func(
         layout: "ring", "zigzag" or "stripe": which tokens each rank holds. Any layout works
             (causal or not); the all-to-all undoes the layout's permutation for causal masks.
         backend: block-kernel backend name, or None for automatic choice.
+        sinks: per-head attention-sink logits ``[H]``, or None (Note [Attention sinks]); the
+            kernel applies those of the rank's heads, and each rank's gradient holds its heads'
+            whole-sequence share (the sum over the group is the whole gradient).
 
     Returns:
         ``out [B, S_local, H, D]`` (or ``(out, lse, None)``).
@@ -96,24 +100,37 @@ def ulysses_flash_attn_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
+        sinks=sinks,
         group_name=name,
         world_size=W,
         ring_func=None,
         head_split=W,
     )
     name, _, causal, scale, backend, *window = spec.op_args()
+    local_sinks = head_shard(sinks, group, W)
     if W == 1:
-        out, lse = call_attention(ulysses_local_attention, q, k, v, causal, scale, backend, *window)
+        out, lse = call_attention(
+            ulysses_local_attention, q, k, v, causal, scale, backend, *window, local_sinks
+        )
         return (out, lse, None) if return_attn_probs else out
     order = order_layout(spec.layout, causal, window)
     qh, kh, vh = to_heads(q, k, v, name, W, order)
     out_h, lse_h = call_attention(
-        ulysses_local_attention, qh, kh, vh, causal, scale, backend, *window
+        ulysses_local_attention, qh, kh, vh, causal, scale, backend, *window, local_sinks
     )
     out = ulysses_all_to_all(out_h, name, 1, 2, False, order)
     if not return_attn_probs:
         return out
     return out, ulysses_all_to_all(lse_h, name, 2, 1, False, order), None
+
+
+def head_shard(sinks: Tensor | None, group: dist.ProcessGroup | None, W: int) -> Tensor | None:
+    """The sink logits of the query heads this rank holds after the all-to-all over ``group``
+    (W ranks; rank j gets head chunk j, Note [Ulysses attention]): ``[H]`` -> ``[H / W]``.
+    Autograd returns the rank's gradient into its chunk (zeros elsewhere)."""
+    if sinks is None or W == 1:
+        return sinks
+    return sinks.view(W, -1)[dist.get_rank(group)]
 
 
 def ulysses_flash_attn_kvpacked_func(
@@ -130,6 +147,7 @@ def ulysses_flash_attn_kvpacked_func(
     *,
     layout: LayoutName = "ring",
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """:func:`ulysses_flash_attn_func` with ``q [B, S_local, H, D]``,
     ``kv [B, S_local, 2, H_kv, D]``."""
@@ -148,6 +166,7 @@ def ulysses_flash_attn_kvpacked_func(
         group,
         layout=layout,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -164,6 +183,7 @@ def ulysses_flash_attn_qkvpacked_func(
     *,
     layout: LayoutName = "ring",
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """:func:`ulysses_flash_attn_func` with ``qkv [B, S_local, 3, H, D]``."""
     q, k, v = unpack("qkv", qkv, 3, group)
@@ -181,6 +201,7 @@ def ulysses_flash_attn_qkvpacked_func(
         group,
         layout=layout,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -251,6 +272,7 @@ def hybrid_flash_attn_func(
     ring_group: dist.ProcessGroup,
     layout: LayoutName = "zigzag",
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """2-D context parallelism: Ulysses over ``ulysses_group``, ring over ``ring_group``.
 
@@ -293,6 +315,7 @@ def hybrid_flash_attn_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
+        sinks=sinks,
         group_name=r_name,
         world_size=U * R,
         check_groups=(u_name,),
@@ -301,7 +324,8 @@ def hybrid_flash_attn_func(
         head_split=U,
     )
     qh, kh, vh = to_heads(q, k, v, u_name, U, "ring")  # plain concatenation: no reordering
-    out_h, lse_h = call_attention(ring_attention, qh, kh, vh, *spec.op_args())
+    sinks_h = head_shard(sinks, ulysses_group, U)
+    out_h, lse_h = call_attention(ring_attention, qh, kh, vh, *spec.op_args(), sinks_h)
     out = ulysses_all_to_all(out_h, u_name, 1, 2, False, "ring")
     if not return_attn_probs:
         return out

@@ -36,6 +36,8 @@ Arguments common to every function here:
     group: the context-parallel process group (default: the default group).
     backend (keyword only): block-kernel backend name (must support varlen; on CPU: "math"),
         or None for automatic choice.
+    sinks (keyword only): per-head attention-sink logits ``[H]``, or None (Note [Attention
+        sinks]; as in :mod:`dtensor_ring.api.functional`).
 
 Every argument is checked on every rank before any communication (Note [Call resolution]);
 the ops check the values of the ``cu_seqlens`` tensors when they run, also before any
@@ -83,6 +85,7 @@ def ring_varlen_attention_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention over packed documents in any registered per-document varlen ``layout``
     (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` ->
@@ -107,6 +110,7 @@ def ring_varlen_attention_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
+        sinks=sinks,
         group_name=name,
         world_size=world_size,
         ring_func="ring_flash_attn_varlen_func",
@@ -115,7 +119,7 @@ def ring_varlen_attention_func(
     )
     max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
     out, lse = call_attention(
-        ring_attention_varlen, q, k, v, cu_seqlens, max_seqlen, *spec.op_args()
+        ring_attention_varlen, q, k, v, cu_seqlens, max_seqlen, *spec.op_args(), sinks
     )
     return (out, lse, None) if return_attn_probs else out
 
@@ -140,6 +144,7 @@ def llama3_attention_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
     layout: str = "llama3",
 ) -> Result:
     """All-gather attention over packed documents in a stream ``layout``: ``q [L, H, D]``,
@@ -172,6 +177,7 @@ def llama3_attention_func(
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
         backend=backend,
+        sinks=sinks,
         group_name=name,
         world_size=world_size,
         checks=checks,
@@ -195,6 +201,7 @@ def llama3_attention_func(
         k_start,
         k_stop,
         *spec.op_args(),
+        sinks,
     )
     return (out, lse, None) if return_attn_probs else out
 
@@ -215,6 +222,7 @@ def ring_flash_attn_varlen_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention over packed documents, ring varlen layout (every document cut into W pieces).
 
@@ -237,6 +245,7 @@ def ring_flash_attn_varlen_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -255,6 +264,7 @@ def ring_flash_attn_varlen_kvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention over packed documents, ring varlen layout (every document cut into W pieces).
 
@@ -278,6 +288,7 @@ def ring_flash_attn_varlen_kvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -295,6 +306,7 @@ def ring_flash_attn_varlen_qkvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention over packed documents, ring varlen layout (every document cut into W pieces).
 
@@ -318,6 +330,7 @@ def ring_flash_attn_varlen_qkvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -337,6 +350,7 @@ def zigzag_ring_flash_attn_varlen_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention over packed documents, zigzag varlen layout (causal only).
 
@@ -359,6 +373,7 @@ def zigzag_ring_flash_attn_varlen_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -377,6 +392,7 @@ def zigzag_ring_flash_attn_varlen_kvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention over packed documents, zigzag varlen layout (causal only).
 
@@ -400,6 +416,7 @@ def zigzag_ring_flash_attn_varlen_kvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -417,6 +434,7 @@ def zigzag_ring_flash_attn_varlen_qkvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention over packed documents, zigzag varlen layout (causal only).
 
@@ -440,6 +458,7 @@ def zigzag_ring_flash_attn_varlen_qkvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -463,6 +482,7 @@ def llama3_flash_attn_varlen_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """All-gather (llama3) attention over packed documents: the packed stream cut into W
     contiguous slices, K/V all-gathered per group of ``heads_k_stride`` KV heads.
@@ -489,6 +509,7 @@ def llama3_flash_attn_varlen_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -511,6 +532,7 @@ def llama3_flash_attn_varlen_kvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """All-gather (llama3) attention over packed documents: the packed stream cut into W
     contiguous slices, K/V all-gathered per group of ``heads_k_stride`` KV heads.
@@ -538,6 +560,7 @@ def llama3_flash_attn_varlen_kvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )
 
 
@@ -559,6 +582,7 @@ def llama3_flash_attn_varlen_qkvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Result:
     """All-gather (llama3) attention over packed documents: the packed stream cut into W
     contiguous slices, K/V all-gathered per group of ``heads_k_stride`` KV heads.
@@ -586,4 +610,5 @@ def llama3_flash_attn_varlen_qkvpacked_func(
         return_attn_probs,
         group,
         backend=backend,
+        sinks=sinks,
     )

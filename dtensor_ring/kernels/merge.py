@@ -84,3 +84,63 @@ def empty_rows_nan_(out: Tensor, lse: Tensor) -> Tensor:
     ``lse`` (``[B, H, S]`` or ``[H, T]``) is -inf: every score of the row was -inf, and the
     softmax of those is 0 / 0 (Note [Online-softmax merge]). Returns ``out``."""
     return out.masked_fill_((lse == float("-inf")).transpose(-1, -2).unsqueeze(-1), float("nan"))
+
+
+# Note [Attention sinks]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A sink is a learnable logit per query head (gpt-oss's ``s_aux``) that joins every row's
+# softmax denominator and contributes no value:
+#
+#     p_ij = exp(s_ij - lse'),   lse' = log(sum_j exp(s_ij) + exp(sink_h)),   o = sum_j p_ij v_j
+#
+# It is one more partial result with an empty value (Note [Online-softmax merge] with
+# ``o_B = 0``, ``lse_B = sink_h``), folded in once, after the last block:
+#
+#     lse' = logaddexp(lse, sink_h)           w = exp(lse - lse') = sigmoid(lse - sink_h)
+#     o'   = w * o
+#
+# Backward: the sink's column has ``dP = dO . 0 = 0``, so the rows' gradients are the ordinary
+# attention backward with the *final* ``(o', lse')`` (what the ops save), and
+#
+#     dsink_h = -sum_i exp(sink_h - lse'_i) * delta_i,    delta_i = dO_i . o'_i
+#
+# over this rank's rows: the sink is replicated, and each rank's gradient is its rows' share
+# (the sum over the group is the gradient of the whole sequence, as for every replicated
+# parameter). A row with no visible key (``lse = -inf``) is softmax over the sink alone:
+# ``o' = 0``, ``lse' = sink_h``. A +inf sink makes its rows NaN, as in the full softmax.
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks_H: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold per-head sink logits into a final attention result (Note [Attention sinks]).
+
+    Args:
+        out: ``[B, S, H, D]`` or ``[T, H, D]`` (any float dtype; returned in it).
+        lse: ``[B, H, S]`` or ``[H, T]``, the accumulation dtype.
+        sinks_H: ``[H]``, one logit per query head (any float dtype).
+
+    Returns:
+        ``(out', lse')`` of the softmax whose denominator includes ``exp(sinks_H[h])``.
+    """
+    sink_H1 = sinks_H.to(lse.dtype).unsqueeze(-1)
+    lse_sunk = torch.logaddexp(lse, sink_H1)
+    weight = torch.exp(lse - lse_sunk).masked_fill_(lse_sunk == float("inf"), float("nan"))
+    only_sink = (lse == float("-inf")) & lse_sunk.isfinite()  # rows with no visible key
+    out_sunk = out.to(lse.dtype) * _per_row(weight)
+    out_sunk.masked_fill_(_per_row(only_sink), 0.0)
+    return out_sunk.to(out.dtype), lse_sunk
+
+
+def _per_row(x_HS: Tensor) -> Tensor:
+    """``[.., H, S]`` (lse's layout) -> ``[.., S, H, 1]`` (broadcasts against out)."""
+    return x_HS.transpose(-1, -2).unsqueeze(-1)
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks_H: Tensor) -> Tensor:
+    """This rank's gradient of the sink logits (Note [Attention sinks]) from the *final*
+    ``out`` / ``lse`` (sinks folded in; layouts as in :func:`add_sinks`) and ``dout`` like
+    ``out``. Returns ``dsinks [H]`` in ``sinks_H``'s dtype. Plain torch ops, so on DTensors
+    (the DTensor path's autograd) the sums over sharded rows give a ``Partial`` gradient."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(-1, -2)  # like lse
+    p_sink = torch.exp(sinks_H.to(lse.dtype).unsqueeze(-1) - lse)
+    rows = [d for d in range(lse.dim()) if d != lse.dim() - 2]  # every dim but the heads
+    return -(p_sink * delta).sum(rows).to(sinks_H.dtype)

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
 from .._compat import python_modes_active
 from ..kernels import accumulation_dtype
+from ..kernels.merge import add_sinks, sinks_grad
 
 
 def op_window(window_left: int, window_right: int) -> tuple[int, int] | None:
     """The normalised window an op received as ``window_left, window_right`` (the last of
     ``AttentionSpec.op_args()``; -1, -1: none)."""
     return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+
+
+def with_sinks(out_lse: tuple[Tensor, Tensor], sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """An attention op's final ``(out, lse)`` with the per-head sink logits ``sinks [H]``
+    folded in (Note [Attention sinks]; None: no sinks). The last step of every forward op."""
+    return out_lse if sinks is None else add_sinks(*out_lse, sinks)
 
 
 def fake_out_lse(q: Tensor, lse_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
@@ -55,28 +64,36 @@ def register_attention_autograd(
     """Autograd of an attention op pair of the shape every ``dtensor_ring::`` op has, for the
     op and for its eager path (Note [Eager calls]).
 
-    ``forward_op(q, k, v, *meta, *args) -> (out, lse)`` and
+    ``forward_op(q, k, v, *meta, *args, sinks) -> (out, lse)`` and
     ``backward_op(dout, q, k, v, out, lse, *meta, *args) -> (dq, dk, dv)``, where ``meta`` are
-    the ``saved_inputs`` tensor inputs the backward needs too (e.g. ``cu_seqlens``) and ``args``
-    are non-tensor inputs; ``forward_impl`` / ``backward_impl`` are the functions the ops
-    were made from. ``lse`` is marked non-differentiable.
+    the ``saved_inputs`` tensor inputs the backward needs too (e.g. ``cu_seqlens``), ``args``
+    are non-tensor inputs and ``sinks`` the optional sink logits ``[H]`` (:func:`with_sinks`);
+    ``forward_impl`` / ``backward_impl`` are the functions the ops were made from. ``lse`` is
+    marked non-differentiable. The backward op sees the final ``(out, lse)``, sinks included,
+    which is all the rows' gradients need; the sinks' own gradient is computed here
+    (Note [Attention sinks]).
     """
 
     def setup_context(ctx, inputs, output):
-        q, k, v, *rest = inputs
+        q, k, v, *rest, sinks = inputs
         meta, ctx.args = rest[:saved_inputs], rest[saved_inputs:]
         out, lse = output
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(q, k, v, out, lse, *meta)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *meta)
 
     def backward_with(backward_fn):
         def backward(ctx, dout, _dlse):
-            grads = backward_fn(dout, *ctx.saved_tensors, *ctx.args)
-            return (*grads, *(None,) * (saved_inputs + len(ctx.args)))
+            q, k, v, out, lse, sinks, *meta = ctx.saved_tensors
+            grads = backward_fn(dout, q, k, v, out, lse, *meta, *ctx.args)
+            dsinks = None
+            if sinks is not None and ctx.needs_input_grad[-1]:
+                dsinks = sinks_grad(dout, out, lse, sinks)
+            return (*grads, *(None,) * (saved_inputs + len(ctx.args)), dsinks)
 
         return backward
 
     forward_op.register_autograd(backward_with(backward_op), setup_context=setup_context)
+    params = tuple(inspect.signature(forward_impl).parameters.values())
 
     class EagerAttention(torch.autograd.Function):
         @staticmethod
@@ -87,7 +104,10 @@ def register_attention_autograd(
 
         backward = staticmethod(backward_with(backward_impl))
 
-    _EAGER[forward_op] = EagerAttention.apply
+    def apply(*inputs):  # defaults filled in, as the op's dispatcher does (sinks last)
+        return EagerAttention.apply(*inputs, *(p.default for p in params[len(inputs) :]))
+
+    _EAGER[forward_op] = apply
     _EAGER[backward_op] = backward_impl  # not differentiable: the implementation itself
 
 

@@ -25,7 +25,13 @@ from ..comm.p2p import backward_exchangers, forward_exchanger
 from ..engine.ring import ring_backward, ring_forward
 from ..kernels import get_kernel
 from ..schedule.plan import Plan, make_plan
-from .common import fake_grads, fake_out_lse, op_window, register_attention_autograd
+from .common import (
+    fake_grads,
+    fake_out_lse,
+    op_window,
+    register_attention_autograd,
+    with_sinks,
+)
 
 
 def _setup(
@@ -48,14 +54,17 @@ def ring_attention_impl(
     backend: str,
     window_left: int = -1,
     window_right: int = -1,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Ring attention of local ``q [B, S, H, D]`` and ``k, v [B, S, H_kv, D]`` -> (out, lse).
 
-    ``window_left/right``: the normalised sliding window over global positions (-1, -1: none).
+    ``window_left/right``: the normalised sliding window over global positions (-1, -1: none);
+    ``sinks``: optional sink logits ``[H]`` (Note [Attention sinks]).
     """
     plan, rank, group = _setup(q, group_name, layout, causal, window_left, window_right)
     exchanger = forward_exchanger(group, plan) if plan.world_size > 1 else None
-    return ring_forward(q, k, v, plan.steps[rank], exchanger, get_kernel(backend), scale)
+    result = ring_forward(q, k, v, plan.steps[rank], exchanger, get_kernel(backend), scale)
+    return with_sinks(result, sinks)
 
 
 ring_attention = torch.library.custom_op("dtensor_ring::ring_attention", mutates_args=())(
@@ -64,7 +73,9 @@ ring_attention = torch.library.custom_op("dtensor_ring::ring_attention", mutates
 
 
 @ring_attention.register_fake
-def _(q, k, v, group_name, layout, causal, scale, backend, window_left=-1, window_right=-1):
+def _(
+    q, k, v, group_name, layout, causal, scale, backend, window_left=-1, window_right=-1, sinks=None
+):
     B, S, H, _ = q.shape
     return fake_out_lse(q, (B, H, S))
 

@@ -54,7 +54,13 @@ from ..kernels import accumulation_dtype, get_kernel
 from ..kernels.merge import empty_rows_nan_
 from ..layouts import get_layout, order_layout
 from ..schedule.cost import kv_repeat
-from .common import fake_grads, fake_out_lse, op_window, register_attention_autograd
+from .common import (
+    fake_grads,
+    fake_out_lse,
+    op_window,
+    register_attention_autograd,
+    with_sinks,
+)
 
 # --- the all-to-all op ---------------------------------------------------------------------
 
@@ -129,14 +135,16 @@ def ulysses_local_attention_impl(
     backend: str,
     window_left: int = -1,
     window_right: int = -1,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One block kernel on full sequences: ``q [B, S, h, D]``, ``k, v [B, S, h_kv, D]`` ->
     ``(out [B, S, h, D], lse [B, h, S])`` (lse in the accumulation dtype); the normalised
-    sliding window ``window_left/right`` over the sequence (-1, -1: none)."""
+    sliding window ``window_left/right`` over the sequence (-1, -1: none); ``sinks``: the sink
+    logits ``[h]`` of these heads (Note [Attention sinks])."""
     kernel, window = get_kernel(backend), op_window(window_left, window_right)
     out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, window=window)
     out = empty_rows_nan_(out.contiguous(), lse)
-    return out, lse.to(accumulation_dtype(q.dtype)).contiguous()
+    return with_sinks((out, lse.to(accumulation_dtype(q.dtype)).contiguous()), sinks)
 
 
 ulysses_local_attention = torch.library.custom_op(
@@ -145,7 +153,7 @@ ulysses_local_attention = torch.library.custom_op(
 
 
 @ulysses_local_attention.register_fake
-def _(q, k, v, causal, scale, backend, window_left=-1, window_right=-1):
+def _(q, k, v, causal, scale, backend, window_left=-1, window_right=-1, sinks=None):
     B, S, H, _ = q.shape
     return fake_out_lse(q, (B, H, S))
 
@@ -207,6 +215,7 @@ def ulysses_attention_impl(
     backend: str,
     window_left: int = -1,
     window_right: int = -1,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Ulysses attention with ``dtensor_ring::ring_attention``'s signature and results.
 
@@ -224,10 +233,11 @@ def ulysses_attention_impl(
     out_h, lse_h = ulysses_local_attention(
         qh, kh, vh, causal, scale, backend, window_left, window_right
     )
-    return (
+    result = (
         ulysses_all_to_all(out_h, group_name, 1, 2, False, order),
         ulysses_all_to_all(lse_h, group_name, 2, 1, False, order),
     )
+    return with_sinks(result, sinks)
 
 
 ulysses_attention = torch.library.custom_op("dtensor_ring::ulysses_attention", mutates_args=())(
@@ -236,7 +246,9 @@ ulysses_attention = torch.library.custom_op("dtensor_ring::ulysses_attention", m
 
 
 @ulysses_attention.register_fake
-def _(q, k, v, group_name, layout, causal, scale, backend, window_left=-1, window_right=-1):
+def _(
+    q, k, v, group_name, layout, causal, scale, backend, window_left=-1, window_right=-1, sinks=None
+):
     B, S, H, _ = q.shape
     return fake_out_lse(q, (B, H, S))
 

@@ -30,7 +30,13 @@ from ..layouts.varlen import check_local_documents, check_max_seqlen, read_cu_se
 from ..schedule.llama3 import Llama3Meta, llama3_meta
 from ..schedule.plan import Plan
 from ..schedule.varlen import varlen_plan
-from .common import fake_grads, fake_out_lse, op_window, register_attention_autograd
+from .common import (
+    fake_grads,
+    fake_out_lse,
+    op_window,
+    register_attention_autograd,
+    with_sinks,
+)
 
 
 def _setup_ring(
@@ -65,6 +71,7 @@ def ring_attention_varlen_impl(
     backend: str,
     window_left: int = -1,
     window_right: int = -1,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Ring/zigzag varlen attention of local ``q [T, H, D]``, ``k, v [T, H_kv, D]``.
 
@@ -78,7 +85,8 @@ def ring_attention_varlen_impl(
     exchanger = forward_exchanger(group, plan) if plan.world_size > 1 else None
     kernel = get_kernel(backend)
     k, v = k.contiguous(), v.contiguous()
-    return ring_forward(q, k, v, plan.steps[rank], exchanger, kernel, scale, blocks)
+    result = ring_forward(q, k, v, plan.steps[rank], exchanger, kernel, scale, blocks)
+    return with_sinks(result, sinks)
 
 
 ring_attention_varlen = torch.library.custom_op(
@@ -100,6 +108,7 @@ def _(
     backend,
     window_left=-1,
     window_right=-1,
+    sinks=None,
 ):
     T, H, _ = q.shape
     return fake_out_lse(q, (H, T))
@@ -203,6 +212,7 @@ def llama3_attention_impl(
     backend: str,
     window_left: int = -1,
     window_right: int = -1,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """llama3 all-gather attention of local ``q [L, H, D]``, ``k, v [L, H_kv, D]`` -> (out, lse).
 
@@ -223,7 +233,8 @@ def llama3_attention_impl(
         op_window(window_left, window_right),
     )
     kernel = get_kernel(backend)
-    return llama3_forward(q, k, v, meta, heads_k_stride, group, kernel, scale)
+    result = llama3_forward(q, k, v, meta, heads_k_stride, group, kernel, scale)
+    return with_sinks(result, sinks)
 
 
 llama3_attention = torch.library.custom_op("dtensor_ring::llama3_attention", mutates_args=())(
@@ -250,6 +261,7 @@ def _(
     backend,
     window_left=-1,
     window_right=-1,
+    sinks=None,
 ):
     T, H, _ = q.shape
     return fake_out_lse(q, (H, T))

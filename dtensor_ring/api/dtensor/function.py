@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ...layouts import LayoutName
 from ...ops.ring import ring_attention, ring_attention_backward
@@ -51,6 +51,7 @@ def scaled_dot_product_ring_attention(
     backend: str | None = None,
     mode: Mode = "ring",
     window_size: tuple[int, int] = (-1, -1),
+    sinks: Tensor | None = None,
 ) -> DTensor:
     """Ring attention with ``F.scaled_dot_product_attention``'s signature, on DTensors.
 
@@ -76,6 +77,10 @@ def scaled_dot_product_ring_attention(
         window_size: flash-attn sliding window ``(left, right)`` over global positions (query
             p sees keys ``[p - left, p + right]``, -1 unbounded, ``is_causal`` sets
             ``right = 0``); docs/window.md.
+        sinks: per-head attention-sink logits ``[H]`` (Note [Attention sinks]), or None: a
+            plain tensor (the same on every rank; its gradient on each rank is this rank's
+            rows' share, as in the functional API) or a DTensor replicated on the mesh (its
+            gradient is a ``Partial`` DTensor: the sum over ranks is the whole gradient).
 
     Returns:
         ``[B, H, S, D]`` DTensor with ``query``'s placements.
@@ -90,9 +95,27 @@ def scaled_dot_product_ring_attention(
     q, k, v = to_op_layout(query, key, value)
     config = SDPAConfig(layout, backend, mode, window_size)
     world = query.device_mesh.size(cp_dim)
-    spec = resolve_sdpa(config, q, k, v, is_causal, scale, group_name, world, global_len=q.shape[1])
-    out, _ = MODE_OPS[mode][0](q, k, v, *spec.op_args())
+    spec = resolve_sdpa(
+        config, q, k, v, is_causal, scale, group_name, world, global_len=q.shape[1], sinks=sinks
+    )
+    out, _ = MODE_OPS[mode][0](q, k, v, *spec.op_args(), replicated(sinks, query))
     return swap_seq_heads(out)
+
+
+def replicated(sinks: Tensor | None, like: DTensor) -> DTensor | None:
+    """``sinks`` as a DTensor replicated on ``like``'s mesh; a plain tensor's gradient stays
+    this rank's share (``grad_placements`` Partial: ``from_local``'s backward returns the local
+    part of the op's Partial gradient)."""
+    if sinks is None or isinstance(sinks, DTensor):
+        return sinks
+    mesh = like.device_mesh
+    return DTensor.from_local(
+        sinks,
+        mesh,
+        [Replicate()] * mesh.ndim,
+        run_check=False,
+        grad_placements=[Partial()] * mesh.ndim,
+    )
 
 
 def resolve_sdpa(
@@ -105,6 +128,7 @@ def resolve_sdpa(
     group_name: str,
     world_size: int,
     global_len: int | None = None,
+    sinks: Tensor | None = None,
 ) -> AttentionSpec:
     """The call resolution of an SDPA call in op layout ``[B, S, H, D]`` (Note [Call
     resolution]); Ulysses runs the kernel on ``H / W`` query heads."""
@@ -125,4 +149,5 @@ def resolve_sdpa(
         ring_func=None if ulysses else "ring_sdpa(layout='ring')",
         head_split=world_size if ulysses else 1,
         global_len=global_len,
+        sinks=sinks,
     )

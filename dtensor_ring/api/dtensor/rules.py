@@ -29,7 +29,8 @@ def _single_dim_strategies(
     """``register_sharding`` strategies for each kind of placement in ``placements``.
 
     ``outputs``/``inputs`` hold one code per op return/argument: ``"t"`` a [B, S, H, D]
-    tensor, ``"l"`` an lse [B, H, S], ``"-"`` a non-tensor argument. Only the kinds present in
+    tensor, ``"l"`` an lse [B, H, S], ``"r"`` a tensor replicated everywhere (the sinks
+    ``[H]``), ``"-"`` a non-tensor argument (or None). Only the kinds present in
     the (validated) inputs are offered, so DTensor's choice is exactly the inputs' placements.
     """
 
@@ -37,7 +38,7 @@ def _single_dim_strategies(
         def place(code: str):
             if code == "-":
                 return None
-            if kind == "replicate":
+            if kind == "replicate" or code == "r":
                 return Replicate()
             if kind == "batch":
                 return Shard(BATCH_DIM)
@@ -86,10 +87,22 @@ def _check_op_group(q, k, v, group_name: str, layout: str) -> int:
     ]
 )
 def _ring_attention_sharding(
-    q, k, v, group_name, layout, causal, scale, backend=None, window_left=-1, window_right=-1
+    q,
+    k,
+    v,
+    group_name,
+    layout,
+    causal,
+    scale,
+    backend=None,
+    window_left=-1,
+    window_right=-1,
+    sinks=None,
 ):
     _check_op_group(q, k, v, group_name, layout)
-    return _single_dim_strategies(q.placements, "tl", "ttt-------")
+    return _single_dim_strategies(
+        q.placements, "tl", "ttt-------" + ("-" if sinks is None else "r")
+    )
 
 
 @register_sharding(
