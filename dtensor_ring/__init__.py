@@ -22,7 +22,9 @@ Public names:
       ``ulysses_flash_attn_func`` (+ ``_kvpacked`` / ``_qkvpacked``), ``hybrid_flash_attn_func``,
       ``hybrid_shard_local``, ``hybrid_token_indices``, ``comm_volume``;
     * PyTorch's context-parallel API on ring attention (docs/composability.md):
-      ``context_parallel``, ``context_parallel_unshard``.
+      ``context_parallel``, ``context_parallel_unshard``;
+    * inference over a sharded KV cache (docs/inference.md): ``decode_attention_func``,
+      ``KVCacheShard``, ``prefill_attention``, ``decode_step_attention``, ``split_prompt``.
 """
 
 from . import ops  # noqa: F401  (registers the dtensor_ring:: ops)
@@ -45,6 +47,7 @@ from .api.functional import (
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
 )
+from .api.kv_cache import KVCacheShard, decode_step_attention, prefill_attention, split_prompt
 from .api.ulysses import (
     hybrid_flash_attn_func,
     hybrid_shard_local,
@@ -88,6 +91,10 @@ from .simulate import RankSimulator, simulate_ring
 
 __all__ = [
     "decode_attention_func",
+    "KVCacheShard",
+    "decode_step_attention",
+    "prefill_attention",
+    "split_prompt",
     "consistency_checks_enabled",
     "set_consistency_checks",
     "RankSimulator",

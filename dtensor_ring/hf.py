@@ -7,10 +7,13 @@ the other front doors; this module keeps the public import path. ``import dtenso
 never imports it (nor transformers).
 """
 
+from .api.generate import GENERATE_ATTN_IMPLEMENTATION, generate  # noqa: F401
 from .api.hf import (  # noqa: F401
     ATTN_IMPLEMENTATION,
     HF_LAYOUTS,
     IGNORE_INDEX,
+    PADDING_MASK,
+    gather_outputs,
     ring_attention_forward,
     setup,
     shard_batch,
@@ -27,4 +30,17 @@ __all__ = [
     "RFA_ATTN_IMPLEMENTATION",
     "substitute_hf_flash_attn",
     "update_ring_flash_attn_params",
+    "generate",
+    "GENERATE_ATTN_IMPLEMENTATION",
+    "ShardedCache",  # noqa: F822  (module __getattr__: imports transformers)
 ]
+
+
+def __getattr__(name: str):
+    """``ShardedCache`` (a ``transformers.cache_utils.Cache`` subclass) imports transformers:
+    it is loaded on first access only."""
+    if name == "ShardedCache":
+        from .api.hf_cache import ShardedCache
+
+        return ShardedCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

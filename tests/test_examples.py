@@ -94,3 +94,10 @@ def test_demo():
         assert out_err < DEMO_TOLERANCE["out"], (name, out_err, out)
         assert grad_err < DEMO_TOLERANCE["grad"], (name, grad_err, out)
         assert ms > 0, (name, out)
+
+
+def test_generate_cp_verify():
+    """Context-parallel generation (sharded KV cache) against one-process model.generate."""
+    pytest.importorskip("transformers")
+    out = _torchrun("generate_cp.py", "--verify", "--prompt-len", "37", "--window", "8")
+    assert "verify: OK" in out, out

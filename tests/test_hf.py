@@ -11,6 +11,8 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.reference import reference_attention  # noqa: E402
+
 WORLD = 2
 BATCH, SEQ, VOCAB = 2, 32, 128
 
@@ -23,9 +25,12 @@ def _config(arch: str):
         "qwen2": transformers.Qwen2Config,
         "mistral": transformers.MistralConfig,
         "gemma3_bidirectional": transformers.Gemma3TextConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }[arch]
     # mistral: every layer a sliding window of 5 tokens (the model passes sliding_window=5)
     extra = {"sliding_window": 5} if arch == "mistral" else {}
+    if arch == "gpt_oss":  # attention sinks (s_aux), a sliding layer (window 5) and a full one
+        extra = dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=5, head_dim=16)
     if arch == "gemma3_bidirectional":  # non-causal attention (is_causal=False), no windows
         extra = dict(
             use_bidirectional_attention=True, layer_types=["full_attention"] * 2, head_dim=16
@@ -42,6 +47,9 @@ def _config(arch: str):
     )
 
 
+_REFERENCE = {"gpt_oss": "eager"}  # transformers has no sdpa path with sinks
+
+
 def _model(arch: str, attn_implementation: str):
     from transformers import AutoModelForCausalLM
 
@@ -55,24 +63,24 @@ def _cp_vs_full(
     group, arch: str, layout: str, extra: dict | None = None
 ) -> tuple[float, float, float]:
     """The model with CP (given ``extra`` keywords) vs without."""
-    import dtensor_ring as dr
     import dtensor_ring.hf as drhf
 
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     batch = {"input_ids": input_ids, "labels": input_ids.clone()}
 
-    ref = _model(arch, "sdpa")
+    ref = _model(arch, _REFERENCE.get(arch, "sdpa"))
     ref_out = ref(**batch)
     ref_out.loss.backward()
 
     drhf.setup(group=group, layout=layout)
     model = _model(arch, "dtensor_ring")
-    out = model(**drhf.shard_batch(batch, group=group, layout=layout), **(extra or {}))
+    inputs = drhf.shard_batch(batch, group=group, layout=layout)
+    out = model(**inputs, **(extra or {}))
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)  # each rank's share of the global mean
-    logits = dr.gather_sequence(out.logits.detach().contiguous(), layout, group=group)
+    logits = drhf.gather_outputs(out.logits.detach(), inputs, group=group, layout=layout)
     grad_err = 0.0
     for (name, p), (ref_name, p_ref) in zip(
         model.named_parameters(), ref.named_parameters(), strict=True
@@ -98,6 +106,10 @@ def _cp_vs_full(
         ("mistral", "stripe"),
         ("gemma3_bidirectional", "zigzag"),
         ("gemma3_bidirectional", "stripe"),
+        ("llama", "llama3"),  # B = 2 folded into the heads (Note [llama3 with a batch])
+        ("gemma3_bidirectional", "llama3"),
+        ("gpt_oss", "zigzag"),  # attention sinks (s_aux) and their gradient
+        ("gpt_oss", "llama3"),
     ],
 )
 def test_matches_without_cp(dist_pool, arch, layout):
@@ -126,7 +138,9 @@ def _packed_vs_per_document(
     batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
     assert set(batch) == {"input_ids", "labels", "position_ids"}
 
-    ref = _model(arch, "sdpa")  # flash-style varlen semantics: documents never meet
+    ref = _model(
+        arch, _REFERENCE.get(arch, "sdpa")
+    )  # flash-style varlen semantics: documents never meet
     ref_logits = torch.cat([ref(input_ids=d[None]).logits for d in docs], dim=1)
     shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     ref_loss = torch.nn.functional.cross_entropy(ref_logits[0], shifted[0], ignore_index=-100)
@@ -164,6 +178,7 @@ def _packed_vs_per_document(
         ("zigzag", (8, 12, 4), "mistral"),
         ("llama3", (5, 8, 3), "gemma3_bidirectional"),
         ("zigzag", (4, 8, 4), "gemma3_bidirectional"),
+        ("zigzag", (8, 12, 4), "gpt_oss"),
     ],
 )
 def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
@@ -260,8 +275,11 @@ H, S_LOCAL, D = 4, 8, 8
 
 #: label -> (keywords of ring_attention_forward, error type, text of its message)
 REJECTED = {
-    "s_aux": ({"s_aux": torch.zeros(H)}, ValueError, "s_aux=Tensor[4]"),
-    "sinks": ({"sinks": torch.zeros(H)}, ValueError, "sinks=Tensor[4]"),
+    "s_aux and sinks": (
+        {"s_aux": torch.zeros(H), "sinks": torch.ones(H)},
+        ValueError,
+        "got both s_aux=Tensor[4]",
+    ),
     "softcap": ({"softcap": 30.0}, ValueError, "softcap=30.0"),
     "bidirectional_window": (
         {"is_causal": False, "sliding_window": 4},
@@ -333,10 +351,10 @@ def test_rejects_module_state(zigzag_setup, kwargs, text):
         _call_attention(**kwargs)
 
 
-@pytest.mark.parametrize("arch, keyword", [("gpt_oss", "s_aux"), ("gemma2", "softcap")])
+@pytest.mark.parametrize("arch, keyword", [("gemma2", "softcap")])
 def test_model_features_raise(zigzag_setup, arch, keyword):
-    """gpt-oss passes its attention sinks (s_aux), Gemma 2 its softcap: both raise, naming
-    the keyword, rather than training on another attention."""
+    """Gemma 2 passes its softcap: it raises, naming the keyword, rather than training on
+    another attention."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -357,3 +375,203 @@ def test_model_features_raise(zigzag_setup, arch, keyword):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="dtensor_ring")
     with pytest.raises(ValueError, match=keyword):
         model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+
+
+# --- padding (Note [Padding] in dtensor_ring/api/hf.py) and llama3 with B > 1 -------------
+
+PAD_SEQ = 24  # divides as zigzag needs on 2, 3 and 4 ranks
+
+
+def _padded_batch(hole: bool) -> dict:
+    """Six rows of ``PAD_SEQ`` tokens: left padding, right padding, none, one real token last
+    (left), one real token first (right), and padding between real tokens (``hole``) or on
+    both sides. Labels as the collators make them: -100 at padding; with a hole, also at the
+    real token after it (a pad after a real token must not predict anything)."""
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, VOCAB, (6, PAD_SEQ), generator=gen)
+    mask = torch.ones(6, PAD_SEQ, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, 17:] = 0
+    mask[3, :-1] = 0
+    mask[4, 1:] = 0
+    if hole:
+        mask[5, 8:11] = 0
+    else:
+        mask[5, :2] = 0
+        mask[5, 20:] = 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+    if hole:
+        labels[5, 11] = -100
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _padded_vs_full(
+    group, arch: str, cases: list[tuple[str, int, bool]], hole: bool = True
+) -> dict[str, tuple[float, float, float]]:
+    """For every ``(layout, rows, padded)``: the first ``rows`` rows of :func:`_padded_batch`
+    (without its attention_mask unless ``padded``) with CP vs the model (sdpa) in one process
+    with the same mask. Returns case -> (max logits error at tokens one process computes the
+    same way: real ones and pads before the first real one, loss error, max gradient error
+    summed over the ranks)."""
+    import dtensor_ring.hf as drhf
+
+    full = _padded_batch(hole)
+    refs: dict[tuple[int, bool], tuple] = {}
+    results = {}
+    for layout, rows, padded in cases:
+        batch = {k: v[:rows] for k, v in full.items()}
+        if not padded:
+            del batch["attention_mask"]
+            batch["labels"] = batch["input_ids"].clone()
+        if (rows, padded) not in refs:
+            ref = _model(arch, _REFERENCE.get(arch, "sdpa"))
+            ref_out = ref(**batch)
+            ref_out.loss.backward()
+            refs[rows, padded] = ref, ref_out
+        ref, ref_out = refs[rows, padded]
+        drhf.setup(group=group, layout=layout)
+        model = _model(arch, "dtensor_ring")
+        inputs = drhf.shard_batch(batch, group=group, layout=layout)
+        assert (drhf.PADDING_MASK in inputs) == padded and "attention_mask" not in inputs
+        out = model(**inputs)
+        assert bool(out.logits.isfinite().all())  # no NaN in pad rows
+        out.loss.backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=group)
+        logits = drhf.gather_outputs(out.logits.detach(), inputs, group=group, layout=layout)
+        mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+        exact = mask | (mask.cumsum(1) == 0)  # real tokens, pads before the first real one
+        grad_err = 0.0
+        for p, p_ref in zip(model.parameters(), ref.parameters(), strict=True):
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=group)
+            grad_err = max(grad_err, (grad - p_ref.grad).abs().max().item())
+        results[f"{layout} B={rows} padded={padded}"] = (
+            (logits - ref_out.logits.detach())[exact].abs().max().item(),
+            abs(loss.item() - ref_out.loss.item()),
+            grad_err,
+        )
+    return results
+
+
+LAYOUTS_PADDED = [(layout, 6, True) for layout in ("ring", "zigzag", "stripe", "llama3")]
+
+
+@pytest.mark.parametrize(
+    "world, arch, cases, hole",
+    [
+        (2, "llama", [*LAYOUTS_PADDED, ("llama3", 2, False), ("llama3", 3, True)], True),
+        (3, "llama", [*LAYOUTS_PADDED, ("llama3", 2, True)], True),
+        (4, "llama", [*LAYOUTS_PADDED, ("llama3", 3, False)], True),
+        # sliding window of 5: padding at the ends of rows only
+        (2, "mistral", [("zigzag", 6, True), ("llama3", 6, True)], False),
+    ],
+    ids=["w2", "w3", "w4", "w2-window"],
+)
+def test_padding_matches_one_process(dist_pool, world, arch, cases, hole):
+    """Left, right, interior padding, rows without padding and rows of one real token in one
+    batch: loss, gradients and logits equal the model in one process with the same mask, in
+    every layout; llama3 with B = 2, 3 and 6 (its batch folded into the heads)."""
+    for results in dist_pool.run(
+        _padded_vs_full, world, arch=arch, cases=cases, hole=hole, timeout_s=120
+    ):
+        for case, errors in results.items():
+            assert max(errors) < 1e-5, (case, errors)
+
+
+def _llama3_fold_vs_reference(group, batch: int) -> tuple[float, ...]:
+    """The llama3 attention of a dense batch (batch folded into the heads, Note [llama3 with a
+    batch]), with attention sinks, vs causal GQA attention of each row in one process (fp64):
+    max errors of out, dq, dk, dv of this rank's tokens and of the sinks' gradient."""
+    import dtensor_ring.api.hf as hf
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    heads, heads_kv, seq, dim = 4, 2, 12, 8
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (
+        torch.randn(batch, h, seq, dim, generator=gen, dtype=torch.float64)
+        for h in (heads, heads_kv, heads_kv, heads)
+    )
+    sinks = torch.linspace(-2.0, 2.0, heads, dtype=torch.float64)  # per head, every row
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref, _ = reference_attention(
+        *(t.transpose(1, 2) for t in ref_in[:3]), causal=True, sinks=ref_in[3]
+    )  # [B, S, H, D]
+    ref.backward(dout.transpose(1, 2))
+    piece = slice(rank * seq // world, (rank + 1) * seq // world)  # contiguous slices
+    local = [t[:, :, piece].clone().requires_grad_() for t in (q, k, v)]
+    local_sinks = sinks.clone().requires_grad_()
+    hf.setup(group=group, layout="llama3")
+    out = hf._llama3_rows(*local, None, (-1, -1), True, local_sinks)  # [B, L, H, D]
+    out.backward(dout[:, :, piece].transpose(1, 2))
+    dist.all_reduce(local_sinks.grad, group=group)  # each rank's rows' share
+    return (
+        (out - ref[:, piece]).abs().max().item(),
+        *(
+            (t.grad - r.grad[:, :, piece]).abs().max().item()
+            for t, r in zip(local, ref_in, strict=False)
+        ),
+        (local_sinks.grad - ref_in[3].grad).abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("world, batch", [(2, 3), (3, 2)])
+def test_llama3_batch_folded_into_heads(dist_pool, world, batch):
+    """Query head b*H + h meets KV head b*H_kv + h // G of its own row only, forward and
+    backward."""
+    for errors in dist_pool.run(_llama3_fold_vs_reference, world, batch=batch):
+        assert max(errors) < 1e-12, errors
+
+
+def _padding_rejects(group, what: str) -> str:
+    """A padded batch that ring attention cannot honour: ValueError (returned) on every rank."""
+    import dtensor_ring as dr
+    import dtensor_ring.hf as drhf
+
+    layout = "llama3" if what == "window_hole" else "zigzag"
+    drhf.setup(group=group, layout=layout)
+    batch = {k: v[[0, 1, 5]] for k, v in _padded_batch(hole=True).items()}  # left, right, hole
+    arch = {"bidirectional": "gemma3_bidirectional", "window_hole": "mistral"}.get(what, "llama")
+    model = _model(arch, "dtensor_ring")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    with pytest.raises(ValueError) as info:
+        if what == "labels":  # right padding whose pads predict the pad tokens
+            batch["labels"] = batch["input_ids"].clone()
+            drhf.shard_batch(batch, group=group, layout=layout)
+        elif what == "packed":  # padding in a packed row
+            positions = torch.cat([torch.arange(8), torch.arange(PAD_SEQ - 8)])[None]
+            batch = {k: v[:1] for k, v in batch.items()}
+            drhf.shard_batch({**batch, "position_ids": positions}, group=group, layout=layout)
+        else:
+            inputs = drhf.shard_batch(batch, group=group, layout=layout)
+            if what == "mask_in_call":  # the mask passed to the model too
+                inputs["attention_mask"] = batch["attention_mask"]
+            elif what == "sharded_mask":  # not via shard_batch: the layout's shard of the mask
+                del inputs[drhf.PADDING_MASK]
+                inputs["attention_mask"] = dr.shard_local(
+                    batch["attention_mask"], layout, rank, world
+                )
+            elif what == "positions":  # the padded batch's mask with the unpadded positions
+                inputs["position_ids"] = dr.shard_local(
+                    torch.arange(PAD_SEQ).expand(3, -1), layout, rank, world
+                )
+            model(**inputs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "what, text",
+    [
+        ("labels", "labels[1, 18] = "),
+        ("packed", "position_ids absent or 0..S-1"),
+        ("bidirectional", "bidirectional model"),
+        ("window_hole", "rows [2]"),
+        ("mask_in_call", "through dtensor_ring.hf.shard_batch"),
+        ("sharded_mask", "through dtensor_ring.hf.shard_batch"),
+        ("positions", "needs position_ids"),
+    ],
+)
+def test_padding_rejects(dist_pool, what, text):
+    for message in dist_pool.run(_padding_rejects, 2, what=what):
+        assert "dtensor_ring" in message or "shard_batch" in message, message
+        assert text in message, message

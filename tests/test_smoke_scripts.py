@@ -93,3 +93,23 @@ def test_bench_overhead_smoke(tmp_path):
     assert {r["what"] for r in rows} == {"sdpa", "functional", "dtensor"}
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
     assert (tmp_path / "profile_functional.txt").read_text().count("ring_attention_impl") > 0
+
+
+def test_bench_decode_smoke(tmp_path):
+    """benchmarks/bench_decode.py on CPU: the full-cache baseline, one rank's decoding step on
+    a 1-rank gloo group and the W-way merge."""
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_decode.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
+    assert {(r["cache"], r["world"]) for r in rows} == {(256, 2), (256, 4), (512, 2), (512, 4)}
+    assert all(r["full_ms"] > 0 and r["step_ms"] > 0 for r in rows)

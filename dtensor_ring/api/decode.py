@@ -13,7 +13,9 @@ from ..resolve import (
     check_backend_arg,
     check_bool,
     check_qkv_tensors,
+    check_sinks,
     check_softmax_scale,
+    check_window_size,
     group_arg,
     select_backend,
 )
@@ -28,6 +30,10 @@ def decode_attention_func(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    cache_positions: Tensor | None = None,
+    query_position: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor, None]:
     """One decoding step of attention over a KV cache sharded across ``group``.
 
@@ -35,14 +41,25 @@ def decode_attention_func(
         q: ``[B, 1, H, D]``, the new token's query, the same on every rank.
         k_cache, v_cache: ``[B, S_local, H_kv, D]``, this rank's shard of the cache (any of the
             sequence's tokens, the new one's included on the rank that stores it; ``S_local``
-            may differ between ranks and be 0). Every cached key is visible to the query.
+            may differ between ranks and be 0). Without ``cache_positions`` every cached key
+            is visible to the query.
         softmax_scale: default ``D ** -0.5``.  group: the ranks sharing the cache.
         return_attn_probs: also return ``lse [B, H, 1]`` (fp32) as flash-attn does.
         backend: block-kernel backend name, or None for automatic choice.
+        window_size: flash-attn's ``(left, right)`` over global positions: the query sees the
+            cached keys at positions ``[query_position - left, query_position + right]`` (-1:
+            unbounded; transformers' ``sliding_window = w`` is ``(w - 1, 0)``). Needs
+            ``cache_positions`` and ``query_position``.
+        cache_positions: ``[S_local]`` int64, the global position of each cached token of this
+            rank's shard (shared by the batch rows); keep it on the CPU (read on the host).
+        query_position: the new token's global position (an int).
+        sinks: ``[H]``, per-head attention-sink logits (gpt-oss ``s_aux``), or None: every
+            softmax denominator gets ``exp(sinks[h])`` (Note [Attention sinks]).
 
     Returns:
         ``out [B, 1, H, D]`` of attention over the whole cache, the same on every rank (or
-        ``(out, lse, None)``). No gradient: an inference op.
+        ``(out, lse, None)``; ``lse`` includes the sinks). No gradient: an inference op. A query
+        that sees no key is NaN (with sinks: 0).
 
     Raises:
         ValueError / TypeError: on every rank before any communication in the consistency
@@ -59,6 +76,14 @@ def decode_attention_func(
         return_attn_probs = check_bool("return_attn_probs", return_attn_probs)
         scale = check_softmax_scale(softmax_scale)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        left, right = check_window_size(window_size)
+        positions, q_pos = _check_positions(k_cache, cache_positions, query_position)
+        if (left, right) != (-1, -1) and positions is None:
+            raise ValueError(
+                f"decode_attention_func: window_size={window_size!r} needs cache_positions "
+                "(the cached tokens' global positions) and query_position"
+            )
+        check_sinks(sinks, q)
         backend = select_backend(q, k_cache, check_backend_arg(backend))
     if not torch.compiler.is_compiling() and consistency_checks_enabled():
         fingerprint = {
@@ -68,7 +93,40 @@ def decode_attention_func(
             "dtype": str(q.dtype),
             "scale": scale,
             "backend": backend,
+            "window_size": (left, right),
+            "query_position": q_pos,
+            "sinks": None if sinks is None else tuple(sinks.shape),
         }
         check_consistent(name, fingerprint)
-    out, lse = decode_attention(q, k_cache, v_cache, name, scale, backend)
+    out, lse = decode_attention(
+        q, k_cache, v_cache, positions, q_pos, name, scale, backend, left, right, sinks
+    )
     return (out, lse, None) if return_attn_probs else out
+
+
+def _check_positions(
+    k_cache: Tensor, cache_positions: object, query_position: object
+) -> tuple[Tensor | None, int]:
+    """``(cache_positions, query_position)`` checked: both None (``(None, 0)``), or an int64
+    tensor ``[S_local]`` and an int."""
+    if cache_positions is None and query_position is None:
+        return None, 0
+    if cache_positions is None or query_position is None:
+        raise ValueError(
+            "decode_attention_func needs cache_positions and query_position together (or "
+            "neither: every cached key visible)"
+        )
+    if not isinstance(cache_positions, Tensor):
+        raise TypeError(
+            "cache_positions must be an int64 tensor [S_local], got "
+            f"{type(cache_positions).__name__}"
+        )
+    if cache_positions.dtype != torch.int64 or tuple(cache_positions.shape) != (k_cache.shape[1],):
+        raise ValueError(
+            f"cache_positions must be int64 [S_local] = [{k_cache.shape[1]}] (one global "
+            f"position per cached token), got {cache_positions.dtype} "
+            f"{tuple(cache_positions.shape)}"
+        )
+    if isinstance(query_position, bool) or not isinstance(query_position, int):
+        raise TypeError(f"query_position must be an int, got {type(query_position).__name__}")
+    return cache_positions, query_position

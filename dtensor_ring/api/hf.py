@@ -19,17 +19,28 @@ boundaries from the full ``position_ids`` and returns them as ``cu_seq_lens_q`` 
 "ring" / "zigzag" cut every document into W / 2W pieces).
 
 Causal and bidirectional models (``is_causal=False``, e.g. Gemma 3 with
-``use_bidirectional_attention``), dense and packed, in every layout.
+``use_bidirectional_attention``), dense and packed, in every layout; "llama3" dense batches of
+any batch size (Note [llama3 with a batch]).
+
+Padding (a 2-D ``attention_mask`` with zeros, left, right or inside rows) in causal models:
+:func:`shard_batch` moves each row's padding after its real tokens, carrying positions and
+labels along, and passes the mask to the attention function, which zeroes the pad rows; loss
+and gradients equal the model's in one process (sdpa) with the same mask (Note [Padding]).
+Outputs are in the reordered, sharded order: :func:`gather_outputs` restores the batch order.
 
 Limits (each raises ``ValueError`` rather than computing something else): no bidirectional
-sliding windows, no attention mask (padding) or 4-D masks, packed
-sequences only with B == 1, the "llama3" layout only with B == 1 and "stripe" not packed,
-position ids only as :func:`shard_batch` builds them (positions restarting without the
-``cu_seq_lens_*`` metadata are rejected), no attention sinks (gpt-oss's ``s_aux``), softcap,
-dropout, head mask, position bias or ``output_attentions=True``, no KV cache holding earlier
-tokens. Sliding windows (``sliding_window``, a positive int) are supported, dense and packed.
-Every keyword the attention function receives is used or rejected: an unknown one raises
-``TypeError``, as does a wrongly typed ``sliding_window``, ``dropout`` or ``is_causal``.
+sliding windows, no padding in bidirectional models, no padding between real tokens with a
+sliding window, no loss term on a pad that follows a real token (its label, the next token's,
+must be -100), padding only with the default positions and not in packed rows, an
+``attention_mask`` with zeros only through :func:`shard_batch`, no 4-D masks, packed
+sequences only with B == 1 and "stripe" not packed, position ids only as :func:`shard_batch`
+builds them (positions restarting without the ``cu_seq_lens_*`` metadata are rejected), no
+softcap, dropout, head mask, position bias or ``output_attentions=True``, no KV cache holding
+earlier tokens (generation: :func:`dtensor_ring.hf.generate`). Sliding windows
+(``sliding_window``, a positive int) and attention sinks (gpt-oss's ``s_aux``) are supported,
+dense and packed. Every keyword the
+attention function receives is used or rejected: an unknown one raises ``TypeError``, as does
+a wrongly typed ``sliding_window``, ``dropout`` or ``is_causal``.
 
 ``transformers`` is imported only inside the functions here; ``import dtensor_ring`` never
 imports this module.
@@ -53,19 +64,33 @@ from ..layouts import (
     get_layout,
     layout_names,
     order_layout,
-    shard_local,
-    token_indices,
 )
-from ..layouts.varlen import host_values, varlen_local_cu_seqlens, varlen_token_indices
+from ..layouts.varlen import (
+    host_values,
+    unshard_varlen,
+    varlen_local_cu_seqlens,
+    varlen_token_indices,
+)
 from ..resolve import check_bool, group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .functional import ring_attention_func
 from .varlen import llama3_attention_func, ring_varlen_attention_func
 
-__all__ = ["ATTN_IMPLEMENTATION", "HF_LAYOUTS", "setup", "shard_batch", "ring_attention_forward"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "HF_LAYOUTS",
+    "PADDING_MASK",
+    "setup",
+    "shard_batch",
+    "gather_outputs",
+    "ring_attention_forward",
+]
 
 ATTN_IMPLEMENTATION = "dtensor_ring"
 IGNORE_INDEX = -100
+#: The keyword under which :func:`shard_batch` hands a padded batch's full ``attention_mask``
+#: to the attention function (transformers forwards it untouched; Note [Padding]).
+PADDING_MASK = "dtensor_ring_attention_mask"
 HFLayout = Literal["ring", "zigzag", "stripe", "llama3"]
 HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3")
 
@@ -78,6 +103,62 @@ class _Config:
 
 
 _config: _Config | None = None
+
+# Note [Padding]
+# ~~~~~~~~~~~~~~
+# transformers in one process, given a 2-D ``attention_mask`` (1: real token, 0: pad) and no
+# position_ids: positions are 0..S-1 in every row, pads included; a query sees the *real* keys
+# at or before it (pad keys are masked for every query); a query with none (a pad before the
+# row's first real token) gets an attention output of 0 (sdpa, torch >= 2.5, returns 0 for a
+# fully masked row; flash-attention-2's unpadding gives every pad 0; eager gives NaN). The loss
+# counts every shifted label != -100, pads' included.
+#
+# Ring attention takes causality from the token order and no mask. So :func:`shard_batch`
+# reorders every row by a stable partition, real tokens first, then pads (each in order), and
+# carries each token's original position (RoPE) and shifted label (the next token's label,
+# shifted *before* reordering) with it:
+#
+#     row        _  _  a  b  _  c        attention_mask  0 0 1 1 0 1
+#     reordered  a  b  c  _  _  _        position_ids    2 3 5 0 1 4
+#
+# A real query then sees, by order, exactly the real keys it saw in one process (all pads come
+# after every real token), at the same positions: real tokens are exact with no mask, for left,
+# right and interior padding. Pad queries would see real keys and earlier pads; the attention
+# function zeroes every pad row's output instead, which is what one process computes for pads
+# before the first real token (so their loss terms are exact: with left padding the last pad
+# predicts the first real token, as in one process with sdpa) and keeps NaN out of pad rows.
+# A pad *after* a real token sees real keys in one process (sdpa) but 0 here (as with
+# flash-attention-2): :func:`shard_batch` raises ValueError unless its loss term is ignored
+# (-100; collators set the labels at padding to -100, which is exactly this for right padding).
+# Every pad then contributes the same to loss and gradients in both (nothing, after a real token).
+#
+# Sliding windows count tokens in the row (transformers: indices, pads included); reordering
+# keeps the distance between real tokens when they are contiguous in the row (left and/or
+# right padding); padding between real tokens with a window raises. Bidirectional models would
+# see the trailing pads as keys: padding raises for them (packing the batch would need the
+# documents' lengths to divide as the varlen layouts need).
+#
+# Transformers must not see the mask (its mask function would have to honour it): shard_batch
+# returns no ``attention_mask`` but the full mask ``[B, S]``, identical on every rank, as the
+# :data:`PADDING_MASK` keyword, which transformers forwards to the attention function. From it
+# every rank derives the reordering, checks ``position_ids`` against it (a batch sharded in any
+# other way is rejected), finds its pad rows, and knows that the batch is padded even when its
+# own tokens are all real, so bidirectional models raise on every rank before communicating.
+# The mask function that :func:`setup` registers raises for any ``attention_mask`` with zeros:
+# a padded batch that did not go through shard_batch never runs. Outputs (logits) come out in
+# the reordered, sharded order: :func:`gather_outputs` restores the batch order.
+#
+# Note [llama3 with a batch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The llama3 attention op is varlen (``q [T, H, D]``, no batch dim). A dense batch of B rows,
+# every row one sequence cut into W contiguous slices (what :func:`shard_batch` gives for
+# "llama3" when the rows are not packed, padded or not), is folded into the heads: ``query
+# [B, H, L, D] -> [L, B*H, D]`` (head ``b*H + h``), key/value ``[L, B*H_kv, D]`` (head
+# ``b*H_kv + j``), one document ``cu_seqlens = [0, L * W]``. flash-attn's GQA maps query head i
+# to KV head ``i // G`` (G = H / H_kv), and ``(b*H + h) // G = b*H_kv + h // G``: every row's
+# queries meet that row's keys only, with the model's GQA mapping. The output
+# ``[L, B*H, D]`` unfolds to ``[B, L, H, D]``. Packed rows stay B == 1 (transformers packs
+# into one row).
 
 
 def _varlen_layout(layout: str) -> Layout:
@@ -103,8 +184,8 @@ def setup(
 
     Args:
         group: the context-parallel process group (default: the default group).
-        layout: "ring", "zigzag", "stripe" or "llama3" (packed / B == 1 only): how
-            :func:`shard_batch` shards the sequence.
+        layout: "ring", "zigzag", "stripe" or "llama3": how :func:`shard_batch` shards the
+            sequence.
         backend: block-kernel backend name (``dtensor_ring.BACKEND_NAMES``), or None.
     """
     from transformers import AttentionInterface
@@ -120,12 +201,18 @@ def setup(
 
 
 def _no_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> None:
-    """Mask function: none is needed; a 2-D padding mask with padding cannot be honoured."""
+    """Mask function: builds none (causality is the ring attention's); an ``attention_mask``
+    with zeros reaching the model raises: :func:`shard_batch` hands padding to the attention
+    function under another keyword (Note [Padding]), so this one did not come from it."""
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "dtensor_ring attention does not support padding (an attention_mask with zeros); "
-            "use sequences without padding, or drop attention_mask"
-        )
+        with relay_errors(_group_name, "hf"):
+            raise ValueError(
+                "dtensor_ring attention got an attention_mask with zeros (padding) in the model "
+                "call, which ring attention cannot apply; pass the batch, with its "
+                "attention_mask, through dtensor_ring.hf.shard_batch and call the model with "
+                "exactly what it returns (it moves the padding after each row's real tokens "
+                f"and passes the mask as {PADDING_MASK}), without an attention_mask"
+            )
 
 
 #: Keywords that transformers' model code passes to attention functions and that cannot change
@@ -147,12 +234,13 @@ _HARMLESS = frozenset(
 )
 
 _WITHOUT = 'run the model without dtensor_ring (e.g. attn_implementation="eager")'
+_WITH_SINKS = 'attn_implementation="dtensor_ring" (dtensor_ring.hf.setup) supports them'
 
 #: Keywords of features this function does not implement: name -> (the values besides None that
 #: mean the feature is off, why another value is rejected and what to do).
 _FEATURE_OFF: dict[str, tuple[tuple[object, ...], str]] = {
-    "s_aux": ((), f"attention sinks (gpt-oss) are not supported yet; {_WITHOUT}"),
-    "sinks": ((), f"attention sinks are not supported yet; {_WITHOUT}"),
+    "s_aux": ((), f"attention sinks (gpt-oss) are not supported here; {_WITH_SINKS}"),
+    "sinks": ((), f"attention sinks are not supported here; {_WITH_SINKS}"),
     "softcap": (
         (0,),
         "logit softcapping (Gemma 2) is not supported; set the config's "
@@ -172,7 +260,18 @@ _FEATURE_OFF: dict[str, tuple[tuple[object, ...], str]] = {
 }
 
 #: Keywords this function reads (below), besides attention_mask, scaling and dropout.
-_USED = frozenset({"is_causal", "sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
+_USED = frozenset(
+    {
+        "is_causal",
+        "sliding_window",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        PADDING_MASK,
+        "s_aux",
+        "sinks",
+    }
+)
 
 
 def _summary(value: object) -> str:
@@ -207,14 +306,20 @@ def ring_attention_forward(
         kwargs: ``position_ids [B, S]`` must be this rank's positions as :func:`shard_batch`
             builds them; ``cu_seq_lens_q`` (and ``cu_seq_lens_k``, equal to it), the *global*
             document boundaries ``[N + 1]`` of a packed batch (B == 1), select the varlen
-            attention; ``sliding_window`` (Mistral, Qwen2, Gemma ...: a query sees the
-            ``sliding_window`` latest keys, itself included) becomes
+            attention; ``dtensor_ring_attention_mask`` (:data:`PADDING_MASK`), the full
+            ``attention_mask [B, S * W]`` of a padded batch from :func:`shard_batch`, causal
+            models only (Note [Padding]): pad rows' outputs are zero; ``sliding_window``
+            (Mistral, Qwen2, Gemma ...: a query sees the ``sliding_window`` latest keys,
+            itself included) becomes
             ``window_size=(sliding_window - 1, 0)`` (docs/window.md), causal models only;
             ``is_causal`` a bool or None. Accepted as harmless: ``use_cache`` (no cached
             earlier tokens), ``max_length_q/k``, the loss and output flags models forward to
             every layer.
-            Accepted only with the feature off: ``s_aux`` / ``sinks``, ``softcap`` (or 0),
-            ``head_mask``, ``position_bias``, ``seq_idx`` None, ``output_attentions`` False.
+            ``s_aux`` (gpt-oss) or ``sinks``: attention-sink logits ``[H]`` (Note [Attention
+            sinks]; the gradient of each rank is its tokens' share, summed by the gradient
+            reduction over the group as every other parameter's).
+            Accepted only with the feature off: ``softcap`` (or 0), ``head_mask``,
+            ``position_bias``, ``seq_idx`` None, ``output_attentions`` False.
 
     Returns:
         ``(out [B, S, H, D], None)``.
@@ -227,35 +332,93 @@ def ring_attention_forward(
         raise RuntimeError("call dtensor_ring.hf.setup(group=..., layout=...) first")
     with relay_errors(_group_name, "hf"):
         window, causal = _check_call(module, query, key, attention_mask, dropout, kwargs)
+        sinks = _sinks(kwargs)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
-        out = _varlen_attention(query, key, value, scaling, cu_seqlens, window, causal, kwargs)
+        out = _varlen_attention(
+            query, key, value, scaling, cu_seqlens, window, causal, sinks, kwargs
+        )
         return out, None
-    world = dist.get_world_size(_config.group)
+    group, layout = _config.group, _config.layout
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     with relay_errors(_group_name, "hf"):
-        if not get_layout(_config.layout).dense:
+        lay = get_layout(layout)
+        if not lay.dense and lay.varlen != "stream":
             raise ValueError(
-                f"dtensor_ring attention with layout={_config.layout!r} needs the cu_seq_lens_q "
+                f"dtensor_ring attention with layout={layout!r} needs the cu_seq_lens_q "
                 "metadata that dtensor_ring.hf.shard_batch returns"
             )
-        seq_local = query.shape[2]
-        _check_positions(
-            kwargs.get("position_ids"),
-            token_indices(_config.layout, seq_local * world, dist.get_rank(_config.group), world),
+        batch, seq_local = query.shape[0], query.shape[2]
+        index = lay.token_indices(seq_local * world, rank, world)
+        padding = _padding(kwargs.get(PADDING_MASK), batch, seq_local * world, causal, window)
+        expected, real = (index, None) if padding is None else padding.local(index)
+        _check_positions(kwargs.get("position_ids"), expected)
+    if lay.dense:
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        out = ring_attention_func(
+            order_layout(layout, causal, window),  # any sharding order if non-causal
+            q,
+            k,
+            v,
+            softmax_scale=scaling,
+            causal=causal,
+            window_size=window,
+            group=group,
+            backend=_config.backend,
+            sinks=sinks,
         )
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = ring_attention_func(
-        order_layout(_config.layout, causal, window),  # any sharding order if non-causal
+    else:
+        out = _llama3_rows(query, key, value, scaling, window, causal, sinks)
+    if real is not None:  # pad rows: 0, as for pads before any real token in one process
+        out = out.masked_fill(~real.to(out.device)[:, :, None, None], 0.0)
+    return out, None
+
+
+def _llama3_rows(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    scaling: float | None,
+    window: tuple[int, int],
+    causal: bool,
+    sinks: Tensor | None,
+) -> Tensor:
+    """llama3 all-gather attention of a dense batch, every row one sequence cut into W
+    contiguous slices, its batch folded into the heads (Note [llama3 with a batch]): ``query
+    [B, H, L, D]``, key/value ``[B, H_kv, L, D]`` -> ``out [B, L, H, D]``; ``sinks [H]``
+    repeated for every row's heads."""
+    assert _config is not None
+    group = _config.group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    batch, heads, length, _ = query.shape
+
+    def fold(t: Tensor) -> Tensor:  # [B, H, L, D] -> [L, B*H, D], head b*H + h
+        return t.permute(2, 0, 1, 3).reshape(length, batch * t.shape[1], t.shape[3])
+
+    q, k, v = fold(query), fold(key), fold(value)
+    cu_seqlens = torch.tensor([0, length * world], dtype=torch.int32)  # one document per row
+    cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
+        cu_seqlens, causal, rank, world
+    )
+    out = llama3_attention_func(
         q,
         k,
         v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        k.shape[1],
+        k_slice,
         softmax_scale=scaling,
         causal=causal,
         window_size=window,
-        group=_config.group,
+        group=group,
         backend=_config.backend,
+        layout="llama3",
+        sinks=None if sinks is None else sinks.repeat(batch),  # head b*H + h: sinks[h]
     )
-    return out, None
+    return out.reshape(length, batch, heads, out.shape[-1]).permute(1, 0, 2, 3)
 
 
 def _group_name() -> str:
@@ -276,7 +439,7 @@ def check_model_keywords(who: str, kwargs: dict, used: frozenset[str], dropout: 
             f"change the result: drop them if the model does not need them, or {_WITHOUT}"
         )
     for name, (off, why) in _FEATURE_OFF.items():
-        value = kwargs.get(name)
+        value = None if name in used else kwargs.get(name)
         if value is not None and (isinstance(value, Tensor) or value not in off):
             raise ValueError(f"{who} got {name}={_summary(value)}: {why}")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
@@ -330,6 +493,18 @@ def _check_call(
     return _window(kwargs.get("sliding_window")), causal
 
 
+def _sinks(kwargs: dict) -> Tensor | None:
+    """The attention-sink logits a model passes (gpt-oss: ``s_aux``; ``sinks`` also read),
+    or None; both given must be the same tensor."""
+    s_aux, sinks = kwargs.get("s_aux"), kwargs.get("sinks")
+    if s_aux is not None and sinks is not None and s_aux is not sinks:
+        raise ValueError(
+            f"dtensor_ring attention got both s_aux={_summary(s_aux)} and "
+            f"sinks={_summary(sinks)}; pass the attention-sink logits once"
+        )
+    return sinks if s_aux is None else s_aux
+
+
 def _window(sliding_window: object) -> tuple[int, int]:
     """flash-attn's ``window_size`` of transformers' ``sliding_window`` (None: no window)."""
     if sliding_window is None:
@@ -356,6 +531,7 @@ def _varlen_attention(
     cu_seqlens: Tensor,
     window: tuple[int, int],
     causal: bool,
+    sinks: Tensor | None,
     kwargs: dict,
 ) -> Tensor:
     """Varlen attention of a packed row: ``query [1, H, T_local, D]``, key/value
@@ -366,9 +542,17 @@ def _varlen_attention(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     with relay_errors(_group_name, "hf"):
         lay = _varlen_layout(layout)
+        if kwargs.get(PADDING_MASK) is not None:
+            raise ValueError(
+                f"dtensor_ring attention got both cu_seq_lens_q (packed documents) and "
+                f"{PADDING_MASK} (padding); dtensor_ring.hf.shard_batch never returns both: "
+                "packed rows cannot hold padding"
+            )
         if query.shape[0] != 1:
             raise ValueError(
-                f"dtensor_ring packed attention needs batch size 1, got {query.shape[0]}"
+                "dtensor_ring packed attention (cu_seq_lens_q) needs batch size 1, got "
+                f"{query.shape[0]}: transformers packs documents into one row "
+                "(DataCollatorWithFlattening); pack the rows into one"
             )
         bounds = host_values(cu_seqlens)
         if bounds[-1] != query.shape[2] * world:
@@ -401,6 +585,7 @@ def _varlen_attention(
             group=group,
             backend=_config.backend,
             layout=layout,
+            sinks=sinks,
         )
     else:
         out = ring_varlen_attention_func(
@@ -415,16 +600,19 @@ def _varlen_attention(
             window_size=window,
             group=group,
             backend=_config.backend,
+            sinks=sinks,
         )
     return out.unsqueeze(0)
 
 
 def _check_positions(position_ids: Tensor | None, expected: Tensor) -> None:
-    """Raise unless ``position_ids [B, S]`` equal ``expected [S]`` (this rank's positions)."""
+    """Raise unless ``position_ids [B, S]`` equal ``expected``, ``[S]`` or ``[B, S]`` (this
+    rank's positions)."""
     assert _config is not None
     if (
         position_ids is None
-        or position_ids.shape[-1] != expected.shape[0]
+        or position_ids.shape[-1] != expected.shape[-1]
+        or (expected.dim() == 2 and tuple(position_ids.shape) != tuple(expected.shape))
         or not bool((position_ids == expected.to(position_ids.device)).all())
     ):
         raise ValueError(
@@ -433,6 +621,80 @@ def _check_positions(position_ids: Tensor | None, expected: Tensor) -> None:
             "of a packed batch); build the inputs with dtensor_ring.hf.shard_batch: packed "
             "sequences (positions restarting per document) need its cu_seq_lens_q/k metadata"
         )
+
+
+def _padding_order(real: Tensor) -> Tensor:
+    """Note [Padding]'s reordering of ``real [B, S]`` (bool, True: real token): int64 ``[B, S]``,
+    row b's original token indices, real tokens first, then pads (each in order)."""
+    return torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices
+
+
+@dataclass(frozen=True)
+class _Padding:
+    """A padded batch's reordering (Note [Padding]): ``order [B, S]`` (:func:`_padding_order`;
+    also every token's position) and ``real [B, S]``, whether reordered token j is real."""
+
+    order: Tensor
+    real: Tensor
+
+    def local(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        """The positions ``[B, S_local]`` and real flags ``[B, S_local]`` of the reordered
+        tokens ``index [S_local]`` (this rank's, under the layout)."""
+        index = index.to(self.order.device)
+        return self.order[:, index], self.real[:, index]
+
+
+#: the last :func:`_padding` result: (mask, (its version, batch, seq_len), _Padding); the same
+#: mask reaches every layer of a forward (and the recomputation of activation checkpointing)
+_PADDING_CACHE: list[tuple[Tensor, tuple[int, int, int], _Padding]] = []
+
+
+def _padding(
+    mask: object, batch: int, seq_len: int, causal: bool, window: tuple[int, int]
+) -> _Padding | None:
+    """Check :data:`PADDING_MASK` (None: not padded) against the call: ``mask [B, S]``, the full
+    ``attention_mask`` of :func:`shard_batch` (identical on every rank, so every rank raises
+    alike); its reordering (Note [Padding])."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or tuple(mask.shape) != (batch, seq_len):
+        raise ValueError(
+            f"dtensor_ring attention got {PADDING_MASK}={_summary(mask)}; it must be the full "
+            f"attention_mask [B, S] = [{batch}, {seq_len}] of the batch (S = local tokens * "
+            "world size), as dtensor_ring.hf.shard_batch returns it"
+        )
+    try:
+        version = mask._version
+    except RuntimeError:  # inference-mode tensors have no version counter: do not cache
+        version = -1
+    key = (version, batch, seq_len)
+    padding = next((p for m, k, p in _PADDING_CACHE if m is mask and k == key), None)
+    if padding is None:
+        real = mask.to(torch.bool)
+        order = _padding_order(real)
+        padding = _Padding(order, torch.gather(real, 1, order))
+        if version >= 0:
+            _PADDING_CACHE[:] = [(mask, key, padding)]
+    if not causal and not bool(padding.real.all()):
+        raise ValueError(
+            "dtensor_ring attention cannot apply padding (an attention_mask with zeros) in a "
+            "bidirectional model (is_causal=False): ring attention takes no mask, and every "
+            "query would see the padding; use sequences without padding (or pack them), or "
+            + _WITHOUT
+        )
+    if window != (-1, -1):
+        count = padding.real.sum(dim=1)
+        first = padding.order[:, 0]
+        last = padding.order.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
+        gaps = ((count > 0) & (last - first != count - 1)).nonzero().flatten().tolist()
+        if gaps:
+            raise ValueError(
+                f"dtensor_ring attention with a sliding window cannot apply padding between "
+                f"real tokens (rows {gaps} of the attention_mask have zeros between ones): the "
+                "window counts the padding, which the reordering of Note [Padding] removes; "
+                "pad only at the start or the end of each row"
+            )
+    return padding
 
 
 def _doc_positions(bounds: Sequence[int]) -> Tensor:
@@ -470,63 +732,152 @@ def shard_batch(
 
     Args:
         batch: full sequences, identical on every rank of ``group``: ``input_ids [B, S]`` and
-            optionally ``labels [B, S]`` (unshifted, as for transformers' causal LMs), an
-            all-ones ``attention_mask`` and ``position_ids [B, S]``: 0..S-1 in every row, or,
-            for a packed batch (B == 1), restarting at 0 at each document start, as
+            optionally ``labels [B, S]`` (unshifted, as for transformers' causal LMs),
+            ``attention_mask [B, S]`` (zeros: padding, anywhere in a row; Note [Padding]) and
+            ``position_ids [B, S]``: 0..S-1 in every row, or, for a packed batch (B == 1, no
+            padding), restarting at 0 at each document start, as
             ``DataCollatorWithFlattening`` builds them. S must divide as the layout needs
             (dense: S % W, or 2W for zigzag; packed: Note [Varlen layouts]).
         group: the context-parallel process group (the one given to :func:`setup`).
-        layout: the layout given to :func:`setup`; "llama3" treats a B == 1 batch that is not
-            packed as one document.
+        layout: the layout given to :func:`setup`; "llama3" cuts every row that is not packed
+            into W contiguous slices (any B: Note [llama3 with a batch]).
 
     Returns:
         ``input_ids`` and ``position_ids [B, S/W]`` (global positions, or positions within
         each document if packed); with labels also ``labels`` and ``shift_labels [B, S/W]``
         (shifted *before* sharding, so each local token has its own next token, -100 after
         the last) and ``num_items_in_batch`` (the non-ignored label count of the whole
-        sequences). Packed (or "llama3"): also ``cu_seq_lens_q`` = ``cu_seq_lens_k``, the
-        *global* document boundaries (int32 ``[N + 1]``), which select the varlen attention.
-        The model's loss is then this rank's share of the global mean: sum it over the ranks
-        of ``group`` (or, equivalently, sum the gradients; e.g. all-reduce them) to get the
-        single-process loss and gradients.
+        sequences). Packed: also ``cu_seq_lens_q`` = ``cu_seq_lens_k``, the *global* document
+        boundaries (int32 ``[N + 1]``), which select the varlen attention. Padded (an
+        ``attention_mask`` with zeros): every row reordered, real tokens first, then pads,
+        each token keeping its position and shifted label, and ``dtensor_ring_attention_mask``
+        (:data:`PADDING_MASK`), the full mask ``[B, S]`` (bool), instead of
+        ``attention_mask`` (Note [Padding]); :func:`gather_outputs` restores the batch order
+        of outputs. The model's loss is then this rank's share of the global mean: sum it over
+        the ranks of ``group`` (or, equivalently, sum the gradients; e.g. all-reduce them) to
+        get the single-process loss and gradients.
 
     Raises:
-        ValueError: for an ``attention_mask`` with padding, packed rows with B > 1, a packed
-            batch with layout "stripe", lengths the layout cannot divide, or keys it cannot
-            shard.
+        ValueError: a loss term on a pad that follows a real token (a label that is not -100
+            after it: Note [Padding]), padding with positions other than 0..S-1 or in a
+            packed batch, packed rows with B > 1, a packed batch with layout "stripe",
+            lengths the layout cannot divide, or keys it cannot shard.
     """
     lay = get_layout(layout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     extra = set(batch) - {"input_ids", "labels", "attention_mask", "position_ids"}
     if extra:
         raise ValueError(f"shard_batch cannot shard {sorted(extra)}")
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("dtensor_ring does not support padding (attention_mask with zeros)")
     input_ids = batch["input_ids"]
     B, S = input_ids.shape
-    bounds = _packed_bounds(batch.get("position_ids"), S)
+    device = input_ids.device
+    labels = batch.get("labels")
+    shifted = None
+    if labels is not None:
+        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    real = _real_tokens(batch.get("attention_mask"), B, S, shifted)
+    position_ids = batch.get("position_ids")
+    if real is not None:
+        if position_ids is not None and not bool(
+            (position_ids == torch.arange(S, device=position_ids.device)).all()
+        ):
+            raise ValueError(
+                "shard_batch supports padding (attention_mask with zeros) only with the "
+                "model's default positions: position_ids absent or 0..S-1 in every row (packed "
+                "rows cannot hold padding); drop position_ids or the padding"
+            )
+        position_ids = None
+    bounds = _packed_bounds(position_ids, S)
     out: dict[str, Tensor] = {}
     shard: Callable[[Tensor], Tensor]
-    if bounds is None and lay.dense:
-        positions = torch.arange(S)
-        shard = functools.partial(shard_local, layout=layout, rank=rank, world_size=world)
+    if bounds is None and (lay.dense or lay.varlen == "stream"):
+        index = lay.token_indices(S, rank, world).to(device)
+        positions = torch.arange(S, device=device).expand(B, S)
+        if real is None:
+            shard = functools.partial(torch.index_select, dim=1, index=index)
+        else:  # Note [Padding]: real tokens first, every token keeping its position
+            order = _padding_order(real).to(device)  # positions: arange reordered = order
+
+            def shard(t: Tensor) -> Tensor:
+                return t.gather(1, order.to(t.device)).index_select(1, index.to(t.device))
+
+            out[PADDING_MASK] = real.to(device)
     else:
         _varlen_layout(layout)
         if B != 1:
-            raise ValueError(f"dtensor_ring layout={layout!r} needs batch size 1, got {B}")
+            raise ValueError(
+                "shard_batch: packed sequences (position_ids restarting per document) need "
+                f"batch size 1 with layout={layout!r}, got {B}: transformers packs documents "
+                "into one row (DataCollatorWithFlattening)"
+            )
         bounds = bounds or (0, S)
-        positions = _doc_positions(bounds)
-        index = varlen_token_indices(bounds, layout, rank, world).to(input_ids.device)
+        positions = _doc_positions(bounds).to(device).expand(B, S)
+        index = varlen_token_indices(bounds, layout, rank, world).to(device)
         shard = functools.partial(torch.index_select, dim=1, index=index)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(
-            bounds, dtype=torch.int32, device=input_ids.device
+            bounds, dtype=torch.int32, device=device
         )
     out["input_ids"] = shard(input_ids)
-    out["position_ids"] = shard(positions.to(input_ids.device).expand(B, S))
-    labels = batch.get("labels")
-    if labels is not None:
-        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    out["position_ids"] = shard(positions)
+    if shifted is not None:
         out["shift_labels"] = out["labels"] = shard(shifted)
         out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
     return out
+
+
+def _real_tokens(mask: Tensor | None, B: int, S: int, shifted: Tensor | None) -> Tensor | None:
+    """``attention_mask [B, S]`` as bool (None if absent or all ones); ``ValueError`` unless
+    every pad after a real token has an ignored loss term (``shifted`` labels; Note [Padding])."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or tuple(mask.shape) != (B, S):
+        raise ValueError(
+            f"shard_batch: attention_mask must be a [B, S] = [{B}, {S}] tensor like input_ids, "
+            f"got {_summary(mask)}"
+        )
+    if bool(mask.all()):
+        return None
+    real = mask.to(torch.bool)
+    if shifted is not None:
+        after_real = real.cumsum(dim=1) > 0
+        bad = (~real & after_real & (shifted.to(real.device) != IGNORE_INDEX)).nonzero()
+        if bad.numel():
+            b, t = bad[0].tolist()
+            raise ValueError(
+                f"shard_batch: the padding token {t} of row {b} (attention_mask[{b}, {t}] == 0, "
+                f"after a real token) has a loss term: labels[{b}, {t + 1}] = "
+                f"{int(shifted[b, t])} is not -100 ({bad.shape[0]} such pads). The model in one "
+                "process computes it from what that pad attends to, which ring attention does "
+                "not reproduce (Note [Padding]), so the losses could not match; set the labels "
+                "of padding to -100 (as transformers' collators do) and, for padding inside a "
+                "row, the label of the real token after it"
+            )
+    return real
+
+
+def gather_outputs(
+    local: Tensor,
+    inputs: dict[str, Tensor],
+    group: dist.ProcessGroup | None = None,
+    layout: HFLayout = "zigzag",
+) -> Tensor:
+    """The full ``[B, S, ...]`` of every rank's ``local [B, S/W, ...]`` model output (logits,
+    hidden states) for ``inputs = shard_batch(batch, group, layout)``, in ``batch``'s token
+    order: undoes the layout (dense or packed) and the reordering of padded rows
+    (Note [Padding]). A collective: every rank of ``group`` calls it. Not differentiable.
+    """
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    cu_seqlens = inputs.get("cu_seq_lens_q")
+    if cu_seqlens is not None:
+        return unshard_varlen(parts, cu_seqlens, layout, seq_dim=1)
+    lay = get_layout(layout)
+    seq_len = local.shape[1] * world
+    order = torch.cat([lay.token_indices(seq_len, r, world) for r in range(world)])
+    full = torch.cat(parts, dim=1).index_select(1, torch.argsort(order).to(local.device))
+    mask = inputs.get(PADDING_MASK)
+    if mask is None:
+        return full
+    back = torch.argsort(_padding_order(mask.to(torch.bool)), dim=1).to(local.device)
+    return full.gather(1, back.view(*back.shape, *[1] * (full.dim() - 2)).expand_as(full))

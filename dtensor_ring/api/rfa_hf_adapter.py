@@ -50,7 +50,7 @@ from ..consistency import relay_errors
 from ..layouts.varlen import host_values
 from ..resolve import group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
-from .hf import _no_mask, _summary, _window, check_model_keywords
+from .hf import _summary, _window, check_model_keywords
 from .varlen import llama3_flash_attn_varlen_func
 
 __all__ = [
@@ -127,6 +127,18 @@ def substitute_hf_flash_attn(process_group: dist.ProcessGroup | None, heads_k_st
     for name in ("flash_attention_2", RFA_ATTN_IMPLEMENTATION):
         AttentionInterface.register(name, ring_flash_attention_forward)
     AttentionMaskInterface.register(RFA_ATTN_IMPLEMENTATION, _no_mask)
+
+
+def _no_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> None:
+    """Mask function: builds none (the documents come from update_ring_flash_attn_params);
+    an ``attention_mask`` with zeros (padding) raises."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "ring flash attention adapter does not support padding (an attention_mask with "
+            "zeros): pack the documents without padding and pass their boundaries to "
+            "update_ring_flash_attn_params (or use dtensor_ring.hf.shard_batch, which handles "
+            'padding, with attn_implementation="dtensor_ring")'
+        )
 
 
 def ring_flash_attention_forward(

@@ -3,19 +3,32 @@
 Note [Decoding over a sharded KV cache (pass-Q)]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Each rank holds a shard of the KV cache (any tokens, any number, possibly none); the new
-token's query is the same on every rank. Every rank attends to its own shard, and the partial
-results merge exactly (Note [Online-softmax merge], the ring's ``merge_``) after one all-gather
-of ``(out, lse)``:
+token's query is the same on every rank. Every rank attends to the keys of its own shard that
+the query sees, and the partial results merge exactly (Note [Online-softmax merge], the ring's
+``merge_``) after one all-gather of ``(out, lse)``:
 
-    rank 0: q . K_0 -> (o_0, lse_0) --+
-    rank 1: q . K_1 -> (o_1, lse_1) --+-- all_gather --> merge_ in rank order:
-    rank 2: (empty)  -> (0,  -inf)  --+                  lse = logsumexp_r lse_r
-                                                         o   = sum_r exp(lse_r - lse) o_r
-                                                         (the same on every rank)
+    rank 0: q . K_0[visible] -> (o_0, lse_0) --+
+    rank 1: q . K_1[visible] -> (o_1, lse_1) --+-- all_gather --> merge_ in rank order:
+    rank 2: nothing visible  -> (0,  -inf)   --+                  lse = logsumexp_r lse_r
+                                                                  o   = sum_r exp(lse_r - lse) o_r
+                                                  [sinks: fold exp(sink_h) into lse, once]
+                                                  (the same on every rank)
 
-Only the query's ``(out, lse)`` travels, ``B * H * (D + 1)`` fp32 values per rank and step,
-never the cache. A rank with an empty shard contributes weight 0; a query whose scores are all
--inf is NaN, as in attention over the whole cache.
+Only the query's ``(out, lse)`` travels, ``B * H * (D + 1)`` values per rank and step, never
+the cache.
+
+Which keys are visible: with the cached keys' global positions ``k_positions [S_local]``
+(shared by the batch rows) and the query's ``q_position``, flash-attn's window: key ``j`` is
+visible iff ``q_position - left <= j <= q_position + right`` (-1: unbounded); transformers'
+``sliding_window = w`` is ``(w - 1, 0)``. Without positions every cached key is visible. The
+visible keys of a shard are taken as a slice when they are consecutive in it (a shard kept in
+position order: the window's keys are a suffix), else gathered. A rank with no visible key
+(an empty shard, or one the window has left behind) runs no kernel and contributes weight 0
+(``lse = -inf``); a query that sees no key at all is NaN, as in attention over the whole
+cache, or, with sinks, softmax over the sink alone: ``out = 0`` (Note [Attention sinks]).
+
+Positions are read on the host; keep them in a CPU tensor (as the caches of ``api/kv_cache.py``
+do) so that a CUDA decode step does not wait for the device to read them.
 """
 
 from __future__ import annotations
@@ -26,22 +39,67 @@ from torch import Tensor
 
 from .._compat import resolve_group
 from ..kernels import accumulation_dtype, get_kernel
-from ..kernels.merge import empty_rows_nan_, merge_
+from ..kernels.merge import add_sinks, empty_rows_nan_, merge_
 from .common import fake_out_lse
 
 
+def visible_keys(
+    k_positions: Tensor | None, q_position: int, window_left: int, window_right: int
+) -> slice | Tensor:
+    """Which of a shard's keys the query at ``q_position`` sees: a ``slice`` (all, none, or a
+    consecutive run) or the int64 indices ``[n]`` of a scattered subset (host values)."""
+    if k_positions is None or (window_left < 0 and window_right < 0):
+        return slice(None)
+    pos = k_positions.cpu()
+    visible = torch.ones_like(pos, dtype=torch.bool)
+    if window_left >= 0:
+        visible &= pos >= q_position - window_left
+    if window_right >= 0:
+        visible &= pos <= q_position + window_right
+    n = int(visible.sum())
+    if n == pos.numel():
+        return slice(None)
+    if n == 0:
+        return slice(0, 0)
+    index = visible.nonzero().squeeze(1)
+    first = int(index[0])
+    if int(index[-1]) - first + 1 == n:
+        return slice(first, first + n)
+    return index
+
+
 def decode_attention_impl(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, group_name: str, scale: float, backend: str
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_positions: Tensor | None,
+    q_position: int,
+    group_name: str,
+    scale: float,
+    backend: str,
+    window_left: int = -1,
+    window_right: int = -1,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``q [B, 1, H, D]`` (the same on every rank) over this rank's cache shard
     ``k_cache, v_cache [B, S_local, H_kv, D]`` -> ``(out [B, 1, H, D], lse [B, H, 1])`` of
-    attention over the whole cache (every cached key visible), the same on every rank."""
+    attention over the keys of the whole cache that the query sees, the same on every rank.
+
+    ``k_positions [S_local]`` (int64, or None: every key visible), ``q_position`` and the
+    window ``(window_left, window_right)`` select the visible keys (:func:`visible_keys`);
+    ``sinks [H]`` (or None) are folded in after the merge (``lse`` includes them)."""
     group = resolve_group(group_name)
     B, S_q, H, D = q.shape
     acc = accumulation_dtype(q.dtype)
-    if k_cache.shape[1] > 0:
-        out, lse = get_kernel(backend).forward(q, k_cache, v_cache, causal=False, scale=scale)
+    keep = visible_keys(k_positions, q_position, window_left, window_right)
+    if isinstance(keep, Tensor):
+        keep = keep.to(k_cache.device)
+        k_vis, v_vis = k_cache.index_select(1, keep), v_cache.index_select(1, keep)
     else:
+        k_vis, v_vis = k_cache[:, keep], v_cache[:, keep]
+    if k_vis.shape[1] > 0:
+        out, lse = get_kernel(backend).forward(q, k_vis, v_vis, causal=False, scale=scale)
+    else:  # nothing visible here: weight 0, and no kernel call
         out = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full((B, H, S_q), float("-inf"), dtype=acc)
     world = dist.get_world_size(group)
@@ -54,6 +112,9 @@ def decode_attention_impl(
     out_acc, lse_acc = outs[0].clone(), lses[0].clone()
     for r in range(1, world):  # in rank order on every rank: the same result everywhere
         merge_(out_acc, lse_acc, outs[r], lses[r])
+    if sinks is not None:
+        out_sunk, lse_sunk = add_sinks(out_acc, lse_acc, sinks)
+        return out_sunk.to(q.dtype), lse_sunk
     return empty_rows_nan_(out_acc.to(q.dtype), lse_acc), lse_acc
 
 
@@ -63,6 +124,18 @@ decode_attention = torch.library.custom_op("dtensor_ring::decode_attention", mut
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, group_name, scale, backend):
+def _(
+    q,
+    k_cache,
+    v_cache,
+    k_positions,
+    q_position,
+    group_name,
+    scale,
+    backend,
+    window_left=-1,
+    window_right=-1,
+    sinks=None,
+):
     B, S_q, H, _ = q.shape
     return fake_out_lse(q, (B, H, S_q))

@@ -235,10 +235,11 @@ def _checks(door, setup, data, idx, out, lse, leaves) -> dict:
     causal, window, scale = reference_semantics(door, setup)
     visible = door.visible(data.seq_len, data.bounds, causal, window)
     dout = data.dout if setup.grads else None
-    ref = oracle.strict_attention(data.q, data.k, data.v, visible, scale, dout)
+    sinks = setup.ref.get("sinks", setup.kw.get("sinks"))
+    ref = oracle.strict_attention(data.q, data.k, data.v, visible, scale, dout, sinks)
     finite = all(bool(torch.isfinite(x).all()) for x in (data.q, data.k, data.v))
     base = {}
-    if setup.dtype != torch.float64 and finite:
+    if setup.dtype != torch.float64 and finite and sinks is None:  # SDPA has no sinks
         base = oracle.baseline_errors(data.q, data.k, data.v, visible, scale, dout, ref)
 
     def check(got, want, name, dtype=setup.dtype):
@@ -569,6 +570,39 @@ SCALES = (
     ("str", "0.5", ERROR),
     ("bool", True, ERROR),
 )
+
+
+def _SINKS(H: int) -> Tensor:  # noqa: N802  (a constant's maker)
+    """Attention-sink logits ``[H]`` of every size relative to the scores (fp32)."""
+    return torch.linspace(-3.0, 3.0, H)
+
+
+SINKS = [
+    # label, sinks(H) -> value, expect
+    ("linspace", _SINKS, CORRECT),
+    ("fp64", lambda H: _SINKS(H).double(), CORRECT),
+    ("wrong_length", lambda H: _SINKS(H + 1), ERROR),
+    ("2-D", lambda H: _SINKS(H)[None], ERROR),
+    ("int", lambda H: torch.arange(H), ERROR),
+    ("list", lambda H: _SINKS(H).tolist(), ERROR),
+]
+
+
+def sinks_cases() -> list[Case]:
+    """``sinks=`` (attention sinks) through every door that takes it: exact or a clean error."""
+    cases = []
+    for i, door in enumerate(REPRESENTATIVE):
+        if "sinks" not in door.accepts:
+            continue
+        for j, (label, make, expect) in enumerate(SINKS):
+            world = _pick(WORLDS, i + j)
+            H = default_heads(door, world)[0]
+            error = None if "correct" in expect else f"sinks={label}"
+            setup = Setup(
+                kw={"causal": True, "sinks": make(H)}, expect_error=error, grads=error is None
+            )
+            cases.append(_case("sinks", door, world, f"sinks={label}", setup, expect))
+    return cases
 
 
 def scale_cases() -> list[Case]:
@@ -927,7 +961,8 @@ def _hf_kwarg_variants(door: Door, world: int) -> list[tuple[str, dict, dict, fr
     """(label, kw, ref, expect) of the transformers keyword cases."""
     H = default_heads(door, world)[0]
     variants = [
-        ("s_aux", {"hf_kwargs": {"s_aux": torch.zeros(H)}}, {}, ERROR),
+        ("s_aux", {"hf_kwargs": {"s_aux": _SINKS(H)}}, {"sinks": _SINKS(H)}, CORRECT),
+        ("s_aux+sinks", {"hf_kwargs": {"s_aux": _SINKS(H), "sinks": _SINKS(H)}}, {}, ERROR),
         ("softcap=None", {"hf_kwargs": {"softcap": None}}, {}, CORRECT),
         ("softcap=30", {"hf_kwargs": {"softcap": 30.0}}, {}, ERROR),
         ("is_causal=False", {"hf_kwargs": {"is_causal": False}}, {"causal": False}, EITHER),
@@ -940,7 +975,7 @@ def _hf_kwarg_variants(door: Door, world: int) -> list[tuple[str, dict, dict, fr
             "position_ids=local_arange",
             {"hf_kwargs": {"position_ids": torch.arange(8 if door.packed_stream else 4)[None]}},
             {},
-            ERROR,
+            CORRECT if world == 1 and not door.packed_stream else ERROR,  # W = 1: local = global
         ),
         ("position_ids=None", {"hf_kwargs": {"position_ids": None}}, {}, ERROR),
         (
@@ -1081,6 +1116,7 @@ KINDS = {
     "layout": layout_cases,
     "nonfinite": nonfinite_cases,
     "scale": scale_cases,
+    "sinks": sinks_cases,
     "args": args_cases,
     "disagree": disagree_cases,
     "dtensor": dtensor_cases,

@@ -95,6 +95,7 @@ FLASH_KW = frozenset(
         "return_attn_probs",
         "group",
         "backend",
+        "sinks",
     }
 )
 VARLEN_KW = FLASH_KW | {"cu_seqlens", "max_seqlen"}

@@ -137,13 +137,20 @@ class Reference:
 
 
 def strict_attention(
-    q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, dout: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    visible: Tensor,
+    scale: float,
+    dout: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Reference:
     """Attention of ``q [B, S, H, D]`` over ``k, v [B, S, H_kv, D]`` (KV head j serves query
     heads ``j*G .. (j+1)*G-1``), row by row on the keys ``visible [S, S]`` lets it see.
 
     Computed in float64 on the given values; a query row never touches a key it cannot see.
-    With ``dout`` also the gradients (autograd through the per-row gathers).
+    With ``dout`` also the gradients (autograd through the per-row gathers). ``sinks [H]``:
+    one more score per row and head, whose probability is dropped (attention sinks).
     """
     q, k, v = (x.detach().to(torch.float64).requires_grad_(dout is not None) for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -152,8 +159,12 @@ def strict_attention(
     for i in range(q.shape[1]):
         idx = visible[i].nonzero().flatten()
         scores = torch.einsum("bhd,bjhd->bhj", q[:, i], k_e[:, idx]) * scale
+        if sinks is not None:
+            sink = sinks.to(torch.float64).view(1, -1, 1).expand(scores.shape[0], -1, 1)
+            scores = torch.cat([scores, sink], dim=-1)
         lses.append(torch.logsumexp(scores, dim=-1))
-        outs.append(torch.einsum("bhj,bjhd->bhd", torch.softmax(scores, dim=-1), v_e[:, idx]))
+        probs = torch.softmax(scores, dim=-1)[..., : len(idx)]
+        outs.append(torch.einsum("bhj,bjhd->bhd", probs, v_e[:, idx]))
     out, lse = torch.stack(outs, dim=1), torch.stack(lses, dim=-1)
     if dout is None:
         return Reference(out.detach(), lse.detach())
