@@ -280,23 +280,39 @@ VARLEN_LOCAL_CU_SEQLENS = (  # the seed benchmark's local document boundaries (8
 
 
 class _LocalGather:
-    """Stands in for llama3's all-gather on one device: the full K/V are already here."""
+    """Stands in for llama3's all-gather on one device: the gathered K/V (every rank's local
+    tokens in rank order) are already here; ``wait`` returns them stacked ``[W*L, 2, s, D]``."""
 
-    def __init__(self, k_full, v_full, stride: int):
-        self.k, self.v, self.stride = k_full, v_full, stride
+    def __init__(self, k_gathered, v_gathered, stride: int):
+        self.kv, self.stride = torch.stack([k_gathered, v_gathered], dim=1), stride
 
     def start(self, h: int):
-        from dtensor_ring.simulate import _Delivered
+        return self
 
-        heads = slice(h, h + self.stride)
-        return _Delivered([self.k[:, heads], self.v[:, heads]], zero=False)
+    def wait(self):
+        return self.kv[:, :, : self.stride]  # every group times the same; no copy
+
+
+def _llama3_forward_ms(ql, kl, vl, k_gathered, v_gathered, meta, kernel, scale, a) -> float:
+    """One rank's llama3 forward (any layout's metadata) with the gather stood in for."""
+    import dtensor_ring.engine.llama3 as llama3
+
+    default_gather = llama3._KVGather
+    gathered = _LocalGather(k_gathered, v_gathered, a.kv_heads)
+    llama3._KVGather = lambda k_, v_, stride, group: gathered
+    try:
+        return timed(
+            lambda: llama3.llama3_forward(ql, kl, vl, meta, a.kv_heads, None, kernel, scale), a.reps
+        )
+    finally:
+        llama3._KVGather = default_gather
 
 
 def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
-    """ring / zigzag varlen (simulated slowest rank) and llama3 (forward) vs one full call."""
-    import dtensor_ring.engine.llama3 as llama3
-    from dtensor_ring import llama3_flash_attn_prepare_cu_seqlens, varlen_balance
-    from dtensor_ring.schedule.llama3 import llama3_meta
+    """ring / zigzag varlen (simulated slowest rank) and llama3 / llama3_zigzag (forward of
+    the slowest rank) vs one full call."""
+    from dtensor_ring import llama3_flash_attn_prepare_cu_seqlens, shard_varlen, varlen_balance
+    from dtensor_ring.schedule.llama3 import gather_meta, llama3_meta
 
     W, backend = a.world_size, "cuda_flash" if device.type == "cuda" else "math"
     kernel = get_kernel(backend)
@@ -344,16 +360,24 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
         cu_q, cu_k, max_q, max_k, k_slice.start, k_slice.stop, L, True, rank, W, device
     )
     ql, kl, vl = (t[rank * L : (rank + 1) * L] for t in (q, k, v))
-    default_gather = llama3._KVGather
-    llama3._KVGather = lambda k_, v_, stride, group: _LocalGather(k, v, stride)
-    try:
-        t_fwd = timed(
-            lambda: llama3.llama3_forward(ql, kl, vl, meta, a.kv_heads, None, kernel, scale), a.reps
-        )
-    finally:
-        llama3._KVGather = default_gather
+    t_fwd = _llama3_forward_ms(ql, kl, vl, k, v, meta, kernel, scale, a)
     row["llama3_eff_fwd"] = theo_fwd / t_fwd
     row["llama3_limit"] = sum(balance["llama3"]) / W / max(balance["llama3"])
+    # balanced all-gather: zigzag's tokens (documents must be multiples of 2W)
+    if "llama3_zigzag" in balance:
+        rank = max(range(W), key=balance["llama3_zigzag"].__getitem__)
+        shards = [[shard_varlen(t, cu, "llama3_zigzag", r, W)[0] for r in range(W)] for t in (k, v)]
+        ql = shard_varlen(q, cu, "llama3_zigzag", rank, W)[0]
+        cu_local = torch.tensor(local_bounds, dtype=torch.int32, device=device)
+        meta = gather_meta(cu_local, None, L, "llama3_zigzag", True, rank, W, device)
+        k_g, v_g = (torch.cat(parts) for parts in shards)  # the all-gather's result
+        t_fwd = _llama3_forward_ms(
+            ql, shards[0][rank], shards[1][rank], k_g, v_g, meta, kernel, scale, a
+        )
+        row["llama3_zigzag_eff_fwd"] = theo_fwd / t_fwd
+        row["llama3_zigzag_limit"] = (
+            sum(balance["llama3_zigzag"]) / W / max(balance["llama3_zigzag"])
+        )
     return [row]
 
 
@@ -516,14 +540,20 @@ def print_tables(results: dict) -> None:
         )
     print(
         f"\n{'local cu_seqlens':<36}{'ring f':>8}{'ring fb':>8}{'zz f':>8}{'zz fb':>8}"
-        f"{'llama3 f':>9}{'limits r/zz/l3':>17}"
+        f"{'llama3 f':>9}{'l3zz f':>8}{'limits r/zz/l3/l3zz':>22}"
     )
     for r in results["varlen"]:
-        limits = f"{r['ring_limit']:.0%}/{r['zigzag_limit']:.0%}/{r['llama3_limit']:.0%}"
+        l3zz = r.get("llama3_zigzag_limit")  # absent: documents not multiples of 2W
+        limits = f"{r['ring_limit']:.0%}/{r['zigzag_limit']:.0%}/{r['llama3_limit']:.0%}/" + (
+            "-" if l3zz is None else f"{l3zz:.0%}"
+        )
+        l3zz_eff = r.get("llama3_zigzag_eff_fwd")
         print(
             f"{str(r['local_cu_seqlens']):<36}{r['ring_eff_fwd']:>8.1%}"
             f"{r['ring_eff_fwd_bwd']:>8.1%}{r['zigzag_eff_fwd']:>8.1%}"
-            f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}{limits:>17}"
+            f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}"
+            + ("       -" if l3zz_eff is None else f"{l3zz_eff:>8.1%}")
+            + f"{limits:>22}"
         )
     for r in results["merges"]:
         print(

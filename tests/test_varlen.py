@@ -590,6 +590,7 @@ def test_varlen_balance_worked_example():
         "ring": [2880.0, 8512.0, 14144.0, 19776.0],
         "zigzag": [11328.0, 11328.0, 11328.0, 11328.0],
         "llama3": [8256.0, 24640.0, 4160.0, 8256.0],
+        "llama3_zigzag": [11328.0, 11328.0, 11328.0, 11328.0],  # zigzag's tokens, all-gathered
     }
 
     def imbalance(work):
@@ -604,15 +605,16 @@ def test_varlen_balance_counts():
     lengths, W = [5, 1, 7, 3], 4
     cu = cumulative(lengths)
     report = dr.varlen_balance(cu, W, causal=True)
-    assert set(report) & set(dr.VARLEN_LAYOUTS) == {"llama3"}
+    assert set(report) & set(dr.VARLEN_LAYOUTS) == {"llama3"}  # documents not multiples of W
     doc_start = {t: s for s, e in zip(cu[:-1], cu[1:], strict=True) for t in range(s, e)}
     L = cu[-1] // W
     assert report["llama3"] == [
         float(sum(t - doc_start[t] + 1 for t in range(r * L, r * L + L))) for r in range(W)
     ]
     full = dr.varlen_balance([0, 8, 16], 2, causal=False)
-    assert set(full) & set(dr.VARLEN_LAYOUTS) == {"ring", "llama3"}  # zigzag is causal-only
-    assert full["ring"] == full["llama3"] == [64.0, 64.0]
+    # zigzag is causal-only; llama3_zigzag (all-gathered) takes any mask
+    assert set(full) & set(dr.VARLEN_LAYOUTS) == {"ring", "llama3", "llama3_zigzag"}
+    assert full["ring"] == full["llama3"] == full["llama3_zigzag"] == [64.0, 64.0]
 
 
 # --- custom ops -------------------------------------------------------------------------------

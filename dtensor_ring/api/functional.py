@@ -39,6 +39,7 @@ from torch import Tensor
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..resolve import group_arg, resolve_call, unpack
+from .varlen import is_all_gather, llama3_zigzag_flash_attn_func
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -61,7 +62,27 @@ def ring_attention_func(
     sinks: Tensor | None = None,
 ) -> Result:
     """Ring attention in any registered dense ``layout`` (the functions below fix it):
-    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``."""
+    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``.
+    An all-gather layout ("llama3_zigzag") all-gathers K/V instead
+    (:func:`~dtensor_ring.api.varlen.llama3_zigzag_flash_attn_func`, ``heads_k_stride=1``)."""
+    if is_all_gather(layout):
+        return llama3_zigzag_flash_attn_func(
+            q,
+            k,
+            v,
+            1,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend=backend,
+            sinks=sinks,
+            layout=layout,
+        )
     name, world_size = group_arg(group)
     spec = resolve_call(
         q,

@@ -16,6 +16,9 @@ Which tokens a rank holds (Note [Varlen layouts] in ``layouts/varlen.py``; shard
   on rank r; ``cu_seqlens`` = global ``cu_seqlens // W``. Causal only.
 * ``llama3_flash_attn_varlen_*``: the packed stream cut into W contiguous slices; the metadata
   comes from :func:`dtensor_ring.llama3_flash_attn_prepare_cu_seqlens`.
+* ``llama3_zigzag_flash_attn_varlen_func``: zigzag's tokens (pieces r and 2W-1-r of every
+  document), K/V all-gathered (balanced all-gather attention); ``cu_seqlens`` = global
+  ``cu_seqlens // W``. Causal or not. ``llama3_zigzag_flash_attn_func`` is its dense form.
 
 Arguments common to every function here:
     cu_seqlens (ring, zigzag): int32 ``[N + 1]`` *local* document boundaries (global
@@ -24,8 +27,9 @@ Arguments common to every function here:
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice (llama3): this rank's
         metadata from ``llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, W)``
         (int32 tensors, ints, a slice).
-    heads_k_stride (llama3): KV heads all-gathered at a time (must divide H_kv); smaller saves
-        memory, larger means fewer collectives.
+    heads_k_stride (llama3, llama3_zigzag): KV heads all-gathered at a time (must divide
+        H_kv); smaller saves memory and hides more of the gathers behind compute, larger means
+        fewer collectives.
     dropout_p: must be 0.0.  alibi_slopes: must be None.
     softmax_scale: defaults to ``D ** -0.5``.
     causal: causal mask within each document (zigzag: must be True).
@@ -48,15 +52,18 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..layouts import Layout, get_layout, layout_names
 from ..layouts.varlen import host_values
 from ..ops.common import call_attention
 from ..ops.varlen import llama3_attention, ring_attention_varlen
 from ..resolve import (
     check_cu_seqlens_arg,
     check_heads_k_stride,
+    check_qkv_tensors,
     group_arg,
     local_k_slice_bounds,
     max_seqlen_value,
@@ -89,7 +96,28 @@ def ring_varlen_attention_func(
 ) -> Result:
     """Ring attention over packed documents in any registered per-document varlen ``layout``
     (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` ->
-    ``out [T_local, H, D]``."""
+    ``out [T_local, H, D]``. An all-gather layout ("llama3_zigzag") all-gathers K/V instead
+    (:func:`gather_varlen_attention_func`, ``heads_k_stride=1``)."""
+    if is_all_gather(layout):
+        return gather_varlen_attention_func(
+            layout,
+            q,
+            k,
+            v,
+            cu_seqlens,
+            max_seqlen,
+            1,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            group,
+            backend=backend,
+            sinks=sinks,
+        )
     name, world_size = group_arg(group)
 
     def checks() -> None:
@@ -124,6 +152,184 @@ def ring_varlen_attention_func(
     return (out, lse, None) if return_attn_probs else out
 
 
+def is_all_gather(layout: object) -> bool:
+    """Whether ``layout`` is a registered layout whose front doors all-gather K/V (False for
+    anything else: the front door's own resolution reports a bad name)."""
+    if isinstance(layout, str) and layout in layout_names():
+        layout = get_layout(layout)
+    return isinstance(layout, Layout) and layout.all_gather
+
+
+def gather_varlen_attention_func(
+    layout: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    heads_k_stride: int = 1,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+    sinks: Tensor | None = None,
+) -> Result:
+    """All-gather attention over packed documents in a per-document ``layout``
+    ("llama3_zigzag"; Note [Balanced all-gather attention]): ``q [T_local, H, D]``,
+    ``k, v [T_local, H_kv, D]`` -> ``out [T_local, H, D]``; ``cu_seqlens`` the local
+    boundaries (global ``// W``), as ring varlen."""
+    name, world_size = group_arg(group)
+
+    def checks() -> None:
+        check_heads_k_stride(heads_k_stride, k.shape[1])
+        check_cu_seqlens_arg(cu_seqlens, q)
+        max_seqlen_value(max_seqlen, "max_seqlen")
+
+    spec = resolve_call(
+        q,
+        k,
+        v,
+        op="llama3_attention",
+        layout=layout,
+        form="documents",
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        backend=backend,
+        sinks=sinks,
+        group_name=name,
+        world_size=world_size,
+        checks=checks,
+        metadata=lambda: {
+            "cu_seqlens": host_values(cu_seqlens),
+            "max_seqlen": max_seqlen,
+            "heads_k_stride": heads_k_stride,
+        },
+    )
+    max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
+    out, lse = call_attention(
+        llama3_attention,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        heads_k_stride,
+        0,
+        0,
+        *spec.op_args(),
+        sinks,
+    )
+    return (out, lse, None) if return_attn_probs else out
+
+
+def llama3_zigzag_flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    heads_k_stride: int = 1,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+    sinks: Tensor | None = None,
+) -> Result:
+    """Balanced all-gather (llama3) attention over packed documents: every document cut into
+    2W pieces, pieces r and 2W-1-r on rank r (shard with ``shard_varlen(..., "llama3_zigzag",
+    ...)``), K/V all-gathered per group of ``heads_k_stride`` KV heads.
+
+    ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]``, ``cu_seqlens`` the local boundaries
+    (global ``// W``) -> ``out [T_local, H, D]`` (other arguments: module docstring).
+    """
+    return gather_varlen_attention_func(
+        "llama3_zigzag",
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        heads_k_stride,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        group,
+        backend=backend,
+        sinks=sinks,
+    )
+
+
+def llama3_zigzag_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    heads_k_stride: int = 1,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str | None = None,
+    sinks: Tensor | None = None,
+    layout: str = "llama3_zigzag",
+) -> Result:
+    """Balanced all-gather attention of dense sequences in an all-gather ``layout``
+    (``ring_attention_func(layout, ...)`` comes here with ``heads_k_stride=1``): every row is
+    one document of the packed form (a view, no copy), so ``q [B, S_local, H, D]``,
+    ``k, v [B, S_local, H_kv, D]`` in zigzag's token order (``shard_local(x, "llama3_zigzag",
+    rank, W)``) -> ``out [B, S_local, H, D]``; with ``return_attn_probs``, ``lse
+    [B, H, S_local]`` (other arguments: :mod:`dtensor_ring.api.functional`'s docstring)."""
+    check_qkv_tensors(q, k, v)
+    B, S, H, D = q.shape
+    get_layout(layout, "dense").check_local_length(S, group_arg(group)[1])
+    cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)  # a document per row
+    out, lse, _ = gather_varlen_attention_func(
+        layout,
+        *(t.reshape(B * S, *t.shape[2:]) for t in (q, k, v)),
+        cu_seqlens,
+        S,
+        heads_k_stride,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        True,
+        group,
+        backend=backend,
+        sinks=sinks,
+    )
+    out = out.view(B, S, H, D)
+    return (out, lse.view(H, B, S).transpose(0, 1).contiguous(), None) if return_attn_probs else out
+
+
 def llama3_attention_func(
     q: Tensor,
     k: Tensor,
@@ -152,6 +358,13 @@ def llama3_attention_func(
     name, world_size = group_arg(group)
 
     def checks() -> None:
+        if get_layout(layout).varlen != "stream":  # its metadata would be misread
+            raise ValueError(
+                f"layout={layout!r} shards every document; llama3_attention_func takes the "
+                "stream layout's metadata (llama3_flash_attn_prepare_cu_seqlens); call "
+                "gather_varlen_attention_func (llama3_zigzag_flash_attn_varlen_func) with the "
+                "local cu_seqlens instead"
+            )
         check_heads_k_stride(heads_k_stride, k.shape[1])
         local_k_slice_bounds(local_k_slice)
         check_cu_seqlens_arg(cu_seqlens_q, q, "cu_seqlens_q")

@@ -37,6 +37,45 @@ dK/dV contributions land in a ``[W*L]``-token buffer that is reduce-scattered, a
 bf16 partials in bf16 would round at every addition (NCCL reduces in the tensor's dtype). That
 doubles the reduce-scatter's bytes for bf16 inputs, on a transfer that overlaps the next
 group's kernels. K/V are gathered in their input dtype (exact).
+
+Note [Balanced all-gather attention]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The stream layout gives the last rank the most causal work (rank W-1 of one document does
+~2x the average). Llama 3 trains with zigzag's tokens instead (layout "llama3_zigzag",
+Note [Varlen layouts]): every document (a dense row is one document) is cut into 2W
+pieces and rank r holds pieces r and 2W-1-r, one early and one late, so every rank computes
+the same number of causal pairs of every document. K/V are all-gathered as above (rank-major:
+rank s's local tokens at rows ``[s L, (s + 1) L)``) and put back in global order with one
+``index_select`` per head group (``to_global``), so that the keys a query piece may see are
+one contiguous range of its document. Example W = 4, one document of 8 pieces p0..p7, rank 1:
+
+    gathered (rank-major)   p0 p7 | p1 p6 | p2 p5 | p3 p4        (ranks 0 | 1 | 2 | 3)
+    global order            p0 p1 p2 p3 p4 p5 p6 p7
+    rank 1, causal:   p1 (queries)  ->  keys p0 p1              w(-1, 0)
+                      p6 (queries)  ->  keys p0 p1 p2 p3 p4 p5 p6  w(-1, 0)
+
+Each query piece meets the keys ``[k0, k1)`` of its document: causal ``[0, end of the piece)``
+(``k0`` trimmed to the window's left edge), non-causal the whole document (trimmed to the
+window on both sides), with flash-attn's bottom-right-aligned mask ``window=(left, right)``
+(causal: ``(-1, 0)``), which is exact because the keys end ``e`` positions after the piece
+(``e = 0`` causal): ``(left + e, right - e)``. Pieces of every document whose masks agree
+form ONE varlen kernel call (``cu_seqlens_q`` over the pieces, ``cu_seqlens_k`` over their
+key ranges, taken from the reordered K/V), so a causal or unwindowed call is one kernel call
+per head group, with no merge: the pieces' keys are complete. A window whose edges are clipped
+by documents' ends differently gives a few calls (one per distinct mask; each query row still
+in exactly one). Key ranges overlap (a rank's two pieces of a document share their prefix), so
+the backward adds their dK/dV with ``index_add_`` into a global-order buffer, which is put
+back in rank-major order (``to_gathered``) for the reduce-scatter.
+
+    per head group g:   wait gather(g); start gather(g + 1)
+                        kv = gathered[to_global]                     (one copy, O(T))
+                        one varlen call per mask: q rows of the pieces vs kv rows of their keys
+
+Cost against the stream layout: the first group's gather has no local work to hide behind
+(every call needs remote keys), and each group copies its gathered K/V twice (the reorder and
+the key ranges; O(T) against O(T^2 / W) attention). Balance: exact per document for causal
+attention, whatever the documents (``varlen_balance``, ``Plan.flops``), where the stream
+layout reaches 53% at W = 8 on one document. Documents must be multiples of 2W.
 """
 
 from __future__ import annotations
@@ -76,13 +115,14 @@ class _KVGather:
         self._turn = 0
 
     def start(self, h: int):
-        """Start gathering KV heads ``[h, h + stride)``; ``.wait()`` -> ``(k, v) [W*L, s, D]``."""
+        """Start gathering KV heads ``[h, h + stride)``; ``.wait()`` -> K and V stacked,
+        ``[W*L, 2, s, D]`` (rank r's tokens at rows ``[r L, (r + 1) L)``)."""
         heads = slice(h, h + self.stride)
         local = torch.stack([self.k[:, heads], self.v[:, heads]], dim=1)  # [L, 2, s, D]
         out = self._buffers[self._turn]
         self._turn ^= 1
         work = _all_gather(out, local, group=self.group, async_op=True)
-        return _Pending(work, (out[:, 0], out[:, 1]), local)
+        return _Pending(work, out, local)
 
 
 class _Pending:
@@ -102,6 +142,14 @@ def _prefix_parts(m: Llama3Meta) -> tuple[Block, slice, slice]:
     blk = m.prefix_block
     (q0, q1), (k0, k1) = blk.q.bounds(m.first_len), blk.kv.bounds(m.prefix)
     return blk, slice(q0, q1), slice(m.k_start + k0, m.k_start + k1)
+
+
+def _keys(m: Llama3Meta, kv_full: Tensor) -> Tensor:
+    """The keys ``[k_start, k_stop)`` in global order of gathered K/V ``[W*L, 2, s, D]``: a
+    view (stream layout) or one reordering copy (Note [Balanced all-gather attention])."""
+    if m.to_global is None:
+        return kv_full[m.k_start : m.k_stop]
+    return kv_full.index_select(0, m.to_global)
 
 
 def _head_groups(H: int, H_kv: int, stride: int) -> Sequence[tuple[int, slice]]:
@@ -139,7 +187,7 @@ def llama3_forward(
     m = meta
     for i, (h, hq) in enumerate(groups):
         q_g = q_THD[:, hq]
-        if m.causal:  # the diagonal needs only local K/V: it runs while the gather is in flight
+        if m.diagonal:  # needs only local K/V: it runs while the gather is in flight
             kv_heads = slice(h, h + heads_k_stride)
             out_g, lse_g = kernel.forward_varlen(
                 q_g,
@@ -154,18 +202,18 @@ def llama3_forward(
                 window=m.window,
             )
         with CommSite(_GATHER_FORWARD, group, (i + 1, len(groups))):
-            k_full, v_full = pending.wait()
+            kv_full = pending.wait()
         if i + 1 < len(groups):
             pending = gather.start(groups[i + 1][0])
-        if m.causal:
+        if m.diagonal:
             lse[hq] = lse_g
             out[:, hq] = out_g
             if m.prefix_block is not None:
                 blk, rows, keys = _prefix_parts(m)
                 out_p, lse_p = kernel.forward(
                     q_g[None, rows],
-                    k_full[None, keys],
-                    v_full[None, keys],
+                    kv_full[None, keys, 0],
+                    kv_full[None, keys, 1],
                     causal=blk.causal,
                     scale=scale,
                     window=blk.window,
@@ -176,8 +224,8 @@ def llama3_forward(
                 lse[hq, rows] = lse_rows
                 out[rows, hq] = out_rows.to(out.dtype)
         else:
-            keys = slice(m.k_start, m.k_stop)
-            k_keys, v_keys = k_full[keys], v_full[keys]
+            kv_keys = _keys(m, kv_full)
+            k_keys, v_keys = kv_keys[:, 0], kv_keys[:, 1]
             rows = varlen_blocks(m.blocks, (), q_THD.device)
             for blk in m.blocks:  # every query row in exactly one block
                 out_b, lse_b = rows.forward(
@@ -233,7 +281,7 @@ def llama3_backward(
         kv_heads = slice(h, h + heads_k_stride)
         args_q = (dout_THD[:, hq], q_THD[:, hq])
         out_g, lse_g = out_THD[:, hq], lse_HT[hq]
-        if m.causal:  # local diagonal, while the gather is in flight
+        if m.diagonal:  # local diagonal, while the gather is in flight
             dq_d, dk_d, dv_d = kernel.backward_varlen(
                 *args_q,
                 k_THD[:, kv_heads],
@@ -252,17 +300,19 @@ def llama3_backward(
             dk[:, kv_heads] += dk_d
             dv[:, kv_heads] += dv_d
         with CommSite(_GATHER_BACKWARD, group, (i + 1, len(groups))):
-            k_full, v_full = pending.wait()
+            kv_full = pending.wait()
         if i + 1 < len(groups):
             pending = gather.start(groups[i + 1][0])
+        # dK/dV of the gathered keys, in global order (a reordered copy goes to the reduce-
+        # scatter when the gathered K/V were not: Note [Balanced all-gather attention])
         dkv_full = torch.zeros(W * L, 2, heads_k_stride, D, dtype=acc, device=q_THD.device)
-        if m.causal:
+        if m.diagonal:
             if m.prefix_block is not None:
                 blk, rows, keys = _prefix_parts(m)
                 dq_p, dk_p, dv_p = kernel.backward(
                     *(x[None, rows] for x in args_q),
-                    k_full[None, keys],
-                    v_full[None, keys],
+                    kv_full[None, keys, 0],
+                    kv_full[None, keys, 1],
                     out_g[None, rows],
                     lse_g[None, :, rows],
                     causal=blk.causal,
@@ -273,8 +323,9 @@ def llama3_backward(
                 dkv_full[keys, 0] = dk_p[0]
                 dkv_full[keys, 1] = dv_p[0]
         else:
-            keys = slice(m.k_start, m.k_stop)
-            k_keys, v_keys = k_full[keys], v_full[keys]
+            kv_keys = _keys(m, kv_full)
+            k_keys, v_keys = kv_keys[:, 0], kv_keys[:, 1]
+            dkv_keys = dkv_full[m.k_start : m.k_stop]
             rows = varlen_blocks(m.blocks, (), q_THD.device)
             for blk in m.blocks:
                 dq_b, dk_b, dv_b = rows.backward(
@@ -288,8 +339,10 @@ def llama3_backward(
                     scale,
                 )
                 rows.add_(dq[:, hq], blk.q, dq_b)
-                rows.add_(dkv_full[keys, 0], blk.kv, dk_b)
-                rows.add_(dkv_full[keys, 1], blk.kv, dv_b)
+                rows.add_(dkv_keys[:, 0], blk.kv, dk_b)
+                rows.add_(dkv_keys[:, 1], blk.kv, dv_b)
+            if m.to_gathered is not None:
+                dkv_full = dkv_full.index_select(0, m.to_gathered)
         if reducing is not None:
             finish(reducing)
         result = dkv_full.new_empty(L, 2, heads_k_stride, D)

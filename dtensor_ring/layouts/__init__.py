@@ -4,11 +4,12 @@ The registry maps the ``layout=`` names of every front door to layout objects; c
 front doors asks the object (its runs, divisibility, masks, varlen form) instead of comparing
 names. Built in (Note [Sequence layouts], Note [Varlen layouts]):
 
-    name     dense  varlen      causal only
-    ring     yes    documents   no
-    zigzag   yes    documents   yes
-    stripe   yes    -           yes
-    llama3   -      stream      no          (all-gather attention, packed sequences)
+    name           dense  varlen      causal only
+    ring           yes    documents   no
+    zigzag         yes    documents   yes
+    stripe         yes    -           yes
+    llama3         -      stream      no     (all-gather attention, packed sequences)
+    llama3_zigzag  yes    documents   no     (zigzag's tokens, all-gather attention)
 
 A new layout is one :class:`Layout` subclass passed to :func:`register_layout`.
 """

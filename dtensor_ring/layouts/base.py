@@ -60,6 +60,10 @@ class Layout:
         varlen: its packed-documents form: ``"documents"`` (every document is sharded as a
             sequence of its own), ``"stream"`` (the packed stream is cut into W contiguous
             slices; documents may straddle ranks: llama3's all-gather), or None.
+        all_gather: the functional front doors (``ring_attention_func``,
+            ``ring_varlen_attention_func``) all-gather K/V for this layout instead of passing
+            them around a ring (Note [Balanced all-gather attention] in ``engine/llama3.py``);
+            a "documents" layout whose runs have stride 1.
     """
 
     name: ClassVar[str]
@@ -67,6 +71,7 @@ class Layout:
     causal_only: ClassVar[bool] = False
     dense: ClassVar[bool] = True
     varlen: ClassVar[VarlenForm | None] = None
+    all_gather: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"<layout {self.name!r}>"

@@ -1,4 +1,5 @@
-"""The built-in layouts: ring, zigzag, stripe (Note [Sequence layouts]) and llama3's stream.
+"""The built-in layouts: ring, zigzag, stripe (Note [Sequence layouts]), llama3's stream and
+llama3_zigzag (zigzag's tokens, K/V all-gathered).
 
 Their ``part_block`` tables are the schedules of Note [Ring schedules] in ``schedule/plan.py``.
 """
@@ -79,4 +80,21 @@ class Llama3Layout(RingLayout):
     varlen = "stream"
 
 
-BUILTIN_LAYOUTS: tuple[Layout, ...] = (RingLayout(), ZigzagLayout(), StripeLayout(), Llama3Layout())
+class Llama3ZigzagLayout(ZigzagLayout):
+    """Zigzag's tokens (chunks r and 2W-1-r of every sequence or document) with K/V
+    all-gathered, as Llama 3 trains (Note [Balanced all-gather attention]): causal work is
+    balanced exactly, and any mask is accepted. Paths that pass K/V around a ring (DTensor
+    SDPA, Ulysses, the simulator) treat it as zigzag's token order."""
+
+    name = "llama3_zigzag"
+    causal_only = False
+    all_gather = True
+
+
+BUILTIN_LAYOUTS: tuple[Layout, ...] = (
+    RingLayout(),
+    ZigzagLayout(),
+    StripeLayout(),
+    Llama3Layout(),
+    Llama3ZigzagLayout(),
+)

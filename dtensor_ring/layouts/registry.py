@@ -7,9 +7,11 @@ from typing import Literal
 from .base import Layout
 from .builtin import BUILTIN_LAYOUTS
 
-LayoutName = Literal["ring", "zigzag", "stripe"]
-LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "stripe")  # the built-in dense layouts
-VARLEN_LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "llama3")  # the built-in varlen layouts
+LayoutName = Literal["ring", "zigzag", "stripe", "llama3_zigzag"]
+# the built-in dense layouts
+LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "stripe", "llama3_zigzag")
+# the built-in varlen layouts
+VARLEN_LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "llama3", "llama3_zigzag")
 
 _REGISTRY: dict[str, Layout] = {}
 

@@ -15,6 +15,8 @@ W = 2 ranks (letters: document, digits: position in the document):
                rank1: A2 A3 A4 A5 | B1 B2
     llama3     rank0: A0 A1 A2 A3 A4 A5                     cu_seqlens_q [0, 6]
                rank1: A6 A7 B0 B1 B2 B3                     cu_seqlens_q [0, 2, 6]
+    llama3_    rank0: A0 A1 A6 A7 | B0 B3                   local cu_seqlens [0, 4, 6]
+     zigzag    rank1: A2 A3 A4 A5 | B1 B2                   (zigzag's tokens)
 
 * ring: every document is cut into W equal contiguous pieces; rank r holds piece r of each
   document, in document order. Each document length must be a multiple of W.
@@ -22,6 +24,9 @@ W = 2 ranks (letters: document, digits: position in the document):
   document (its "lo" and "hi" half). Causal only; lengths must be multiples of 2W.
 * llama3: the packed stream is cut into W contiguous slices of T/W tokens; documents may
   straddle ranks. Only T % W == 0 is needed. K/V are all-gathered (``engine/llama3.py``).
+* llama3_zigzag: zigzag's pieces (lengths multiples of 2W), K/V all-gathered: every rank
+  holds one early and one late piece of every document, so causal work is balanced exactly
+  whatever the documents (Note [Balanced all-gather attention] in ``engine/llama3.py``).
 
 The ring and zigzag varlen forms run the *dense* schedules of Note [Ring schedules] on every
 document at once: at each step, the block ``q-part/kv-part`` of the dense plan is applied to

@@ -27,7 +27,7 @@ from ..engine.ring import ring_backward, ring_forward
 from ..kernels import get_kernel
 from ..layouts import get_layout
 from ..layouts.varlen import check_local_documents, check_max_seqlen, read_cu_seqlens
-from ..schedule.llama3 import Llama3Meta, llama3_meta
+from ..schedule.llama3 import Llama3Meta, gather_meta, llama3_meta
 from ..schedule.plan import Plan
 from ..schedule.varlen import varlen_plan
 from .common import (
@@ -173,10 +173,26 @@ def _setup_llama3(
     k_start: int,
     k_stop: int,
     group_name: str,
+    layout: str,
     causal: bool,
     window: tuple[int, int] | None,
 ) -> tuple[Llama3Meta, dist.ProcessGroup]:
+    """The checked metadata of this rank: the stream layout's (:func:`llama3_meta`), or, for a
+    per-document layout, from the local ``cu_seqlens_q`` alone (:func:`gather_meta`)."""
     group = resolve_group(group_name)
+    if get_layout(layout, "varlen").varlen == "documents":
+        meta = gather_meta(
+            cu_seqlens_q,
+            max_seqlen_q,
+            q.shape[0],
+            layout,
+            causal,
+            dist.get_rank(group),
+            dist.get_world_size(group),
+            q.device,
+            window,
+        )
+        return meta, group
     meta = llama3_meta(
         cu_seqlens_q,
         cu_seqlens_k,
@@ -214,11 +230,16 @@ def llama3_attention_impl(
     window_right: int = -1,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """llama3 all-gather attention of local ``q [L, H, D]``, ``k, v [L, H_kv, D]`` -> (out, lse).
+    """All-gather attention of local ``q [L, H, D]``, ``k, v [L, H_kv, D]`` -> (out, lse).
 
-    ``cu_seqlens_q/k``, ``max_seqlen_q/k`` and ``local_k_slice = slice(k_start, k_stop)`` as
-    returned by ``llama3_flash_attn_prepare_cu_seqlens`` (Note [llama3 all-gather attention]);
-    ``layout`` is "llama3"; ``window_left/right``: the normalised window within documents.
+    ``layout`` "llama3" (the stream): ``cu_seqlens_q/k``, ``max_seqlen_q/k`` and
+    ``local_k_slice = slice(k_start, k_stop)`` as returned by
+    ``llama3_flash_attn_prepare_cu_seqlens`` (Note [llama3 all-gather attention]). A
+    per-document layout ("llama3_zigzag", Note [Balanced all-gather attention]):
+    ``cu_seqlens_q`` / ``max_seqlen_q`` are the local ``cu_seqlens`` / ``max_seqlen`` of ring
+    varlen, ``cu_seqlens_k`` / ``max_seqlen_k`` / ``k_start`` / ``k_stop`` are ignored (the
+    front door passes the same values). ``window_left/right``: the normalised window within
+    documents.
     """
     meta, group = _setup_llama3(
         q,
@@ -229,6 +250,7 @@ def llama3_attention_impl(
         k_start,
         k_stop,
         group_name,
+        layout,
         causal,
         op_window(window_left, window_right),
     )
@@ -299,6 +321,7 @@ def llama3_attention_backward_impl(
         k_start,
         k_stop,
         group_name,
+        layout,
         causal,
         op_window(window_left, window_right),
     )

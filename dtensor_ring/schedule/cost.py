@@ -107,7 +107,8 @@ def varlen_balance(
 
     Returns:
         ``{layout: [work of rank 0, ..., rank W-1]}`` for every registered varlen layout
-        ("ring", "zigzag" and "llama3" built in), the
+        ("ring", "zigzag", "llama3" and "llama3_zigzag" built in; an all-gather layout holding
+        zigzag's tokens computes exactly zigzag's pairs), the
         work counted in score pairs (query-key pairs a rank computes; multiply by ``4 * H * D``
         for forward FLOPs, the backward is ~2.5x that). The slowest rank sets the pace, so
         compare ``max(work) / mean(work)``. A layout the documents cannot use (a document not

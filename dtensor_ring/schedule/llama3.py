@@ -1,8 +1,10 @@
-"""llama3 all-gather attention's per-rank metadata (data only): Note [llama3 all-gather
-attention] in ``engine/llama3.py`` is the algorithm.
+"""llama3 all-gather attention's per-rank metadata (data only): Notes [llama3 all-gather
+attention] and [Balanced all-gather attention] in ``engine/llama3.py`` are the algorithm.
 
 :func:`llama3_flash_attn_prepare_cu_seqlens` is ring-flash-attention's function of this name;
-:func:`llama3_meta` checks a rank's metadata and derives its blocks (cached on the values).
+:func:`llama3_meta` checks a rank's metadata of the stream layout ("llama3") and derives its
+blocks, :func:`gather_meta` those of a per-document layout ("llama3_zigzag"); both are cached
+on the values.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..layouts import Layout, get_layout
 from ..layouts.varlen import (
+    check_bounds,
     check_cu_seqlens_tensor,
     check_divisible,
+    check_local_documents,
     check_max_seqlen,
     host_values,
+    varlen_token_indices,
 )
-from .blocks import UNBOUNDED, Block
+from .blocks import UNBOUNDED, Block, Span
 from .plan import run_block, window_bounds
 from .varlen import merge_doc_blocks
 
@@ -153,16 +159,21 @@ def llama3_locals_disagree(per_rank: list[tuple], causal: bool) -> str | None:
 
 @dataclass(frozen=True)
 class Llama3Meta:
-    """Checked metadata of one rank's llama3 call (built by :func:`llama3_meta`).
+    """Checked metadata of one rank's all-gather call (built by :func:`llama3_meta` for the
+    stream layout, :func:`gather_meta` for a per-document layout).
 
-    ``cu_q``/``cu_k`` (empty documents dropped) are on the tensors' device; ``prefix``
-    (causal only) is the number of keys of the first local document before this rank's slice
-    (0: it starts here), and ``first_len`` that document's local length. ``window``: the
-    causal sliding window ``(left, 0)`` or None; ``prefix_block``: the first document's
-    queries against its keys on earlier ranks, spans relative to the document's local queries
-    and to its prefix keys (None: nothing to compute). Non-causal: ``blocks``
-    (:class:`DocSpans` parts: query rows, and key rows of the ``local_k_slice``), every local
-    query in exactly one.
+    ``cu_q``/``cu_k`` (empty documents dropped) are on the tensors' device. ``diagonal``
+    (causal stream layout): the engine computes each local document's square causal block on
+    the rank's own K/V, plus ``prefix_block``. ``prefix`` (causal only) is the number of keys
+    of the first local document before this rank's slice (0: it starts here), and
+    ``first_len`` that document's local length. ``window``: the sliding window (causal:
+    ``(left, 0)``) or None; ``prefix_block``: the first document's queries against its keys
+    on earlier ranks, spans relative to the document's local queries and to its prefix keys
+    (None: nothing to compute). Otherwise ``blocks`` (:class:`DocSpans` parts: query rows,
+    and rows of the keys ``[k_start, k_stop)`` of the gathered K/V in global order), every
+    local query in exactly one. ``to_global`` (int64 ``[W L]`` on the device, None when the
+    gathered K/V are already in global order): gathered row ``to_global[i]`` holds global
+    token ``i``; ``to_gathered`` is its inverse.
     """
 
     causal: bool
@@ -180,6 +191,9 @@ class Llama3Meta:
     window: tuple[int, int] | None
     prefix_block: Block | None
     blocks: tuple[Block, ...]
+    diagonal: bool = False
+    to_global: Tensor | None = None
+    to_gathered: Tensor | None = None
 
 
 def llama3_meta(
@@ -307,4 +321,89 @@ def _llama3_meta_cached(
         window=window,
         prefix_block=prefix_block,
         blocks=blocks,
+        diagonal=causal,
+    )
+
+
+# --- per-document layouts (llama3_zigzag) ---------------------------------------------------
+
+
+def gather_meta(
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    local_len: int,
+    layout: str | Layout,
+    causal: bool,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    window: tuple[int, int] | None = None,
+) -> Llama3Meta:
+    """Check the *local* ``cu_seqlens`` (global ``// W``, as ring/zigzag varlen) of an
+    all-gather call in a per-document ``layout`` against this rank's ``local_len`` tokens and
+    derive its blocks (Note [Balanced all-gather attention]); raise ValueError.
+
+    ``window``: a normalised sliding window within documents (``resolve.normalize_window``).
+    """
+    lay = get_layout(layout, "documents")
+    check_cu_seqlens_tensor(cu_seqlens)
+    bounds = host_values(cu_seqlens)
+    check_bounds(bounds, local_len)
+    check_local_documents(bounds, lay, world_size)
+    check_max_seqlen("max_seqlen", max_seqlen, bounds)
+    return _gather_meta_cached(
+        tuple(bounds), lay, causal, rank, world_size, torch.device(device), window
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_meta_cached(
+    bounds: tuple[int, ...],
+    layout: Layout,
+    causal: bool,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    window: tuple[int, int] | None,
+) -> Llama3Meta:
+    W, L = world_size, bounds[-1]
+    if layout.stride(W) != 1:
+        raise ValueError(
+            f"all-gather attention needs layout runs of consecutive tokens; layout="
+            f"{layout.name!r} has stride {layout.stride(W)}"
+        )
+    global_bounds = tuple(b * W for b in bounds)
+    left, right = (-1, -1) if window is None else window
+    per_doc = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        n, g_doc = (b - a) * W, a * W  # the document's global length and first position
+        if not causal and window is None:  # every local query sees the whole document
+            per_doc.append(((), Block(Span(a, b), Span(g_doc, g_doc + n), False, init=True), 0))
+            continue
+        for start, size, g in layout.runs(b - a, rank, W):
+            k0 = 0 if left < 0 else max(0, g - left)
+            k1 = g + size if causal else n if right < 0 else min(n, g + size + right)
+            e = k1 - (g + size)  # keys after the run's last query
+            mask = (-1 if left < 0 else left + e, 0 if causal else -1 if right < 0 else right - e)
+            q, kv = Span(a + start, a + start + size), Span(g_doc + k0, g_doc + k1)
+            per_doc.append(((), Block(q, kv, False, mask, init=True), 0))
+    order = torch.cat([varlen_token_indices(global_bounds, layout, r, W) for r in range(W)])
+    return Llama3Meta(
+        causal=causal,
+        rank=rank,
+        world_size=W,
+        local_len=L,
+        k_start=0,
+        k_stop=W * L,
+        cu_q=torch.tensor(bounds, dtype=torch.int32, device=device),
+        cu_k=torch.tensor(global_bounds, dtype=torch.int32, device=device),
+        max_q=max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)),
+        max_k=max(b - a for a, b in zip(global_bounds[:-1], global_bounds[1:], strict=True)),
+        prefix=0,
+        first_len=bounds[1],
+        window=window,
+        prefix_block=None,
+        blocks=merge_doc_blocks(per_doc),
+        to_global=torch.argsort(order).to(device),
+        to_gathered=order.to(device),
     )
