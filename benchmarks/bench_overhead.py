@@ -12,8 +12,10 @@ several sequence lengths: forward and forward+backward time of
 
 and ``host``: the wall time of issuing one forward (the mean of 200 calls issued back to back,
 divided, without synchronising in between; at small S the GPU waits for the host). Prints a
-table and writes ``bench_overhead.json`` to --out; ``--profile`` also writes the cProfile of
-200 forward calls per contender at the smallest S (``profile_<what>.txt``, top 40 by own time).
+table and writes ``bench_overhead.json`` to --out; ``--profile`` also writes, per contender at
+the smallest S, the cProfile of 200 forward and 200 forward + backward calls
+(``profile_<what>[_fwd_bwd].txt``, top 40 by own and cumulative time) and the torch.profiler
+op table of forward + backward (``ops_<what>_fwd_bwd.txt``: host and device time per op).
 """
 
 from __future__ import annotations
@@ -90,6 +92,27 @@ def _profile(fn, path: str, calls: int = 200) -> None:
         f.write(text.getvalue())
 
 
+def _op_profile(fn, path: str, calls: int = 20) -> None:
+    """torch.profiler table of ``calls`` calls (after warm-up): every op and kernel with its
+    host and device time, by total device time (what runs on the GPU per call, and what the
+    host spends issuing it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
+
+
 def _callables(name: str, q, k, v, mesh):
     """``(forward, forward + backward)`` of one contender on ``[B, S, H, D]`` leaves."""
     if name == "sdpa":
@@ -162,6 +185,8 @@ def main() -> None:
             fwd, fwd_bwd = _callables(name, *leaves, mesh)
             if a.profile and S == seqs[0]:
                 _profile(fwd, os.path.join(a.out, f"profile_{name}.txt"))
+                _profile(fwd_bwd, os.path.join(a.out, f"profile_{name}_fwd_bwd.txt"))
+                _op_profile(fwd_bwd, os.path.join(a.out, f"ops_{name}_fwd_bwd.txt"))
             rows.append(
                 dict(
                     seq=S,

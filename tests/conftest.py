@@ -45,3 +45,14 @@ def dist_pool():
     pool = WorkerPool()
     yield pool
     pool.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_choices():
+    """Tests install stand-in backends and patch availability (monkeypatch): each test starts
+    and ends with no remembered backend choice (``kernels.select_kernel`` caches them)."""
+    from dtensor_ring.kernels import clear_selection_cache
+
+    clear_selection_cache()
+    yield
+    clear_selection_cache()

@@ -43,13 +43,34 @@ def get_kernel(name: str) -> BlockKernel:
     raise ValueError(f"backend={name!r} is not a known backend; choose one of {BACKEND_NAMES}")
 
 
+# Choices made so far: (call, backend=) -> kernel. What decides them (installed packages, the
+# GPU's architecture, the PyTorch and cuDNN builds) does not change while a process runs, and
+# asking the backends costs ~40 us of host time per call (device properties, module lookups).
+_SELECTED: dict[tuple[KernelCall, str | None], BlockKernel] = {}
+
+
 def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
     """Pick the backend for ``call``: ``backend`` if given (and able), else the fastest able one.
 
+    The choice is remembered per ``(call, backend)`` for the process; after installing or
+    removing a backend package at run time, call :func:`clear_selection_cache`.
+
     Raises:
         ValueError: if the named backend cannot run ``call``, or no backend can; the message
-            lists each backend considered and why it was rejected.
+            lists each backend considered and why it was rejected (never remembered).
     """
+    kernel = _SELECTED.get((call, backend))
+    if kernel is None:
+        kernel = _SELECTED[(call, backend)] = _select_kernel(call, backend)
+    return kernel
+
+
+def clear_selection_cache() -> None:
+    """Forget the backend choices :func:`select_kernel` remembered."""
+    _SELECTED.clear()
+
+
+def _select_kernel(call: KernelCall, backend: str | None) -> BlockKernel:
     candidates = BACKENDS if backend is None else (get_kernel(backend),)
     reasons = []
     for b in candidates:
@@ -72,6 +93,7 @@ __all__ = [
     "BlockKernel",
     "KernelCall",
     "accumulation_dtype",
+    "clear_selection_cache",
     "get_kernel",
     "select_kernel",
 ]
