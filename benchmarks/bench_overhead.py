@@ -9,6 +9,10 @@ several sequence lengths: forward and forward+backward time of
   tensors (``enable_gqa=True``), the baseline measured in the same run;
 * ``functional``: ``ring_flash_attn_func`` (W = 1: one block, no communication);
 * ``dtensor``: SDPA on ``Shard(2)`` DTensors of a 1-rank mesh inside ``ring_sdpa()``;
+* ``dtensor_fn``: ``scaled_dot_product_ring_attention`` on the same DTensors (no scope);
+* ``<what>+compile``: the forward under ``torch.compile(fullgraph=True)`` (the backward
+  compiled by AOTAutograd), ``<what>+cudagraphs``: ``mode="reduce-overhead"`` (CUDA graphs):
+  what compiling removes of the fixed cost (CUDA only; compile time excluded by warm-up);
 
 and ``host``: the wall time of issuing one forward (the mean of 200 calls issued back to back,
 divided, without synchronising in between; at small S the GPU waits for the host). Prints a
@@ -114,7 +118,20 @@ def _op_profile(fn, path: str, calls: int = 20) -> None:
 
 
 def _callables(name: str, q, k, v, mesh):
-    """``(forward, forward + backward)`` of one contender on ``[B, S, H, D]`` leaves."""
+    """``(forward, forward + backward)`` of one contender on ``[B, S, H, D]`` leaves. A
+    ``+compile`` suffix: the forward under ``torch.compile(fullgraph=True)`` (the backward
+    compiled by AOTAutograd); ``+cudagraphs``: ``mode="reduce-overhead"`` (CUDA graphs)."""
+    name, _, how = name.partition("+")
+    if how:
+        fwd, _ = _callables(name, q, k, v, mesh)
+        mode = "reduce-overhead" if how == "cudagraphs" else "default"
+        compiled = torch.compile(fwd, fullgraph=True, mode=mode)
+
+        def fwd_bwd_compiled():
+            out = compiled()
+            out.backward(torch.ones_like(out))
+
+        return compiled, fwd_bwd_compiled
     if name == "sdpa":
 
         def fwd():
@@ -130,6 +147,17 @@ def _callables(name: str, q, k, v, mesh):
 
         def fwd():
             return dr.ring_flash_attn_func(q, k, v, causal=True)
+
+    elif name == "dtensor_fn":  # the scope-free DTensor function (what compiles)
+        from torch.distributed.tensor import DTensor, Shard
+
+        qd, kd, vd = (
+            DTensor.from_local(x.transpose(1, 2), mesh, [Shard(2)], run_check=False)
+            for x in (q, k, v)
+        )
+
+        def fwd():
+            return dr.scaled_dot_product_ring_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
 
     else:
         from torch.distributed.tensor import DTensor, Shard
@@ -157,6 +185,19 @@ def _callables(name: str, q, k, v, mesh):
     return fwd, fwd_bwd
 
 
+CONTENDERS = (
+    "sdpa",
+    "functional",
+    "dtensor",
+    "dtensor_fn",
+    "sdpa+compile",
+    "functional+compile",
+    "dtensor_fn+compile",
+    "sdpa+cudagraphs",
+    "functional+cudagraphs",
+)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -181,9 +222,9 @@ def main() -> None:
             torch.randn(1, S, h, dim, device=device, dtype=dtype, requires_grad=True)
             for h in (heads, kv_heads, kv_heads)
         ]
-        for name in ("sdpa", "functional", "dtensor"):
+        for name in CONTENDERS if cuda else CONTENDERS[:4]:
             fwd, fwd_bwd = _callables(name, *leaves, mesh)
-            if a.profile and S == seqs[0]:
+            if a.profile and S == seqs[0] and "+" not in name:
                 _profile(fwd, os.path.join(a.out, f"profile_{name}.txt"))
                 _profile(fwd_bwd, os.path.join(a.out, f"profile_{name}_fwd_bwd.txt"))
                 _op_profile(fwd_bwd, os.path.join(a.out, f"ops_{name}_fwd_bwd.txt"))
@@ -196,7 +237,7 @@ def main() -> None:
                     host_fwd_ms=_host_ms(fwd, 20 if a.smoke else 200),
                 )
             )
-    base = {r["seq"]: r for r in rows if r["what"] == "sdpa"}
+    base = {r["seq"]: r for r in rows if r["what"] == "sdpa"}  # eager SDPA: the baseline
     print(
         f"{'S':>6} {'what':>11} {'fwd ms':>8} {'x sdpa':>7} {'f+b ms':>8} {'x sdpa':>7} {'host':>7}"
     )

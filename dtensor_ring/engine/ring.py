@@ -131,8 +131,10 @@ def ring_forward(
     whole = _whole_block(steps)
     if whole is not None:  # one block is the whole call: the kernel's result is the answer
         out, lse = blocks.forward(kernel, q_BSHD, k_BSHD, v_BSHD, whole, scale)
-        lse = lse.contiguous()  # the layout of the fakes (ops/common.py)
-        return empty_rows_nan_(out.contiguous(), lse), lse
+        lse, out = lse.contiguous(), out.contiguous()  # the layouts of the fakes (ops/common.py)
+        # Rows of nothing but -inf scores: NaN on CPU (the math kernel's blocks give 0, for
+        # merging); a CUDA kernel's own answer is single-device attention's (docs/troubleshooting)
+        return (out if out.is_cuda else empty_rows_nan_(out, lse)), lse
     acc = accumulation_dtype(q_BSHD.dtype)
     out_acc = torch.empty(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     lse_acc = blocks.new_lse(q_BSHD, acc)

@@ -37,10 +37,10 @@ from .common import (
 def _setup(
     q: Tensor, group_name: str, layout: str, causal: bool, window_left: int, window_right: int
 ) -> tuple[Plan, int, dist.ProcessGroup]:
-    group = resolve_group(group_name)
-    world_size = dist.get_world_size(group)
-    plan = make_plan(layout, world_size, causal, op_window(window_left, window_right), q.shape[1])
-    return plan, dist.get_rank(group), group
+    group = resolve_group(group_name)  # the front door checked that this rank is a member
+    window = op_window(window_left, window_right)
+    plan = make_plan(layout, group.size(), causal, window, q.shape[1])
+    return plan, group.rank(), group
 
 
 def ring_attention_impl(
