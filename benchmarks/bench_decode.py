@@ -11,7 +11,7 @@ token) at cache lengths L (default 32k, 64k, 128k), with W ranks simulated on on
 * ``shard``: what one rank runs, ``decode_attention_func`` over its ``L / W`` tokens on a real
   1-rank NCCL group (gloo on CPU): the kernel, the all-gather (of one rank) and the merge code;
 * ``merge``: the merge of the W ranks' partial ``(out, lse)`` that every rank does after the
-  all-gather (``merge_`` W - 1 times on ``[B, 1, H, D]``);
+  all-gather (``merge_all`` of ``[W, B, 1, H, D]``);
 * ``step``: ``shard + merge``, the simulated step time, and ``full / step``.
 
 Not simulated: the all-gather of W ranks' ``B * H * (D + 1)`` fp32 values (a few KB; one
@@ -37,7 +37,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import accumulation_dtype  # noqa: E402
-from dtensor_ring.kernels.merge import merge_  # noqa: E402
+from dtensor_ring.kernels.merge import merge_all  # noqa: E402
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -103,10 +103,8 @@ def main() -> None:
                 outs = torch.randn(W, 1, 1, heads, dim, device=device, dtype=acc)
                 lses = torch.randn(W, 1, heads, 1, device=device, dtype=acc)
 
-                def merge(outs=outs, lses=lses, W=W):
-                    o, lse = outs[0].clone(), lses[0].clone()
-                    for r in range(1, W):
-                        merge_(o, lse, outs[r], lses[r])
+                def merge(outs=outs, lses=lses):
+                    merge_all(outs, lses)
 
                 merged = _median_ms(merge, reps)
                 step = shard + merged

@@ -86,17 +86,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm.collectives import all_gather_single, reduce_scatter_single
 from ..comm.faults import CommSite
 from ..kernels import BlockKernel, accumulation_dtype
 from ..kernels.merge import empty_rows_nan_, merge_
 from ..schedule.blocks import Block
 from ..schedule.llama3 import Llama3Meta
 from .blocks import varlen_blocks
-
-# all_gather_into_tensor / reduce_scatter_tensor are deprecated in newer torch in favour of
-# the *_single names (same signature); use whichever this torch has.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # What failing waits name (Note [Faults] in comm/faults.py); step k of n: KV head group k.
 _GATHER_FORWARD = "llama3 attention forward, all-gather of K/V"
@@ -121,7 +117,7 @@ class _KVGather:
         local = torch.stack([self.k[:, heads], self.v[:, heads]], dim=1)  # [L, 2, s, D]
         out = self._buffers[self._turn]
         self._turn ^= 1
-        work = _all_gather(out, local, group=self.group, async_op=True)
+        work = all_gather_single(out, local, group=self.group, async_op=True)
         return _Pending(work, out, local)
 
 
@@ -346,7 +342,7 @@ def llama3_backward(
         if reducing is not None:
             finish(reducing)
         result = dkv_full.new_empty(L, 2, heads_k_stride, D)
-        work = _reduce_scatter(result, dkv_full, group=group, async_op=True)
+        work = reduce_scatter_single(result, dkv_full, group=group, async_op=True)
         reducing = (work, result, kv_heads, dkv_full, i + 1)
     finish(reducing)
     return dq.to(q_THD.dtype), dk.to(k_THD.dtype), dv.to(v_THD.dtype)

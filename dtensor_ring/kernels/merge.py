@@ -79,6 +79,27 @@ def merge_eager_(
     torch.logaddexp(lse_acc_BHS, lse_BHS.to(lse_acc_BHS.dtype), out=lse_acc_BHS)
 
 
+def merge_all(outs_W: Tensor, lses_W: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge W partial results that are all at hand at once (a decoding step's all-gather)
+    in one vectorised pass, rather than W - 1 :func:`merge_` calls (the ring's incremental
+    form, for results that arrive one by one):
+
+        lse = logsumexp_r lse_r        out = sum_r exp(lse_r - lse) * out_r
+
+    Args:
+        outs_W: ``[W, B, S, H, D]``, lses_W: ``[W, B, H, S]``, the accumulation dtype.
+
+    Returns:
+        ``(out [B, S, H, D], lse [B, H, S])``. The non-finite cases of Note [Online-softmax
+        merge] hold: a part with ``lse = -inf`` has weight 0; a row whose parts all have
+        ``lse = -inf`` is NaN (``exp(-inf - -inf)``), as is a row with a +inf or NaN lse. A
+        deterministic function of its inputs: the same on every rank that gathered them.
+    """
+    lse_BHS = torch.logsumexp(lses_W, dim=0)
+    weights_WBSH1 = torch.exp(lses_W - lse_BHS).transpose(-1, -2).unsqueeze(-1)
+    return (outs_W * weights_WBSH1).sum(0), lse_BHS
+
+
 def empty_rows_nan_(out: Tensor, lse: Tensor) -> Tensor:
     """Set to NaN the rows of the final ``out`` (``[B, S, H, D]`` or ``[T, H, D]``) whose
     ``lse`` (``[B, H, S]`` or ``[H, T]``) is -inf: every score of the row was -inf, and the

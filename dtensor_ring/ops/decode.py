@@ -4,11 +4,11 @@ Note [Decoding over a sharded KV cache (pass-Q)]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Each rank holds a shard of the KV cache (any tokens, any number, possibly none); the new
 token's query is the same on every rank. Every rank attends to the keys of its own shard that
-the query sees, and the partial results merge exactly (Note [Online-softmax merge], the ring's
-``merge_``) after one all-gather of ``(out, lse)``:
+the query sees, and the partial results merge exactly (Note [Online-softmax merge], all at
+once: ``merge_all``) after one all-gather of ``(out, lse)``:
 
     rank 0: q . K_0[visible] -> (o_0, lse_0) --+
-    rank 1: q . K_1[visible] -> (o_1, lse_1) --+-- all_gather --> merge_ in rank order:
+    rank 1: q . K_1[visible] -> (o_1, lse_1) --+-- all_gather --> merge_all:
     rank 2: nothing visible  -> (0,  -inf)   --+                  lse = logsumexp_r lse_r
                                                                   o   = sum_r exp(lse_r - lse) o_r
                                                   [sinks: fold exp(sink_h) into lse, once]
@@ -34,12 +34,13 @@ do) so that a CUDA decode step does not wait for the device to read them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .._compat import resolve_group
+from ..comm.collectives import all_gather_single
+from ..comm.faults import CommSite
 from ..kernels import accumulation_dtype, get_kernel
-from ..kernels.merge import add_sinks, empty_rows_nan_, merge_
+from ..kernels.merge import add_sinks, merge_all
 from .common import fake_out_lse
 
 
@@ -102,20 +103,18 @@ def decode_attention_impl(
     else:  # nothing visible here: weight 0, and no kernel call
         out = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full((B, H, S_q), float("-inf"), dtype=acc)
-    world = dist.get_world_size(group)
+    world = group.size()
     local = torch.cat([out.to(acc).reshape(B, -1), lse.to(acc).reshape(B, -1)], dim=1)
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    gathered = torch.stack(parts)  # [W, B, S_q * H * D + H * S_q]
+    gathered = local.new_empty(world * B, local.shape[1])
+    with CommSite("decode attention, all-gather of (out, lse)", group):
+        all_gather_single(gathered, local, group=group)
+    gathered = gathered.view(world, B, -1)  # [W, B, S_q * H * D + H * S_q]
     outs = gathered[:, :, : S_q * H * D].reshape(world, B, S_q, H, D)
     lses = gathered[:, :, S_q * H * D :].reshape(world, B, H, S_q)
-    out_acc, lse_acc = outs[0].clone(), lses[0].clone()
-    for r in range(1, world):  # in rank order on every rank: the same result everywhere
-        merge_(out_acc, lse_acc, outs[r], lses[r])
+    out_acc, lse_acc = merge_all(outs, lses)  # the same on every rank: the same inputs
     if sinks is not None:
-        out_sunk, lse_sunk = add_sinks(out_acc, lse_acc, sinks)
-        return out_sunk.to(q.dtype), lse_sunk
-    return empty_rows_nan_(out_acc.to(q.dtype), lse_acc), lse_acc
+        out_acc, lse_acc = add_sinks(out_acc, lse_acc, sinks)
+    return out_acc.to(q.dtype), lse_acc
 
 
 decode_attention = torch.library.custom_op("dtensor_ring::decode_attention", mutates_args=())(
