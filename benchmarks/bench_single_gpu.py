@@ -293,17 +293,20 @@ class _LocalGather:
         return self.kv[:, :, : self.stride]  # every group times the same; no copy
 
 
-def _llama3_forward_ms(ql, kl, vl, k_gathered, v_gathered, meta, kernel, scale, a) -> float:
-    """One rank's llama3 forward (any layout's metadata) with the gather stood in for."""
+def _llama3_forward(ql, kl, vl, k_gathered, v_gathered, meta, kernel, scale, a):
+    """One rank's llama3 forward (any layout's metadata) with the gather stood in for:
+    ``(seconds, out)``."""
     import dtensor_ring.engine.llama3 as llama3
 
     default_gather = llama3._KVGather
     gathered = _LocalGather(k_gathered, v_gathered, a.kv_heads)
     llama3._KVGather = lambda k_, v_, stride, group: gathered
     try:
-        return timed(
-            lambda: llama3.llama3_forward(ql, kl, vl, meta, a.kv_heads, None, kernel, scale), a.reps
-        )
+
+        def run():
+            return llama3.llama3_forward(ql, kl, vl, meta, a.kv_heads, None, kernel, scale)
+
+        return timed(run, a.reps), run()[0]
     finally:
         llama3._KVGather = default_gather
 
@@ -360,7 +363,7 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
         cu_q, cu_k, max_q, max_k, k_slice.start, k_slice.stop, L, True, rank, W, device
     )
     ql, kl, vl = (t[rank * L : (rank + 1) * L] for t in (q, k, v))
-    t_fwd = _llama3_forward_ms(ql, kl, vl, k, v, meta, kernel, scale, a)
+    t_fwd, _ = _llama3_forward(ql, kl, vl, k, v, meta, kernel, scale, a)
     row["llama3_eff_fwd"] = theo_fwd / t_fwd
     row["llama3_limit"] = sum(balance["llama3"]) / W / max(balance["llama3"])
     # balanced all-gather: zigzag's tokens (documents must be multiples of 2W)
@@ -371,10 +374,13 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
         cu_local = torch.tensor(local_bounds, dtype=torch.int32, device=device)
         meta = gather_meta(cu_local, None, L, "llama3_zigzag", True, rank, W, device)
         k_g, v_g = (torch.cat(parts) for parts in shards)  # the all-gather's result
-        t_fwd = _llama3_forward_ms(
+        t_fwd, out = _llama3_forward(
             ql, shards[0][rank], shards[1][rank], k_g, v_g, meta, kernel, scale, a
         )
         row["llama3_zigzag_eff_fwd"] = theo_fwd / t_fwd
+        # the rank's rows against the full call's (same kernel): kernel rounding only
+        full_out = shard_varlen(full_fwd()[0], cu, "llama3_zigzag", rank, W)[0]
+        row["llama3_zigzag_max_diff_vs_full"] = float((out.float() - full_out.float()).abs().max())
         row["llama3_zigzag_limit"] = (
             sum(balance["llama3_zigzag"]) / W / max(balance["llama3_zigzag"])
         )
