@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from engine_spy import engines_used
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -88,20 +89,24 @@ def _training_step(group, S, causal, layout, no_restore, backward_inside):
         **({} if layout is None else {"layout": layout}),
     ):
         sharded = (ids.clone(), pos.clone())
-        logits, out = model(ids, pos)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-        if backward_inside:
-            loss.backward()
+        with engines_used() as used:
+            logits, out = model(ids, pos)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            if backward_inside:
+                loss.backward()
         (full_out,) = dtensor_ring.context_parallel_unshard(
             mesh, [out], [2], **({} if layout is None else {"layout": layout})
         )
     if not backward_inside:
-        loss.backward()
+        with engines_used() as used_after:
+            loss.backward()
+        used |= used_after
+    assert used == ({"llama3"} if layout == "llama3_zigzag" else {"ring"}), (layout, used)
 
     effective = layout or ("zigzag" if S % (2 * W) == 0 else "ring")
     expected_idx = (
-        _head_tail(S, W, rank)
-        if layout is None and effective == "zigzag"
+        _head_tail(S, W, rank)  # llama3_zigzag holds zigzag's (head-tail) tokens
+        if effective in ("zigzag", "llama3_zigzag")
         else dtensor_ring.token_indices(effective, S, rank, W)
     )
     errors = {
@@ -133,8 +138,19 @@ def _training_step(group, S, causal, layout, no_restore, backward_inside):
         (12, True, None, "all", False),
         (12, True, "stripe", "all", False),
         (12, False, "ring", "none", True),
+        # zigzag's tokens, K/V all-gathered (the llama3 op), causal and not
+        (24, True, "llama3_zigzag", "none", True),
+        (24, False, "llama3_zigzag", "all", False),
     ],
-    ids=["default-causal", "default-bidir-norestore", "default-S12", "stripe", "ring-bidir"],
+    ids=[
+        "default-causal",
+        "default-bidir-norestore",
+        "default-S12",
+        "stripe",
+        "ring-bidir",
+        "llama3_zigzag",
+        "llama3_zigzag-bidir",
+    ],
 )
 def test_training_step_matches_single_process(
     dist_pool, world_size, S, causal, layout, no_restore, backward_inside

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from engine_spy import engines_used
 from reference import random_qkv, reference_attention, shard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -35,7 +36,18 @@ from dtensor_ring.api.dtensor import (
     aten_sdpa_forward_handler,
 )
 
-LAYOUTS = ("ring", "zigzag", "stripe")
+LAYOUTS = ("ring", "zigzag", "stripe", "llama3_zigzag")
+#: The engine ring-mode SDPA on DTensors runs: llama3_zigzag all-gathers K/V (Note [All-gather
+#: layouts on DTensors]); the others pass them around the ring.
+ENGINE = {"llama3_zigzag": {"llama3"}}
+
+
+def _token_order(layout: str) -> str:
+    """The layout whose tokens ``reference.shard`` (written out independently) gives:
+    llama3_zigzag holds zigzag's (tests/test_llama3_balanced.py checks the two agree)."""
+    return "zigzag" if layout == "llama3_zigzag" else layout
+
+
 aten = torch.ops.aten
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
@@ -105,7 +117,7 @@ def _reference(q, k, v, dout, causal, window_size=(-1, -1)):
 
 def _local_err(dt: DTensor, full_BSHD: torch.Tensor, layout, rank, world, batch=None) -> float:
     """Max |local shard of ``dt`` - the reference's shard| (reference sharded independently)."""
-    expected = shard(full_BSHD.transpose(1, 2), layout, rank, world, seq_dim=2)
+    expected = shard(full_BSHD.transpose(1, 2), _token_order(layout), rank, world, seq_dim=2)
     if batch is not None:
         expected = expected[batch]
     return (dt.to_local().to(torch.float64) - expected).abs().max().item()
@@ -245,7 +257,10 @@ def _sdpa_numerics(group, layout):
         # reference with the scale folded into q: softmax((s q) k^T) at the default scale
         factor = 1.0 if scale is None else scale * q.shape[-1] ** 0.5
         ref, (dq, dk, dv) = _reference(q * factor, k, v, dout, causal)
-        out = call(*leaves, dout_dt, causal, scale)
+        with engines_used() as used:
+            out = call(*leaves, dout_dt, causal, scale)
+        expected = {"ring"} if call is op else ENGINE.get(layout, {"ring"})
+        assert used == expected, (name, used)
         assert isinstance(out, DTensor) and out.placements == leaves[0].placements, out
         errs = [_local_err(out, ref, layout, rank, W)]
         errs += [
@@ -317,8 +332,10 @@ def _sdpa_numerics(group, layout):
     run("aten_cpu", aten_cpu, H_kv=2)
     run("direct", direct, H_kv=2)
     run("op_on_dtensors", op, H_kv=2)
-    if layout == "ring":
+    if layout in ("ring", "llama3_zigzag"):
         run("sdpa_noncausal", sdpa, causal=False)
+        run("direct_noncausal", direct, causal=False, H_kv=1)
+    if layout == "ring":
         run("op_noncausal", op, causal=False)
     return errors
 
@@ -388,24 +405,27 @@ def _sdpa_window_numerics(group, layout, mode):
     mesh = _mesh(group)
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     errors = {}
-    windows = [((1, 0), True), ((6, 0), True), ((3, 2), layout != "ring" and mode == "ring")]
+    causal_only = dtensor_ring.get_layout(layout).causal_only
+    windows = [((1, 0), True), ((6, 0), True), ((3, 2), causal_only and mode == "ring")]
     for window, causal in windows:
         q, k, v, dout, leaves, dout_dt = _sdpa_inputs(mesh, layout, H_kv=2)
         ref, grads = _reference(q, k, v, dout, causal, window)
-        if window == (1, 0):
-            out = dtensor_ring.scaled_dot_product_ring_attention(
-                *leaves,
-                is_causal=causal,
-                enable_gqa=True,
-                layout=layout,
-                mode=mode,
-                window_size=window,
-            )
-            out.backward(dout_dt)
-        else:
-            with dtensor_ring.ring_sdpa(layout=layout, mode=mode, window_size=window):
-                out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+        with engines_used() as used:
+            if window == (1, 0):
+                out = dtensor_ring.scaled_dot_product_ring_attention(
+                    *leaves,
+                    is_causal=causal,
+                    enable_gqa=True,
+                    layout=layout,
+                    mode=mode,
+                    window_size=window,
+                )
                 out.backward(dout_dt)
+            else:
+                with dtensor_ring.ring_sdpa(layout=layout, mode=mode, window_size=window):
+                    out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+                    out.backward(dout_dt)
+        assert used == (ENGINE.get(layout, {"ring"}) if mode == "ring" else set()), used
         errs = [_local_err(out, ref, layout, rank, W)]
         errs += [_local_err(t.grad, g, layout, rank, W) for t, g in zip(leaves, grads, strict=True)]
         errors[f"{window} causal={causal}"] = max(errs)
@@ -428,28 +448,31 @@ def test_sdpa_window_numerics(dist_pool, layout, world_size, mode):
             assert err < TOL[torch.float64], f"rank {rank} {name}: max error {err:.3g}"
 
 
-def _sdpa_ulysses_checkpointed(group):
-    """``mode="ulysses"`` under activation checkpointing: the recompute runs in backward()."""
+def _sdpa_checkpointed(group, layout, mode):
+    """SDPA in ``ring_sdpa(layout, mode)`` under activation checkpointing: the recompute runs
+    in backward()."""
     from torch.utils.checkpoint import checkpoint
 
     mesh = _mesh(group)
     rank, W = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v, dout, leaves, dout_dt = _sdpa_inputs(mesh, "zigzag", H_kv=2)
+    q, k, v, dout, leaves, dout_dt = _sdpa_inputs(mesh, layout, H_kv=2)
     ref, grads = _reference(q, k, v, dout, causal=True)
 
     def block(q, k, v):
         return F.scaled_dot_product_attention(q * 1.0, k, v, is_causal=True, enable_gqa=True)
 
-    with dtensor_ring.ring_sdpa(layout="zigzag", mode="ulysses"):
+    with dtensor_ring.ring_sdpa(layout=layout, mode=mode), engines_used() as used:
         out = checkpoint(block, *leaves, use_reentrant=False)
         out.backward(dout_dt)
-    errs = [_local_err(out, ref, "zigzag", rank, W)]
-    errs += [_local_err(t.grad, g, "zigzag", rank, W) for t, g in zip(leaves, grads, strict=True)]
+    assert used == (ENGINE.get(layout, {"ring"}) if mode == "ring" else set()), used
+    errs = [_local_err(out, ref, layout, rank, W)]
+    errs += [_local_err(t.grad, g, layout, rank, W) for t, g in zip(leaves, grads, strict=True)]
     return max(errs)
 
 
-def test_sdpa_ulysses_activation_checkpointing(dist_pool):
-    for err in dist_pool.run(_sdpa_ulysses_checkpointed, 2):
+@pytest.mark.parametrize("layout, mode", [("zigzag", "ulysses"), ("llama3_zigzag", "ring")])
+def test_sdpa_activation_checkpointing(dist_pool, layout, mode):
+    for err in dist_pool.run(_sdpa_checkpointed, 2, layout=layout, mode=mode):
         assert err < 1e-10, err
 
 
@@ -498,8 +521,58 @@ def test_ulysses_ops_opcheck_and_compile(dist_pool, world_size):
         assert frames == 1 and err < 1e-10, (frames, err)
 
 
+def _llama3_zigzag_compiled(group):
+    """``scaled_dot_product_ring_attention(layout="llama3_zigzag")`` in a fullgraph-compiled
+    function: one frame, the all-gather op, exact forward and backward."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v, dout, leaves, dout_dt = _sdpa_inputs(_mesh(group), "llama3_zigzag", H_kv=2)
+    ref, grads = _reference(q, k, v, dout, causal=True)
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return dtensor_ring.scaled_dot_product_ring_attention(
+            q, k, v, is_causal=True, enable_gqa=True, layout="llama3_zigzag"
+        )
+
+    counter = CompileCounterWithBackend("aot_eager")
+    with engines_used() as used:
+        out = torch.compile(f, backend=counter, fullgraph=True)(*leaves)
+        out.backward(dout_dt)
+    errs = [_local_err(out, ref, "llama3_zigzag", rank, W)]
+    errs += [
+        _local_err(t.grad, g, "llama3_zigzag", rank, W) for t, g in zip(leaves, grads, strict=True)
+    ]
+    return counter.frame_count, used, max(errs)
+
+
+def test_llama3_zigzag_compiled(dist_pool):
+    for frames, used, err in dist_pool.run(_llama3_zigzag_compiled, 2):
+        assert frames == 1 and used == {"llama3"} and err < 1e-10, (frames, used, err)
+
+
+@pytest.mark.parametrize(
+    "world_size, as_dtensor, mesh_2d", [(2, False, False), (3, True, False), (4, True, True)]
+)
+def test_llama3_zigzag_sinks(dist_pool, world_size, as_dtensor, mesh_2d):
+    """Attention sinks through the all-gather path (``to_local`` / ``from_local``): out and
+    every gradient, the sinks' as a rank's share (plain tensor) or Partial (DTensor)."""
+    from test_sinks import check_dtensor  # here, not at the top: pytest would collect it
+
+    dist_pool.run(
+        check_dtensor,
+        world_size,
+        layout="llama3_zigzag",
+        mode="ring",
+        as_dtensor=as_dtensor,
+        mesh_2d=mesh_2d,
+    )
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("layout", ["ring", "zigzag"])
+@pytest.mark.parametrize("layout", ["ring", "zigzag", "llama3_zigzag"])
 def test_sdpa_ulysses_numerics(dist_pool, layout, world_size):
     for rank, errors in enumerate(dist_pool.run(_sdpa_ulysses_numerics, world_size, layout=layout)):
         for name, (err, tol) in errors.items():
@@ -543,10 +616,18 @@ def _sdpa_2d_mesh(group, layout, cp_first, batch_sharded):
     return tuple(out.placements) == tuple(expected_placements), max(errs)
 
 
-@pytest.mark.parametrize("cp_first,batch_sharded", [(False, True), (True, False)])
-def test_sdpa_2d_mesh(dist_pool, cp_first, batch_sharded):
+@pytest.mark.parametrize(
+    "layout,cp_first,batch_sharded",
+    [
+        ("zigzag", False, True),
+        ("zigzag", True, False),
+        ("llama3_zigzag", False, True),  # each dp rank's rows folded into its own documents
+        ("llama3_zigzag", True, False),
+    ],
+)
+def test_sdpa_2d_mesh(dist_pool, layout, cp_first, batch_sharded):
     for placements_ok, err in dist_pool.run(
-        _sdpa_2d_mesh, 4, layout="zigzag", cp_first=cp_first, batch_sharded=batch_sharded
+        _sdpa_2d_mesh, 4, layout=layout, cp_first=cp_first, batch_sharded=batch_sharded
     ):
         assert placements_ok and err < 1e-10, err
 
@@ -578,7 +659,7 @@ def test_sdpa_without_autograd(dist_pool):
 # --------------------------------------------------------------------------------------------
 # 3. CUDA aten-op handlers, called directly with CPU DTensors
 # --------------------------------------------------------------------------------------------
-def _call_with_schema(handler, op, values: dict):
+def _call_with_schema(handler, op, values: dict, layout: str = "zigzag"):
     """Call ``handler`` as DTensor would for ``op``: positional args in schema order."""
     args, kwargs = [], {}
     for arg in op._schema.arguments:
@@ -590,14 +671,14 @@ def _call_with_schema(handler, op, values: dict):
             if arg.kwarg_only
             else args.append(values[arg.name])
         )
-    return handler(SDPAConfig("zigzag", None), op, tuple(args), kwargs)
+    return handler(SDPAConfig(layout, None), op, tuple(args), kwargs)
 
 
-def _cuda_handlers(group):
+def _cuda_handlers(group, layout):
     """Forward then backward handler of each CUDA family, as autograd would chain them."""
     mesh = _mesh(group)
     rank, W = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v, dout, (qd, kd, vd), dout_dt = _sdpa_inputs(mesh, "zigzag", H_kv=2)
+    q, k, v, dout, (qd, kd, vd), dout_dt = _sdpa_inputs(mesh, layout, H_kv=2)
     ref, grads = _reference(q, k, v, dout, causal=True)
     B, H, S, D = qd.shape
     results = {}
@@ -613,7 +694,7 @@ def _cuda_handlers(group):
             "return_debug_mask": False,
             "scale": None,
         }
-        outs = _call_with_schema(aten_sdpa_forward_handler, family.forward_op, fwd_values)
+        outs = _call_with_schema(aten_sdpa_forward_handler, family.forward_op, fwd_values, layout)
         names = [r.name for r in family.forward_op._schema.returns]
         assert len(outs) == len(names), (family, len(outs))
         returned = dict(zip(names, outs, strict=True))
@@ -640,16 +721,17 @@ def _cuda_handlers(group):
             "philox_seed": returned.get("philox_seed", returned.get("rng_state")),
             "philox_offset": returned.get("philox_offset", returned.get("unused")),
         }
-        gs = _call_with_schema(aten_sdpa_backward_handler, family.backward_op, bwd_values)
+        gs = _call_with_schema(aten_sdpa_backward_handler, family.backward_op, bwd_values, layout)
         assert len(gs) == len(family.backward_op._schema.returns), (family, len(gs))
-        errs = [_local_err(out, ref, "zigzag", rank, W)]
-        errs += [_local_err(g, r, "zigzag", rank, W) for g, r in zip(gs[:3], grads, strict=True)]
+        errs = [_local_err(out, ref, layout, rank, W)]
+        errs += [_local_err(g, r, layout, rank, W) for g, r in zip(gs[:3], grads, strict=True)]
         results[family.forward] = max(errs)
     return results
 
 
-def test_cuda_aten_handlers_argument_handling(dist_pool):
-    for errors in dist_pool.run(_cuda_handlers, 2):
+@pytest.mark.parametrize("layout", ["zigzag", "llama3_zigzag"])
+def test_cuda_aten_handlers_argument_handling(dist_pool, layout):
+    for errors in dist_pool.run(_cuda_handlers, 2, layout=layout):
         assert set(errors) == {f.forward for f in ATEN_SDPA_OPS[1:]}
         for name, err in errors.items():
             assert err < 1e-10, (name, err)
@@ -685,15 +767,18 @@ def _errors(group):
         "mixed_types": ((q, full, full), {}),
     }
     messages = {}
-    for name, (args, kwargs) in sdpa_cases.items():
-        kwargs = {"is_causal": True, **kwargs}
+    # the all-gather layout (Note [All-gather layouts on DTensors]) checks alike, non-causal too
+    gather_cases = {f"llama3_zigzag {n}": sdpa_cases[n] for n in LLAMA3_ZIGZAG_ERRORS}
+    for name, (args, kwargs) in {**sdpa_cases, **gather_cases}.items():
+        layout = "llama3_zigzag" if name in gather_cases else "zigzag"
+        kwargs = {"is_causal": layout == "zigzag", **kwargs}
         for way in ("scope", "direct"):
             try:
                 if way == "scope":
-                    with dtensor_ring.ring_sdpa(layout="zigzag"):
+                    with dtensor_ring.ring_sdpa(layout=layout):
                         F.scaled_dot_product_attention(*args, **kwargs)
                 else:
-                    dtensor_ring.scaled_dot_product_ring_attention(*args, **kwargs, layout="zigzag")
+                    dtensor_ring.scaled_dot_product_ring_attention(*args, **kwargs, layout=layout)
                 messages[f"{name}/{way}"] = "no error"
             except (ValueError, TypeError) as e:
                 messages[f"{name}/{way}"] = f"{type(e).__name__}: {e}"
@@ -747,14 +832,16 @@ EXPECTED_ERRORS = {
     "ulysses_heads": "shards the 3 query heads over 2 ranks",
     "mode": "mode='spiral'",
 }
+LLAMA3_ZIGZAG_ERRORS = ("uneven", "placements", "attn_mask", "dropout", "gqa_flag", "mixed_types")
 
 
 def test_placement_and_argument_errors(dist_pool):
     for rank, messages in enumerate(dist_pool.run(_errors, 2)):
-        for name, expected in EXPECTED_ERRORS.items():
+        gather = {f"llama3_zigzag {n}": EXPECTED_ERRORS[n] for n in LLAMA3_ZIGZAG_ERRORS}
+        for name, expected in {**EXPECTED_ERRORS, **gather}.items():
             for way in ("scope", "direct"):
                 message = messages[f"{name}/{way}"]
-                kind = "TypeError" if name == "mixed_types" else "ValueError"
+                kind = "TypeError" if name.endswith("mixed_types") else "ValueError"
                 assert message.startswith(kind) and expected in message, (rank, name, way, message)
         assert "group_name='no-such-group' is not the process group" in messages["op/group"]
         assert messages["math_only"].startswith("RuntimeError: No viable backend"), messages
@@ -772,7 +859,9 @@ def _shard_unshard(group, layout):
     checks = {}
     ids_dt = dtensor_ring.shard_sequence(ids, mesh, seq_dim=1, layout=layout)
     checks["placements"] = tuple(ids_dt.placements) == (Shard(1),) and ids_dt.shape == ids.shape
-    checks["local"] = torch.equal(ids_dt.to_local(), shard(ids, layout, rank, W, seq_dim=1))
+    checks["local"] = torch.equal(
+        ids_dt.to_local(), shard(ids, _token_order(layout), rank, W, seq_dim=1)
+    )
     checks["global view is permuted"] = torch.equal(ids_dt.full_tensor(), ids[:, order])
     checks["unshard"] = torch.equal(dtensor_ring.unshard_sequence(ids_dt, 1, layout), ids)
     pos = dtensor_ring.shard_sequence(torch.arange(S), mesh, seq_dim=0, layout=layout)

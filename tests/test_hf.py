@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.engine_spy import engines_used  # noqa: E402
 from tests.reference import reference_attention  # noqa: E402
 
 WORLD = 2
@@ -50,6 +51,13 @@ def _config(arch: str):
 _REFERENCE = {"gpt_oss": "eager"}  # transformers has no sdpa path with sinks
 
 
+def _check_engine(layout: str, used: set[str]) -> None:
+    """The all-gather layouts ran the all-gather op only (for every mask), the others the
+    ring only."""
+    expected = {"llama3"} if layout in ("llama3", "llama3_zigzag") else {"ring"}
+    assert used == expected, (layout, used)
+
+
 def _model(arch: str, attn_implementation: str):
     from transformers import AutoModelForCausalLM
 
@@ -76,8 +84,10 @@ def _cp_vs_full(
     drhf.setup(group=group, layout=layout)
     model = _model(arch, "dtensor_ring")
     inputs = drhf.shard_batch(batch, group=group, layout=layout)
-    out = model(**inputs, **(extra or {}))
-    out.loss.backward()
+    with engines_used() as used:
+        out = model(**inputs, **(extra or {}))
+        out.loss.backward()
+    _check_engine(layout, used)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)  # each rank's share of the global mean
     logits = drhf.gather_outputs(out.logits.detach(), inputs, group=group, layout=layout)
@@ -110,6 +120,11 @@ def _cp_vs_full(
         ("gemma3_bidirectional", "llama3"),
         ("gpt_oss", "zigzag"),  # attention sinks (s_aux) and their gradient
         ("gpt_oss", "llama3"),
+        # all-gather with zigzag's tokens: causal, sliding window, bidirectional, sinks
+        ("llama", "llama3_zigzag"),
+        ("mistral", "llama3_zigzag"),
+        ("gemma3_bidirectional", "llama3_zigzag"),
+        ("gpt_oss", "llama3_zigzag"),
     ],
 )
 def test_matches_without_cp(dist_pool, arch, layout):
@@ -149,8 +164,10 @@ def _packed_vs_per_document(
     drhf.setup(group=group, layout=layout)
     model = _model(arch, "dtensor_ring")
     inputs = drhf.shard_batch(batch, group=group, layout=layout)
-    out = model(**inputs, **(extra or {}))
-    out.loss.backward()
+    with engines_used() as used:
+        out = model(**inputs, **(extra or {}))
+        out.loss.backward()
+    _check_engine(layout, used)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
     parts = [torch.empty_like(out.logits) for _ in range(dist.get_world_size(group))]
@@ -179,6 +196,9 @@ def _packed_vs_per_document(
         ("llama3", (5, 8, 3), "gemma3_bidirectional"),
         ("zigzag", (4, 8, 4), "gemma3_bidirectional"),
         ("zigzag", (8, 12, 4), "gpt_oss"),
+        ("llama3_zigzag", (4, 8, 4), "llama"),
+        ("llama3_zigzag", (8, 12, 4), "mistral"),  # window 5 in documents of 8 and 12
+        ("llama3_zigzag", (4, 8, 4), "gemma3_bidirectional"),
     ],
 )
 def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
@@ -191,6 +211,42 @@ def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
             loss_err,
             grad_err,
         )
+
+
+def _llama3_zigzag_rejects(group, what: str) -> str:
+    """What layout="llama3_zigzag" cannot shard (documents or rows not multiples of 2W):
+    ValueError (returned) on every rank, from shard_batch or, for a batch sharded otherwise,
+    from the attention before any communication."""
+    from transformers import DataCollatorWithFlattening
+
+    import dtensor_ring.hf as drhf
+
+    drhf.setup(group=group, layout="llama3_zigzag")
+    docs = [list(range(1, 1 + n)) for n in (5, 8, 3)]  # 5 and 3 are not multiples of 4
+    packed = DataCollatorWithFlattening()([{"input_ids": d} for d in docs])
+    with pytest.raises(ValueError) as info:
+        if what == "dense":
+            drhf.shard_batch(
+                {"input_ids": torch.zeros(2, 30, dtype=torch.long)}, group, "llama3_zigzag"
+            )
+        elif what == "packed":
+            drhf.shard_batch(packed, group=group, layout="llama3_zigzag")
+        else:  # sharded as llama3 (the stream), run with llama3_zigzag
+            _model("llama", "dtensor_ring")(**drhf.shard_batch(packed, group, "llama3"))
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "what, text",
+    [
+        ("dense", "sequence length 30 is not divisible by 4"),
+        ("packed", "document 0 (tokens [0, 5), length 5) is not a multiple of 4"),
+        ("packed_in_model", "is not a multiple of 4"),
+    ],
+)
+def test_llama3_zigzag_rejects(dist_pool, what, text):
+    for message in dist_pool.run(_llama3_zigzag_rejects, 2, what=what):
+        assert text in message and "llama3_zigzag" in message, message
 
 
 def _rejects(group, what: str) -> str:
@@ -433,9 +489,11 @@ def _padded_vs_full(
         model = _model(arch, "dtensor_ring")
         inputs = drhf.shard_batch(batch, group=group, layout=layout)
         assert (drhf.PADDING_MASK in inputs) == padded and "attention_mask" not in inputs
-        out = model(**inputs)
+        with engines_used() as used:
+            out = model(**inputs)
+            out.loss.backward()
+        _check_engine(layout, used)
         assert bool(out.logits.isfinite().all())  # no NaN in pad rows
-        out.loss.backward()
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=group)
         logits = drhf.gather_outputs(out.logits.detach(), inputs, group=group, layout=layout)
@@ -454,7 +512,9 @@ def _padded_vs_full(
     return results
 
 
-LAYOUTS_PADDED = [(layout, 6, True) for layout in ("ring", "zigzag", "stripe", "llama3")]
+LAYOUTS_PADDED = [
+    (layout, 6, True) for layout in ("ring", "zigzag", "stripe", "llama3", "llama3_zigzag")
+]
 
 
 @pytest.mark.parametrize(
@@ -464,7 +524,12 @@ LAYOUTS_PADDED = [(layout, 6, True) for layout in ("ring", "zigzag", "stripe", "
         (3, "llama", [*LAYOUTS_PADDED, ("llama3", 2, True)], True),
         (4, "llama", [*LAYOUTS_PADDED, ("llama3", 3, False)], True),
         # sliding window of 5: padding at the ends of rows only
-        (2, "mistral", [("zigzag", 6, True), ("llama3", 6, True)], False),
+        (
+            2,
+            "mistral",
+            [("zigzag", 6, True), ("llama3", 6, True), ("llama3_zigzag", 6, True)],
+            False,
+        ),
     ],
     ids=["w2", "w3", "w4", "w2-window"],
 )

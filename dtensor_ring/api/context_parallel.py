@@ -37,7 +37,9 @@ attention), provided the buffers autograd saved (embedding indices, labels) are 
 PyTorch.
 
 Non-causal attention does not depend on token order, so it runs with the "ring" schedule
-whatever the layout (as PyTorch's, which computes every block in full then). SDPA on DTensors
+whatever the layout (as PyTorch's, which computes every block in full then), except with
+``layout="llama3_zigzag"`` (zigzag's tokens), which all-gathers K/V for every mask (Note
+[Balanced all-gather attention] in ``engine/llama3.py``). SDPA on DTensors
 goes to the original (``ring_sdpa`` handles those). What ring attention cannot do
 (``attn_mask``, ``dropout_p > 0``) raises ``ValueError`` on every rank, before any
 communication: the checks read only arguments that every rank passes alike.
@@ -60,6 +62,7 @@ from ..layouts import gather_sequence, get_layout, order_layout, shard_local
 from ..resolve import check_bool, check_unsupported
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
 from .functional import ring_attention_func
+from .varlen import is_all_gather
 
 
 def _cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -110,7 +113,8 @@ def _ring_sdpa_local(
     enable_gqa: bool,
 ) -> Tensor:
     """SDPA's arguments on plain local shards -> ring attention over ``group`` in ``layout``
-    (None: PyTorch's default for the call's global length ``S_local * W``).
+    (None: PyTorch's default for the call's global length ``S_local * W``; "llama3_zigzag":
+    all-gather attention).
 
     ``query [B, H, S_local, D]``, ``key, value [B, H_kv, S_local, D]`` -> ``[B, H, S_local, D]``.
     """
@@ -135,8 +139,10 @@ def _ring_sdpa_local(
         )
     world_size = dist.get_world_size(group)
     layout = _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
+    if not is_all_gather(layout):  # order-free without a mask (the Note)
+        layout = order_layout(layout, is_causal, (-1, -1))
     out = ring_attention_func(
-        order_layout(layout, is_causal, (-1, -1)),  # order-free without a mask (the Note)
+        layout,
         *to_op_layout(query, key, value),
         softmax_scale=scale,
         causal=is_causal,
@@ -197,7 +203,8 @@ def context_parallel(
         buffers: tensors to shard in place (input ids, labels, positions, ...); no Parameters.
         buffer_seq_dims: the sequence dim of each buffer.
         no_restore_buffers: buffers (a subset of ``buffers``) left sharded on exit.
-        layout: our extension: "ring", "zigzag" or "stripe". None (PyTorch's behaviour):
+        layout: our extension: "ring", "zigzag", "stripe" or "llama3_zigzag" (zigzag's
+            tokens, K/V all-gathered instead of passed around a ring). None (PyTorch's behaviour):
             "zigzag" (its head-tail load balancing) when ``S % 2W == 0``, else "ring", with
             ``S`` the first buffer's length (without buffers: each SDPA call's ``S_local * W``).
 

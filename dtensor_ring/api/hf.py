@@ -20,7 +20,9 @@ boundaries from the full ``position_ids`` and returns them as ``cu_seq_lens_q`` 
 
 Causal and bidirectional models (``is_causal=False``, e.g. Gemma 3 with
 ``use_bidirectional_attention``), dense and packed, in every layout; "llama3" dense batches of
-any batch size (Note [llama3 with a batch]).
+any batch size (Note [llama3 with a batch]). "llama3_zigzag" (zigzag's tokens, K/V
+all-gathered: Note [Balanced all-gather attention] in ``engine/llama3.py``) runs the all-gather
+op for every mask, dense (a row per document) and packed (documents multiples of 2W).
 
 Padding (a 2-D ``attention_mask`` with zeros, left, right or inside rows) in causal models:
 :func:`shard_batch` moves each row's padding after its real tokens, carrying positions and
@@ -74,7 +76,7 @@ from ..layouts.varlen import (
 from ..resolve import check_bool, group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .functional import ring_attention_func
-from .varlen import llama3_attention_func, ring_varlen_attention_func
+from .varlen import is_all_gather, llama3_attention_func, ring_varlen_attention_func
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -91,7 +93,7 @@ IGNORE_INDEX = -100
 #: The keyword under which :func:`shard_batch` hands a padded batch's full ``attention_mask``
 #: to the attention function (transformers forwards it untouched; Note [Padding]).
 PADDING_MASK = "dtensor_ring_attention_mask"
-HFLayout = Literal["ring", "zigzag", "stripe", "llama3"]
+HFLayout = Literal["ring", "zigzag", "stripe", "llama3", "llama3_zigzag"]
 HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3")
 
 
@@ -184,8 +186,9 @@ def setup(
 
     Args:
         group: the context-parallel process group (default: the default group).
-        layout: "ring", "zigzag", "stripe" or "llama3": how :func:`shard_batch` shards the
-            sequence.
+        layout: "ring", "zigzag", "stripe", "llama3" or "llama3_zigzag" (:data:`HF_LAYOUTS`):
+            how :func:`shard_batch` shards the sequence; "llama3" and "llama3_zigzag"
+            all-gather K/V, the others pass them around a ring.
         backend: block-kernel backend name (``dtensor_ring.BACKEND_NAMES``), or None.
     """
     from transformers import AttentionInterface
@@ -356,7 +359,7 @@ def ring_attention_forward(
     if lay.dense:
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         out = ring_attention_func(
-            order_layout(layout, causal, window),  # any sharding order if non-causal
+            _op_layout(layout, causal, window),
             q,
             k,
             v,
@@ -419,6 +422,13 @@ def _llama3_rows(
         sinks=None if sinks is None else sinks.repeat(batch),  # head b*H + h: sinks[h]
     )
     return out.reshape(length, batch, heads, out.shape[-1]).permute(1, 0, 2, 3)
+
+
+def _op_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
+    """The layout to call the functional front doors with: an all-gather layout
+    ("llama3_zigzag") as is, for every mask (it must stay an all-gather); else
+    :func:`order_layout`'s (any sharding order runs the contiguous ring if no mask)."""
+    return layout if is_all_gather(layout) else order_layout(layout, causal, window)
 
 
 def _group_name() -> str:
@@ -536,7 +546,7 @@ def _varlen_attention(
 ) -> Tensor:
     """Varlen attention of a packed row: ``query [1, H, T_local, D]``, key/value
     ``[1, H_kv, T_local, D]``, global ``cu_seqlens [N + 1]`` -> ``out [1, T_local, H, D]``;
-    ``window`` within documents (llama3 only)."""
+    ``window`` within documents."""
     assert _config is not None
     layout, group = _config.layout, _config.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -589,7 +599,7 @@ def _varlen_attention(
         )
     else:
         out = ring_varlen_attention_func(
-            order_layout(layout, causal, window),
+            _op_layout(layout, causal, window),
             q,
             k,
             v,
@@ -737,7 +747,7 @@ def shard_batch(
             ``position_ids [B, S]``: 0..S-1 in every row, or, for a packed batch (B == 1, no
             padding), restarting at 0 at each document start, as
             ``DataCollatorWithFlattening`` builds them. S must divide as the layout needs
-            (dense: S % W, or 2W for zigzag; packed: Note [Varlen layouts]).
+            (dense: S % W, or 2W for zigzag and llama3_zigzag; packed: Note [Varlen layouts]).
         group: the context-parallel process group (the one given to :func:`setup`).
         layout: the layout given to :func:`setup`; "llama3" cuts every row that is not packed
             into W contiguous slices (any B: Note [llama3 with a batch]).

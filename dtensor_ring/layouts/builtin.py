@@ -83,8 +83,9 @@ class Llama3Layout(RingLayout):
 class Llama3ZigzagLayout(ZigzagLayout):
     """Zigzag's tokens (chunks r and 2W-1-r of every sequence or document) with K/V
     all-gathered, as Llama 3 trains (Note [Balanced all-gather attention]): causal work is
-    balanced exactly, and any mask is accepted. Paths that pass K/V around a ring (DTensor
-    SDPA, Ulysses, the simulator) treat it as zigzag's token order."""
+    balanced exactly, and any mask is accepted. The functional, DTensor SDPA (ring mode),
+    ``context_parallel`` and transformers front doors all-gather; Ulysses and the simulator
+    treat it as zigzag's token order."""
 
     name = "llama3_zigzag"
     causal_only = False

@@ -72,6 +72,10 @@ traces, after Dynamo); entering it inside raises ``RuntimeError``.
 DTensors directly (its sharding rule is registered with ``register_sharding``, public), works
 in eager and compiled code alike, and needs no private API.
 
+An all-gather layout ("llama3_zigzag") runs ``dtensor_ring::llama3_attention`` (and its
+backward) in place of the ring op pair, on the local shards (Note [All-gather layouts on
+DTensors] in ``gather.py``).
+
 Outside the scope nothing of this is active: SDPA on DTensors behaves as PyTorch makes it.
 The sharding rules of our own ops stay registered (they concern only ``dtensor_ring::`` ops).
 

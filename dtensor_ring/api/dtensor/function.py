@@ -14,6 +14,7 @@ from ...layouts import LayoutName
 from ...ops.ring import ring_attention, ring_attention_backward
 from ...ops.ulysses import ulysses_attention, ulysses_attention_backward
 from ...resolve import AttentionSpec, resolve_call
+from .gather import gather_sdpa, is_gather
 from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
 
 Mode = Literal["ring", "ulysses"]
@@ -57,7 +58,9 @@ def scaled_dot_product_ring_attention(
 
     Computes what SDPA computes inside :func:`ring_sdpa`, without a scope or private API: it
     calls ``dtensor_ring::ring_attention`` on the DTensors (sharding rule registered with
-    ``register_sharding``). Works in eager and compiled code (also inside a ``torch.compile``'d
+    ``register_sharding``); an all-gather layout ("llama3_zigzag") calls
+    ``dtensor_ring::llama3_attention`` on the local shards instead (Note [All-gather layouts
+    on DTensors]). Works in eager and compiled code (also inside a ``torch.compile``'d
     function), with activation checkpointing.
 
     Args:
@@ -67,9 +70,11 @@ def scaled_dot_product_ring_attention(
             ``Replicate()`` or ``Shard(0)`` on the others; S divisible by the layout's divisor.
         attn_mask: must be None.  dropout_p: must be 0.0.
         is_causal: causal mask over the original (unpermuted) sequence; required for zigzag
-            and stripe.
+            and stripe (not for llama3_zigzag).
         scale: softmax scale, default ``D ** -0.5``.
-        layout: how the sequence is sharded (Note [Sequence layouts]).
+        layout: how the sequence is sharded (Note [Sequence layouts]): "ring", "zigzag",
+            "stripe", or "llama3_zigzag" (zigzag's tokens, K/V all-gathered; with
+            ``mode="ulysses"``, zigzag's order).
         backend: block-kernel backend name, or None for automatic choice.
         mode: "ring" (ring attention) or "ulysses" (Ulysses all-to-all attention,
             ``dtensor_ring::ulysses_attention``; needs ``H`` divisible by the context-parallel
@@ -92,8 +97,10 @@ def scaled_dot_product_ring_attention(
     cp_dim, group_name = check_sdpa_args(
         query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode
     )
-    q, k, v = to_op_layout(query, key, value)
     config = SDPAConfig(layout, backend, mode, window_size)
+    if is_gather(config):  # Note [All-gather layouts on DTensors]
+        return gather_sdpa(config, query, key, value, is_causal, scale, cp_dim, sinks)
+    q, k, v = to_op_layout(query, key, value)
     world = query.device_mesh.size(cp_dim)
     spec = resolve_sdpa(
         config, q, k, v, is_causal, scale, group_name, world, global_len=q.shape[1], sinks=sinks

@@ -16,6 +16,7 @@ from ..._compat import dtensor as _dtensor_compat
 from ...ops.common import call_attention
 from ...resolve import AttentionSpec
 from .function import MODE_OPS, SDPAConfig, resolve_sdpa
+from .gather import gather_backward, gather_forward, is_gather, resolve_gather
 from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
 
 
@@ -109,7 +110,8 @@ def _bind_sdpa_call(
     )
     q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
     world = query.device_mesh.size(cp_dim)
-    spec = resolve_sdpa(config, q, k, v, is_causal, a.get("scale"), group_name, world)
+    resolve = resolve_gather if is_gather(config) else resolve_sdpa
+    spec = resolve(config, q, k, v, is_causal, a.get("scale"), group_name, world)
     return a, (q, k, v), spec
 
 
@@ -120,7 +122,10 @@ def aten_sdpa_forward_handler(
     family = _family_of()[op]
     a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
     query, mesh = a["query"], a["query"].device_mesh
-    out, lse = call_attention(MODE_OPS[config.mode][0], q, k, v, *spec.op_args())
+    if is_gather(config):  # Note [All-gather layouts on DTensors]
+        out, lse = gather_forward(q, k, v, spec)
+    else:
+        out, lse = call_attention(MODE_OPS[config.mode][0], q, k, v, *spec.op_args())
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -154,16 +159,19 @@ def aten_sdpa_backward_handler(
     if family.lse_trailing_one:
         lse_l = lse_l.squeeze(-1)
     lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
-    dq, dk, dv = call_attention(
-        MODE_OPS[config.mode][1],
-        dout_l.contiguous(),
-        q,
-        k,
-        v,
-        out_l,
-        lse_l.contiguous(),
-        *spec.op_args(),
-    )
+    if is_gather(config):
+        dq, dk, dv = gather_backward(dout_l, q, k, v, out_l, lse_l, spec)
+    else:
+        dq, dk, dv = call_attention(
+            MODE_OPS[config.mode][1],
+            dout_l.contiguous(),
+            q,
+            k,
+            v,
+            out_l,
+            lse_l.contiguous(),
+            *spec.op_args(),
+        )
     grads = [
         DTensor.from_local(swap_seq_heads(g), mesh, placements, run_check=False)
         for g in (dq, dk, dv)

@@ -137,11 +137,15 @@ def ring_sdpa(
     installed is removed on exit, also on an exception. Scopes nest (the innermost wins).
 
     Args:
-        layout: "ring", "zigzag" or "stripe": how the DTensors' sequence shards are laid out
-            (Note [Sequence layouts]); zigzag and stripe need ``is_causal=True`` (except
-            with ``mode="ulysses"``). The default, "ring", is the contiguous shards that
-            ``distribute_tensor(x, mesh, [Shard(2)])`` makes; a load-balanced order is asked
-            for here, and :func:`shard_sequence` inside the scope shards in it by default.
+        layout: "ring", "zigzag", "stripe" or "llama3_zigzag": how the DTensors' sequence
+            shards are laid out (Note [Sequence layouts]); zigzag and stripe need
+            ``is_causal=True`` (except with ``mode="ulysses"``). "llama3_zigzag" holds
+            zigzag's tokens and all-gathers K/V (``dtensor_ring::llama3_attention``) for every
+            mask instead of passing them around the ring (Note [All-gather layouts on
+            DTensors]); with ``mode="ulysses"`` it is zigzag's token order. The default,
+            "ring", is the contiguous shards that ``distribute_tensor(x, mesh, [Shard(2)])``
+            makes; a load-balanced order is asked for here, and :func:`shard_sequence` inside
+            the scope shards in it by default.
         backend: block-kernel backend name, or None for automatic choice.
         mode: "ring" (ring attention) or "ulysses" (all-to-all attention; needs ``H``
             divisible by the context-parallel size, else ``ValueError`` on every rank before

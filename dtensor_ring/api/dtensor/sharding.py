@@ -45,7 +45,7 @@ def shard_sequence(
     """This rank's shard of ``tensor``'s sequence under ``layout``, as a DTensor (no communication).
 
     Works for inputs, labels and position ids alike (any dtype, any rank of tensor). The
-    DTensor's global view is the *permuted* sequence for zigzag/stripe
+    DTensor's global view is the *permuted* sequence for zigzag/stripe/llama3_zigzag
     (Note [DTensor global view of a permuted layout]); :func:`unshard_sequence` inverts this.
 
     Args:
@@ -56,8 +56,9 @@ def shard_sequence(
             for a 1-D mesh.
         seq_dim: the sequence dim of ``tensor`` (1 for ``[B, S, ...]``, 2 for SDPA's
             ``[B, H, S, D]``).
-        layout: "ring", "zigzag" or "stripe" (Note [Sequence layouts]); None: the layout of
-            the active :func:`ring_sdpa` scope, "ring" outside any.
+        layout: "ring", "zigzag", "stripe" or "llama3_zigzag" (zigzag's tokens; Note
+            [Sequence layouts]); None: the layout of the active :func:`ring_sdpa` scope,
+            "ring" outside any.
         batch_dim: for meshes with other dims: None means ``tensor`` is the same on those
             ranks (placed ``Replicate()``); an int means each rank holds its own batch there
             (data parallel; placed ``Shard(batch_dim)``, the global batch being the
@@ -95,8 +96,8 @@ def unshard_sequence(
         dtensor: placed ``Shard(seq_dim)`` on exactly one mesh dim (the context-parallel dim);
             its sequence laid out as ``layout`` says.
         seq_dim: the sequence dim (1 for ``[B, S, ...]``, 2 for ``[B, H, S, D]``).
-        layout: "ring", "zigzag" or "stripe"; None: the layout of the active
-            :func:`ring_sdpa` scope, "ring" outside any.
+        layout: "ring", "zigzag", "stripe" or "llama3_zigzag"; None: the layout of the
+            active :func:`ring_sdpa` scope, "ring" outside any.
 
     Returns:
         Plain tensor of ``dtensor``'s global shape with the sequence in original order.

@@ -1,0 +1,44 @@
+"""Which attention engine a front door ran: the ring (K/V passed around, ``engine/ring.py``) or
+the all-gather (``engine/llama3.py``). For tests of layouts that must all-gather
+("llama3", "llama3_zigzag") whichever way they are called."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def engines_used() -> Iterator[set[str]]:
+    """Inside, every call of the ops' engine functions adds "ring" or "llama3" to the set
+    yielded (forward and backward; the ops look the functions up when they run, so patching
+    the ops modules' names catches every path: eager, compiled, DTensor handlers). Restored
+    on exit, also on an exception (the workers of the test pool are reused)."""
+    import dtensor_ring.ops.ring as ring_ops
+    import dtensor_ring.ops.varlen as varlen_ops
+
+    used: set[str] = set()
+    targets = [
+        (ring_ops, "ring_forward", "ring"),
+        (ring_ops, "ring_backward", "ring"),
+        (varlen_ops, "ring_forward", "ring"),
+        (varlen_ops, "ring_backward", "ring"),
+        (varlen_ops, "llama3_forward", "llama3"),
+        (varlen_ops, "llama3_backward", "llama3"),
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in targets]
+
+    def spy(fn, engine):
+        def wrapped(*args, **kwargs):
+            used.add(engine)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    try:
+        for (module, name, engine), (_, _, fn) in zip(targets, originals, strict=True):
+            setattr(module, name, spy(fn, engine))
+        yield used
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
