@@ -281,12 +281,11 @@ def max_seqlen_value(value: object, name: str) -> int | None:
 
 
 def check_heads_k_stride(heads_k_stride: int, num_kv_heads: int) -> None:
-    """``heads_k_stride`` must be a positive divisor of the number of KV heads."""
-    if (
-        not isinstance(heads_k_stride, int)
-        or heads_k_stride < 1
-        or (num_kv_heads % heads_k_stride != 0)
-    ):
+    """``heads_k_stride`` must be a positive divisor of the number of KV heads (an int: a bool
+    is rejected, as everywhere)."""
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
+        raise TypeError(f"heads_k_stride must be an int, got {heads_k_stride!r}")
+    if heads_k_stride < 1 or (num_kv_heads % heads_k_stride != 0):
         raise ValueError(
             f"heads_k_stride={heads_k_stride} must be a positive divisor of the number of "
             f"key/value heads H_kv={num_kv_heads} (K/V are all-gathered heads_k_stride heads "

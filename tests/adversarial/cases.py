@@ -28,6 +28,20 @@ sequence on one device (:mod:`tests.adversarial.oracle`), or is expected to rais
 * ``dtype``, ``values``, ``shapes``: fp32 / bf16 / fp16; zero, tiny and huge values; edge sizes;
 * ``debug_on``: consistent calls with the consistency mode on must stay correct.
 
+Kinds of the later front doors, each through the adversities above that apply (the generators
+take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:detail``):
+
+* ``llama3_zigzag``: the layout's own doors (``llama3_zigzag_flash_attn_func``, its varlen
+  form) through every adversity, and ``ring_attention_func`` / Ulysses / SDPA on DTensors /
+  transformers with ``layout="llama3_zigzag"`` through base, mask, memory layouts, debug_on;
+* ``context_parallel``: ``F.scaled_dot_product_attention`` on plain shards inside
+  ``dtensor_ring.context_parallel`` (PyTorch's default layout, "stripe", "llama3_zigzag"),
+  and the buffers it shards in place and restores (:func:`cp_buffers_case`);
+* ``decode``, ``kv_cache``: ``decode_attention_func`` over uneven / empty / scattered cache
+  shards and windows by position, and ``KVCacheShard`` + ``prefill_attention`` +
+  ``decode_step_attention`` (:mod:`tests.adversarial.inference`);
+* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache.
+
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
 """
@@ -44,7 +58,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import oracle
-from .doors import DOORS, HYBRID_SPLIT, VIEWS, Ctx, Door, Tokens, cpu_mesh, view_grad
+from .doors import (
+    ALL_DOORS,
+    DOORS,
+    HYBRID_SPLIT,
+    NEW_DOORS,
+    VIEWS,
+    Ctx,
+    Door,
+    Tokens,
+    cpu_mesh,
+    view_grad,
+)
 from .oracle import Check, Flag
 from .runner import Case
 
@@ -84,6 +109,10 @@ class Setup:
         ``cu_seqlens`` (llama3: ``cu_seqlens_q``) (:data:`CU_EDITS`).
     expect_error: the call must raise (what is wrong); a returned result is a failure.
     rank0: overrides of these fields (and ``door``) on rank 0 alone: ranks that disagree.
+    extra (decoding, the KV cache: :mod:`tests.adversarial.inference`): ``split`` (how the
+        cached tokens spread over the ranks), ``positions`` (pass the cache's positions),
+        ``q_pos``, ``pos_edit``, ``steps`` (decoded tokens after the prompt), ``prompt_extra``
+        (prompt tokens beyond ``s_local * W``), ``cache_window`` (``sliding_window``), ...
     """
 
     kw: dict = field(default_factory=dict)
@@ -104,6 +133,7 @@ class Setup:
     expect_error: str | None = None
     rank0: dict = field(default_factory=dict)
     seed: int = 0
+    extra: dict = field(default_factory=dict)
 
 
 def default_heads(door: Door, world: int) -> tuple[int, int]:
@@ -134,7 +164,7 @@ def position(where: str, seq_len: int, bounds: list[int] | None) -> int:
 
 def make_data(door: Door, s: Setup, world: int) -> Data:
     H, H_kv = s.heads or default_heads(door, world)
-    B, S, bounds = s.B, s.s_local * world, None
+    B, S, bounds = s.B, s.s_local * world + s.extra.get("tokens", 0), None
     if door.packed_stream:
         bounds = [0, *itertools.accumulate(s.docs or door.default_docs(world))]
         B, S = 1, bounds[-1]
@@ -198,12 +228,20 @@ def _local_cu(door: Door, data: Data, ctx: Ctx) -> Tensor:
     return oracle.local_cu_seqlens(data.bounds, ctx.world)
 
 
-def attention_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
-    """Call ``door`` on this rank's part of the case's data; checks against the reference."""
+def rank0_overrides(ctx: Ctx, door: Door, setup: Setup) -> tuple[Door, Setup]:
+    """``(door, setup)`` with ``setup.rank0`` applied on rank 0 (ranks that disagree)."""
     if ctx.rank == 0 and setup.rank0:
         overrides = dict(setup.rank0)
         door = overrides.pop("door", door)
-        setup = replace(setup, kw={**setup.kw, **overrides.pop("kw", {})}, **overrides)
+        kw = {**setup.kw, **overrides.pop("kw", {})}
+        extra = {**setup.extra, **overrides.pop("extra", {})}
+        setup = replace(setup, kw=kw, extra=extra, **overrides)
+    return door, setup
+
+
+def attention_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """Call ``door`` on this rank's part of the case's data; checks against the reference."""
+    door, setup = rank0_overrides(ctx, door, setup)
     data = make_data(door, setup, ctx.world)
     idx = door.indices(ctx.rank, ctx.world, data.seq_len, data.bounds)
     leaves = [x[:, idx].clone().requires_grad_(setup.grads) for x in (data.q, data.k, data.v)]
@@ -258,14 +296,15 @@ def _checks(door, setup, data, idx, out, lse, leaves) -> dict:
     return checks
 
 
-def nonmember_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+def nonmember_case(ctx: Ctx, door: Door, setup: Setup, inner=attention_case) -> dict:
     """3 ranks; every rank calls the door with ``group = new_group([0, 1])``: ranks 0 and 1
-    must get attention over their 2-rank group, rank 2 (outside it) a ValueError."""
+    must get attention over their 2-rank group, rank 2 (outside it) a ValueError. ``inner``:
+    the case function (attention, decoding, the KV cache)."""
     sub = dist.new_group([0, 1])
     if ctx.rank < 2:
-        return attention_case(Ctx(ctx.rank, 2, sub), door, setup)
+        return inner(Ctx(ctx.rank, 2, sub), door, setup)
     try:
-        attention_case(Ctx(1, 2, sub), door, setup)
+        inner(Ctx(1, 2, sub), door, setup)
     except ValueError:
         return {"non-member": Flag(True, "")}
     except TypeError as e:
@@ -451,8 +490,12 @@ REPRESENTATIVE = _doors(
 
 
 def _backends(door: Door) -> tuple:
-    """Backends a door can run: varlen kernels on CPU are "math" only."""
-    return (None, "math") if door.packed_stream else BACKENDS
+    """Backends a door can run: varlen kernels on CPU are "math" only (the all-gather layout
+    runs them on dense sequences too); None only for a door without ``backend=``."""
+    if "backend" not in door.accepts:
+        return (None,)
+    gather = door.layout == "llama3_zigzag" and door.family != "ulysses"
+    return (None, "math") if door.packed_stream or gather else BACKENDS
 
 
 def _case(kind, door, world, detail, setup, expect=CORRECT, fn=attention_case, **extra) -> Case:
@@ -467,10 +510,20 @@ def _backend_kw(backend: str | None) -> dict:
     return {} if backend is None else {"backend": backend}
 
 
-def base_cases() -> list[Case]:
+def _retag(cases: list[Case], kind: str) -> list[Case]:
+    """``cases`` of another generator as cases of ``kind``: ``kind/door/W<w>/<their kind>:detail``
+    (the kinds of the later front doors reuse the generators of the adversities)."""
+    for c in cases:
+        own, door, world, detail = c.name.split("/", 3)
+        c.name, c.kind = f"{kind}/{door}/{world}/{own}:{detail}", kind
+    return cases
+
+
+def base_cases(doors=None) -> list[Case]:
     cases = []
-    for door in DOORS.values():
-        for world, backend in itertools.product(WORLDS, BACKENDS):
+    for door in doors or DOORS.values():
+        backends = BACKENDS if "backend" in door.accepts else (None,)
+        for world, backend in itertools.product(WORLDS, backends):
             ok = backend in _backends(door)
             setup = Setup(
                 kw={"causal": True, **_backend_kw(backend)},
@@ -482,7 +535,7 @@ def base_cases() -> list[Case]:
     return cases
 
 
-def debug_on_cases() -> list[Case]:
+def debug_on_cases(doors=None) -> list[Case]:
     """Consistent calls with the consistency mode on: still correct."""
     return [
         _case(
@@ -493,33 +546,34 @@ def debug_on_cases() -> list[Case]:
             Setup(kw={"causal": True}, lse=door.has_lse),
             env=DEBUG_ENV,
         )
-        for i, door in enumerate(DOORS.values())
+        for i, door in enumerate(doors or DOORS.values())
     ]
 
 
 def _mask_variants(door: Door, world: int):
     """(detail, kw, heads) of the mask kind for ``door``."""
     H = default_heads(door, world)[0]
+    windows = "window_size" in door.accepts
     variants = [
         ("window=(2,0)", {"causal": True, "window_size": (2, 0)}, None),
         ("window=(0,0)", {"causal": True, "window_size": (0, 0)}, None),
         ("window=(100,0)", {"causal": True, "window_size": (100, 0)}, None),
-    ]
+    ] * windows
     if not door.causal_only:
+        variants.append(("noncausal", {"causal": False}, None))
         variants += [
-            ("noncausal", {"causal": False}, None),
             ("noncausal,window=(1,2)", {"causal": False, "window_size": (1, 2)}, None),
             ("noncausal,window=(0,0)", {"causal": False, "window_size": (0, 0)}, None),
-        ]
+        ] * windows
     if door.packing != "qkv":
         variants.append(("mqa", {"causal": True}, (H, 1)))
     variants.append(("mha", {"causal": True}, (H, H)))
     return variants
 
 
-def mask_cases() -> list[Case]:
+def mask_cases(doors=None) -> list[Case]:
     cases = []
-    for i, door in enumerate(DOORS.values()):
+    for i, door in enumerate(doors or DOORS.values()):
         for j in range(len(_mask_variants(door, 1))):
             world = _pick(WORLDS, i + j)
             detail, kw, heads = _mask_variants(door, world)[j]
@@ -528,9 +582,9 @@ def mask_cases() -> list[Case]:
     return cases
 
 
-def layout_cases() -> list[Case]:
+def layout_cases(doors=None) -> list[Case]:
     cases = []
-    for i, door in enumerate(DOORS.values()):
+    for i, door in enumerate(doors or DOORS.values()):
         for j, view in enumerate(v for v in VIEWS if v != "contiguous"):
             if door.packed_stream and view in ("channels_last", "expanded"):
                 continue
@@ -540,11 +594,12 @@ def layout_cases() -> list[Case]:
     return cases
 
 
-def nonfinite_cases() -> list[Case]:
+def nonfinite_cases(doors=None) -> list[Case]:
     values = (math.nan, math.inf, -math.inf)
     cases = []
-    for i, door in enumerate(REPRESENTATIVE):
-        positions = ["early", "late", "middle", "window"] + (["document"] * door.packed_stream)
+    for i, door in enumerate(doors or REPRESENTATIVE):
+        positions = ["early", "late", "middle"] + ["window"] * ("window_size" in door.accepts)
+        positions += ["document"] * door.packed_stream
         for j, (tensor, where) in enumerate(itertools.product("qkv", positions)):
             value = _pick(values, i + j)
             kw = {"causal": True, **_backend_kw(_pick(_backends(door), j))}
@@ -588,10 +643,19 @@ SINKS = [
 ]
 
 
-def sinks_cases() -> list[Case]:
-    """``sinks=`` (attention sinks) through every door that takes it: exact or a clean error."""
+def sinks_cases(doors=None) -> list[Case]:
+    """``sinks=`` (attention sinks) through every door that takes it: exact or a clean error
+    (also the later doors: the llama3_zigzag doors, decoding and the KV cache)."""
     cases = []
-    for i, door in enumerate(REPRESENTATIVE):
+    if doors is None:
+        from .inference import decode_sinks_cases, kv_cache_sinks_cases
+
+        return (
+            sinks_cases([*REPRESENTATIVE, *LLAMA3_ZIGZAG_PRIMARY])
+            + decode_sinks_cases()
+            + kv_cache_sinks_cases()
+        )
+    for i, door in enumerate(doors):
         if "sinks" not in door.accepts:
             continue
         for j, (label, make, expect) in enumerate(SINKS):
@@ -605,9 +669,9 @@ def sinks_cases() -> list[Case]:
     return cases
 
 
-def scale_cases() -> list[Case]:
+def scale_cases(doors=None) -> list[Case]:
     cases = []
-    for i, door in enumerate(REPRESENTATIVE):
+    for i, door in enumerate(doors or REPRESENTATIVE):
         for j, (label, value, expect) in enumerate(SCALES):
             ref = {}
             if label == "bool" and door.family == "sdpa_scope":  # torch's SDPA reads True as 1.0
@@ -649,7 +713,7 @@ class ArgCase:
         return not (self.unpacked and door.packing)
 
 
-_FLASHY = ("flash", "varlen", "llama3", "ulysses", "hybrid")
+_FLASHY = ("flash", "ring_fn", "varlen", "llama3", "ulysses", "hybrid")
 _PACKED = ("varlen", "llama3")
 _HF = ("hf", "hf_packed")  # their window is transformers' sliding_window (kind hf)
 ARG_CASES = (
@@ -657,7 +721,7 @@ ARG_CASES = (
         "causal='False'",
         {"causal": "False"},
         ref={"causal": False},
-        families=_FLASHY + ("sdpa_fn", "sdpa_scope"),
+        families=_FLASHY + ("sdpa_fn", "sdpa_scope", "cp"),
     ),
     ArgCase("causal=1", {"causal": 1}, expect=EITHER, families=_FLASHY),
     ArgCase(
@@ -729,12 +793,12 @@ ARG_CASES = (
     ArgCase(
         "ulysses_heads_not_divisible", setup={"heads": (4, 2)}, families=("ulysses",), worlds=(3,)
     ),
-    ArgCase("zigzag_odd_s_local", setup={"s_local": 3}, families=("flash",)),
+    ArgCase("zigzag_odd_s_local", setup={"s_local": 3}, families=("flash", "ring_fn")),
     ArgCase("max_seqlen='8'", {"max_seqlen": "8"}, families=("varlen",)),
     ArgCase("max_seqlen=1", {"max_seqlen": 1}, expect=EITHER, families=("varlen",)),
     ArgCase("max_seqlen_q='x'", {"max_seqlen_q": "x"}, families=("llama3",)),
-    ArgCase("heads_k_stride=0", {"heads_k_stride": 0}, families=("llama3",)),
-    ArgCase("heads_k_stride=5", {"heads_k_stride": 5}, families=("llama3",)),
+    ArgCase("heads_k_stride=0", {"heads_k_stride": 0}, needs="heads_k_stride"),
+    ArgCase("heads_k_stride=5", {"heads_k_stride": 5}, needs="heads_k_stride"),
     ArgCase("local_k_slice=(0,4)", {"local_k_slice": (0, 4)}, families=("llama3",)),
     ArgCase("local_k_slice=step2", {"local_k_slice": slice(0, 8, 2)}, families=("llama3",)),
     *(
@@ -760,10 +824,11 @@ def _arg_setup(door: Door, arg: ArgCase) -> Setup:
     )
 
 
-def args_cases() -> list[Case]:
+def args_cases(doors=None, extra: tuple[ArgCase, ...] = ()) -> list[Case]:
     cases = []
-    for i, arg in enumerate(ARG_CASES):
-        doors = [d for d in DOORS.values() if arg.applies(d)]
+    all_doors = list(doors or DOORS.values())
+    for i, arg in enumerate(ARG_CASES + extra):
+        doors = [d for d in all_doors if arg.applies(d)]
         if arg.setup.get("mutate") == "empty_batch":
             doors = [d for d in doors if not d.packed_stream]
         if arg.setup.get("mutate") in ("extra_dim", "missing_dim"):
@@ -771,11 +836,11 @@ def args_cases() -> list[Case]:
                 d for d in doors if d.family not in ("sdpa_fn", "sdpa_scope", "hf", "hf_packed")
             ]
         if arg.label == "zigzag_odd_s_local":
-            doors = [d for d in doors if d.layout == "zigzag"]
+            doors = [d for d in doors if d.layout in ("zigzag", "llama3_zigzag")]
         for j, door in enumerate(doors):
             world = _pick(arg.worlds, i + j)
             cases.append(_case("args", door, world, arg.label, _arg_setup(door, arg), arg.expect))
-    for door in DOORS.values():
+    for door in all_doors:
         if "group" in door.accepts:
             setup = Setup(kw={"causal": True})
             cases.append(_case("args", door, 3, "rank_outside_group", setup, fn=nonmember_case))
@@ -795,6 +860,9 @@ def _other_door(door: Door, field_name: str) -> Door | None:
             "ulysses_flash_attn_func[ring]": "ulysses_flash_attn_func[zigzag]",
             "hybrid_flash_attn_func[zigzag]": "hybrid_flash_attn_func[ring]",
             f"{_SDPA_FN}[zigzag,ring]": f"{_SDPA_FN}[ring,ring]",
+            # the same tokens, K/V passed around the ring instead of all-gathered
+            "llama3_zigzag_flash_attn_func": "zigzag_ring_flash_attn_func",
+            "llama3_zigzag_flash_attn_varlen_func": "zigzag_ring_flash_attn_varlen_func",
         },
         "op": {
             "ring_flash_attn_func": "ulysses_flash_attn_func[ring]",
@@ -804,7 +872,7 @@ def _other_door(door: Door, field_name: str) -> Door | None:
         },
     }
     name = swaps.get(field_name, {}).get(door.name)
-    return None if name is None else DOORS[name]
+    return None if name is None else ALL_DOORS[name]
 
 
 DISAGREE_DOORS = _doors(
@@ -845,22 +913,28 @@ def _disagreements(door: Door, world: int) -> list[tuple[str, dict]]:
         out.append(("documents", {"docs": docs}))
     else:
         out += [("seq_len", {"s_local": 6}), ("batch", {"B": 1})]
-    if door.family == "llama3":
-        out.append(("heads_k_stride", {"kw": {"heads_k_stride": 1}}))
+    if "heads_k_stride" in door.accepts:
+        # the llama3 door passes H_kv, the llama3_zigzag doors default to 1
+        stride = 1 if door.family == "llama3" else 2
+        out.append(("heads_k_stride", {"kw": {"heads_k_stride": stride}}))
     for name in ("layout", "op"):
         other = _other_door(door, name)
         if other is not None:
             out.append((name, {"door": other}))
-    if door.family not in ("hf", "hf_packed") and not door.packed_stream:
+    if (
+        "backend" in door.accepts
+        and door.family not in ("hf", "hf_packed")
+        and not (door.packed_stream or door.layout == "llama3_zigzag")
+    ):
         out.append(("backend", {"kw": {"backend": "math"}}))
     if "deterministic" in door.accepts:
         out.append(("deterministic", {"kw": {"deterministic": True}}))
     return out
 
 
-def disagree_cases() -> list[Case]:
+def disagree_cases(doors=None) -> list[Case]:
     cases = []
-    for i, door in enumerate(DISAGREE_DOORS):
+    for i, door in enumerate(doors or DISAGREE_DOORS):
         for j in range(len(_disagreements(door, 2))):
             world = _pick((2, 3, 4), i + j)
             name, rank0 = _disagreements(door, world)[j]
@@ -1028,9 +1102,9 @@ def hf_cases() -> list[Case]:
     return cases
 
 
-def dtype_cases() -> list[Case]:
+def dtype_cases(doors=None) -> list[Case]:
     cases = []
-    for i, door in enumerate(REPRESENTATIVE):
+    for i, door in enumerate(doors or REPRESENTATIVE):
         for j, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
             backend = _pick(_backends(door), i + j)
             setup = Setup(
@@ -1052,9 +1126,9 @@ VALUES = (
 )
 
 
-def values_cases() -> list[Case]:
+def values_cases(doors=None) -> list[Case]:
     cases = []
-    for i, door in enumerate(REPRESENTATIVE):
+    for i, door in enumerate(doors or REPRESENTATIVE):
         for j, (label, factors, dtype) in enumerate(VALUES):
             setup = Setup(kw={"causal": True}, factors=factors, dtype=dtype)
             cases.append(_case("values", door, _pick(WORLDS, i + j), label, setup))
@@ -1072,7 +1146,9 @@ def _head_split(door: Door, world: int) -> int:
 
 def _dense_len_ok(door: Door, world: int, s_local: int) -> bool:
     """Whether ``s_local`` tokens per rank fit the door's layout (zigzag: 2W chunks)."""
-    if door.layout != "zigzag":
+    if door.family == "cp" and door.mode == "default":  # PyTorch's default: ring when odd
+        return True
+    if door.layout not in ("zigzag", "llama3_zigzag"):
         return True
     if door.family != "hybrid":
         return s_local % 2 == 0
@@ -1098,9 +1174,9 @@ def _shape_variants(door: Door, world: int) -> list[tuple[str, dict, frozenset]]
     return variants
 
 
-def shapes_cases() -> list[Case]:
+def shapes_cases(doors=None) -> list[Case]:
     cases = []
-    for i, door in enumerate(REPRESENTATIVE):
+    for i, door in enumerate(doors or REPRESENTATIVE):
         for j in range(len(_shape_variants(door, 1))):
             world = _pick(WORLDS, i + j)
             detail, edits, expect = _shape_variants(door, world)[j]
@@ -1109,6 +1185,197 @@ def shapes_cases() -> list[Case]:
             cases.append(_case("shapes", door, world, detail, setup, expect))
     return cases
 
+
+# --- the later front doors ------------------------------------------------------------------
+
+LLAMA3_ZIGZAG_DOORS = [
+    d for d in NEW_DOORS.values() if d.layout == "llama3_zigzag" and d.family != "cp"
+]
+#: its own front doors: every adversity; the doors that take it as a ``layout``: the cheap ones
+LLAMA3_ZIGZAG_PRIMARY = [
+    NEW_DOORS["llama3_zigzag_flash_attn_func"],
+    NEW_DOORS["llama3_zigzag_flash_attn_varlen_func"],
+]
+GATHER_ARG_CASES = (
+    ArgCase("heads_k_stride=1", {"heads_k_stride": 1}, expect=CORRECT, needs="heads_k_stride"),
+    ArgCase("heads_k_stride='1'", {"heads_k_stride": "1"}, needs="heads_k_stride"),
+    # True is the int 1 to isinstance (the stride of 1 is valid): either answer is fine
+    ArgCase("heads_k_stride=True", {"heads_k_stride": True}, needs="heads_k_stride"),
+    ArgCase("heads_k_stride=None", {"heads_k_stride": None}, needs="heads_k_stride"),
+)
+
+
+def llama3_zigzag_cases() -> list[Case]:
+    """The "llama3_zigzag" layout (zigzag's tokens, K/V all-gathered): its flash and varlen
+    front doors through every adversity, and the doors that take a layout (``ring_attention_func``,
+    Ulysses, SDPA on DTensors, transformers) through base, mask, memory layouts and the
+    consistency mode."""
+    doors, primary = LLAMA3_ZIGZAG_DOORS, LLAMA3_ZIGZAG_PRIMARY
+    cases = base_cases(doors) + mask_cases(doors) + layout_cases(doors) + debug_on_cases(doors)
+    cases += nonfinite_cases(primary) + scale_cases(primary) + args_cases(primary, GATHER_ARG_CASES)
+    cases += disagree_cases(primary) + dtype_cases(primary) + values_cases(primary)
+    cases += shapes_cases(primary)
+    return _retag(cases, "llama3_zigzag")
+
+
+CP_DOORS = [d for d in NEW_DOORS.values() if d.family == "cp"]
+CP_PRIMARY = [NEW_DOORS["context_parallel+F.sdpa[default]"]]
+CP_ARG_CASES = (
+    ArgCase("causal=None", {"causal": None}, families=("cp",)),
+    ArgCase("causal=1", {"causal": 1}, expect=EITHER, families=("cp",)),
+    ArgCase(
+        "enable_gqa=True,mha",
+        {"enable_gqa": True},
+        setup={"heads": (4, 4)},
+        expect=CORRECT,
+        families=("cp",),
+    ),
+    ArgCase("softmax_scale=None", {"softmax_scale": None}, expect=CORRECT, families=("cp",)),
+)
+
+
+def cp_buffers_case(ctx: Ctx, variant: str) -> dict:
+    """``context_parallel(mesh, buffers=[ids, positions, labels], buffer_seq_dims=[1, 0, 1],
+    no_restore_buffers={labels})``: inside, the buffers hold this rank's shard in place (zigzag
+    when ``S % 2W == 0``, else ring; or ``layout=``), q/k/v are looked up by the sharded
+    positions and ``F.scaled_dot_product_attention`` runs causal ring attention (forward,
+    backward inside or after); on exit the buffers are restored (labels left sharded) and SDPA
+    is the original again; ``context_parallel_unshard`` gives the output in token order.
+    Variants with a malformed argument must raise on every rank (:data:`CP_BUFFER_VARIANTS`)."""
+    import dtensor_ring as dr
+    from tests.reference import layout_indices
+
+    W, rank = ctx.world, ctx.rank
+    S = {"ring_default": 5 * W, "indivisible": 4 * W + 1}.get(variant, 4 * W)
+    B, H, D = 2, 4, 8
+    gen = torch.Generator().manual_seed(0)
+    tables = [
+        torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (H, H // 2, H // 2, H)
+    ]
+    ids = torch.randint(0, 100, (B, S), generator=gen)
+    pos = torch.arange(S)
+    labels = ids.clone()
+    full_ids = ids.clone()
+    mesh = cpu_mesh(W)
+    buffers, dims, no_restore = [ids, pos, labels], [1, 0, 1], {labels}
+    cp_kw: dict = {}
+    if variant == "stripe":
+        cp_kw["layout"] = "stripe"
+    elif variant == "layout=nope":
+        cp_kw["layout"] = "nope"
+    elif variant == "seq_dims_short":
+        dims = [1, 0]
+    elif variant == "no_restore_not_subset":
+        no_restore = {labels.clone()}
+    elif variant == "parameter_buffer":
+        buffers.append(torch.nn.Parameter(torch.zeros(S)))
+        dims.append(0)
+    elif variant == "mesh_2d":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, W // 2))
+    elif variant == "mesh=None":
+        mesh = None
+    elif variant == "backward_outside":
+        no_restore = {labels, pos}  # autograd saved the positions: leave them sharded
+    original_sdpa = F.scaled_dot_product_attention
+    leaves = [t.clone().requires_grad_() for t in tables[:3]]
+    layout = cp_kw.get("layout", "zigzag" if S % (2 * W) == 0 else "ring")
+    checks: dict = {}
+    try:
+        with dr.context_parallel(
+            mesh, buffers=buffers, buffer_seq_dims=dims, no_restore_buffers=no_restore, **cp_kw
+        ):
+            idx = layout_indices(layout, rank, W, S)  # (a length it cannot split raised)
+            checks["sharded_in_place"] = Flag(
+                torch.equal(ids, full_ids[:, idx]) and torch.equal(pos, idx),
+                f"rank {rank} holds positions {pos.tolist()}, expected {idx.tolist()}",
+            )
+            q, k, v = (t[:, pos].transpose(1, 2) for t in leaves)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            ).transpose(1, 2)
+            dout = tables[3][:, pos]
+            if variant != "backward_outside":
+                (out * dout).sum().backward()
+            if variant == "exception_inside":
+                raise KeyError("raised inside the context")
+        if variant == "backward_outside":
+            (out * dout).sum().backward()
+    except KeyError:
+        pass
+    if variant == "exception_inside":
+        checks = {}
+    checks["sdpa_restored"] = Flag(
+        F.scaled_dot_product_attention is original_sdpa, "SDPA still patched"
+    )
+    checks["restored"] = Flag(torch.equal(ids, full_ids), "ids not restored on exit")
+    if variant == "exception_inside":
+        return checks
+    checks["labels_sharded"] = Flag(
+        torch.equal(labels, full_ids[:, idx]), "labels not left sharded"
+    )
+    visible = oracle.visible_dense(S, True)
+    ref = oracle.strict_attention(*tables[:3], visible, D**-0.5, tables[3])
+    tol = oracle.tolerance(torch.float64)
+    checks["out"] = Check(out.detach(), ref.out[:, idx], torch.float64, *tol)
+    for name, leaf in zip(("dq", "dk", "dv"), leaves, strict=True):
+        want = getattr(ref, name)
+        others = torch.ones(S, dtype=torch.bool)
+        others[idx] = False
+        got = leaf.grad
+        checks[name] = Check(
+            None if got is None else got[:, idx], want[:, idx], torch.float64, *tol
+        )
+        if got is not None:
+            checks[name + "_elsewhere"] = Flag(
+                bool((got[:, others] == 0).all()), f"{name} outside the shard"
+            )
+    full = dr.context_parallel_unshard(
+        mesh, [out.detach()], [1], **({"layout": layout} if "layout" in cp_kw else {})
+    )[0]
+    checks["unshard"] = Check(full, ref.out, torch.float64, *tol)
+    return checks
+
+
+#: variant, worlds, expect
+CP_BUFFER_VARIANTS = (
+    ("zigzag_default", WORLDS, CORRECT),
+    ("ring_default", WORLDS, CORRECT),
+    ("stripe", (2, 3), CORRECT),
+    ("backward_outside", (2, 4), CORRECT),
+    ("exception_inside", (1, 3), CORRECT),
+    ("seq_dims_short", (2,), ERROR),
+    ("no_restore_not_subset", (3,), ERROR),
+    ("parameter_buffer", (2,), ERROR),
+    ("mesh_2d", (4,), ERROR),
+    ("mesh=None", (2,), ERROR),
+    ("layout=nope", (3,), ERROR),
+    ("indivisible", (2, 3), ERROR),
+)
+
+
+def context_parallel_cases() -> list[Case]:
+    """``dtensor_ring.context_parallel``: ``F.scaled_dot_product_attention`` on plain local
+    shards (PyTorch's default layout: every adversity; ``layout="stripe"`` /
+    ``"llama3_zigzag"``: base, mask, memory layouts, shapes, consistency mode), and the buffers
+    it shards and restores (:func:`cp_buffers_case`)."""
+    doors, primary = CP_DOORS, CP_PRIMARY
+    cases = base_cases(doors) + mask_cases(doors) + layout_cases(doors) + debug_on_cases(doors)
+    cases += shapes_cases(doors)
+    cases += nonfinite_cases(primary) + scale_cases(primary) + args_cases(primary, CP_ARG_CASES)
+    cases += disagree_cases(primary) + dtype_cases(primary) + values_cases(primary)
+    cases = _retag(cases, "context_parallel")
+    for variant, worlds, expect in CP_BUFFER_VARIANTS:
+        for world in worlds:
+            name = f"context_parallel/buffers/W{world}/{variant}"
+            cases.append(
+                Case(name, "context_parallel", world, cp_buffers_case, {"variant": variant}, expect)
+            )
+    return cases
+
+
+from .inference import decode_cases, kv_cache_cases  # noqa: E402  (it imports this module)
 
 KINDS = {
     "base": base_cases,
@@ -1125,8 +1392,12 @@ KINDS = {
     "values": values_cases,
     "shapes": shapes_cases,
     "debug_on": debug_on_cases,
+    "llama3_zigzag": llama3_zigzag_cases,
+    "context_parallel": context_parallel_cases,
+    "decode": decode_cases,
+    "kv_cache": kv_cache_cases,
 }
-FAST_PER_KIND = 5  # the CI subset: about 65 cases
+FAST_PER_KIND = 5  # the CI subset: about 90 cases
 
 
 def _mark_fast(cases: list[Case], n: int) -> None:

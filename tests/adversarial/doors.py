@@ -108,6 +108,10 @@ LLAMA3_KW = FLASH_KW | {
     "local_k_slice",
 }
 HYBRID_KW = (FLASH_KW - {"group"}) | {"ulysses_group", "ring_group"}
+#: the all-gather doors also take llama3's ``heads_k_stride``
+GATHER_KW = FLASH_KW | {"heads_k_stride"}
+#: F.scaled_dot_product_attention on plain local shards inside ``context_parallel``
+CP_KW = frozenset({"causal", "softmax_scale", "dropout_p", "attn_mask", "enable_gqa"})
 SDPA_KW = frozenset(
     {"causal", "softmax_scale", "window_size", "dropout_p", "backend", "attn_mask", "enable_gqa"}
 )
@@ -125,6 +129,9 @@ _PREFIX = {
     ("ulysses", "ring"): "ulysses_flash_attn",
     ("ulysses", "zigzag"): "ulysses_flash_attn",
     ("ulysses", "stripe"): "ulysses_flash_attn",
+    ("ulysses", "llama3_zigzag"): "ulysses_flash_attn",
+    ("flash", "llama3_zigzag"): "llama3_zigzag_flash_attn",
+    ("varlen", "llama3_zigzag"): "llama3_zigzag_flash_attn_varlen",
 }
 
 #: world size -> (Ulysses size U, ring size R) of the hybrid door
@@ -151,8 +158,11 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Door:
-    """One front door. ``family``: flash | varlen | llama3 | ulysses | hybrid | sdpa_fn |
-    sdpa_scope | hf | hf_packed; ``packing``: "", "kv" or "qkv"; ``mode``: the DTensor mode."""
+    """One front door. ``family``: flash | ring_fn (``ring_attention_func(layout, ...)``) |
+    varlen | llama3 | ulysses | hybrid | sdpa_fn | sdpa_scope | hf | hf_packed | cp
+    (``F.scaled_dot_product_attention`` on plain shards inside ``context_parallel``);
+    ``packing``: "", "kv" or "qkv"; ``mode``: the DTensor mode (cp: "default" passes
+    ``layout=None``, PyTorch's choice: zigzag when ``S % 2W == 0``, else ring)."""
 
     name: str
     family: str
@@ -169,16 +179,22 @@ class Door:
     def causal_only(self) -> bool:
         if self.family in ("hf", "hf_packed"):
             return True
+        if self.family == "cp":  # non-causal SDPA runs the ring schedule whatever the layout
+            return False
         if self.family == "ulysses" or (self.family.startswith("sdpa") and self.mode == "ulysses"):
             return False
         return self.layout in ("zigzag", "stripe")
 
     @property
     def has_lse(self) -> bool:
-        return self.family in ("flash", "varlen", "llama3", "ulysses", "hybrid")
+        return self.family in ("flash", "ring_fn", "varlen", "llama3", "ulysses", "hybrid")
 
     @property
     def accepts(self) -> frozenset[str]:
+        if self.layout == "llama3_zigzag" and self.family in ("flash", "ring_fn"):
+            return GATHER_KW - {"heads_k_stride"} if self.family == "ring_fn" else GATHER_KW
+        if self.layout == "llama3_zigzag" and self.family == "varlen":
+            return VARLEN_KW | {"heads_k_stride"}
         return {
             "varlen": VARLEN_KW,
             "llama3": LLAMA3_KW,
@@ -187,6 +203,7 @@ class Door:
             "sdpa_scope": SDPA_KW,
             "hf": HF_KW,
             "hf_packed": HF_KW,
+            "cp": CP_KW,
         }.get(self.family, FLASH_KW)
 
     def default_docs(self, world: int) -> tuple[int, ...]:
@@ -227,7 +244,7 @@ class Door:
         unknown = set(kw) - self.accepts
         assert not unknown, f"suite bug: {self.name} cannot pass {sorted(unknown)}"
         caller = _CALLERS[self.family]
-        if self.family == "sdpa_scope":
+        if self.family in ("sdpa_scope", "cp"):
             return caller(self, ctx, q, k, v, dict(kw), view, tokens, dout)
         out, lse = caller(self, ctx, q, k, v, dict(kw), view, tokens)
         if dout is not None:
@@ -266,6 +283,10 @@ def _func(door: Door):
 
 def _call_flash(door, ctx, q, k, v, kw, view, tokens):
     kw.setdefault("group", ctx.group)
+    if door.family == "ring_fn":
+        from dtensor_ring.api.functional import ring_attention_func
+
+        return _split_result(ring_attention_func(door.layout, view(q), view(k), view(v), **kw))
     if door.family == "ulysses":
         kw["layout"] = door.layout
     return _split_result(_func(door)(*_packed_args(door, q, k, v, view), **kw))
@@ -385,6 +406,25 @@ def _call_sdpa_scope(door, ctx, q, k, v, kw, view, tokens, dout=None):
     return out, None
 
 
+def _call_cp(door, ctx, q, k, v, kw, view, tokens, dout=None):
+    """``F.scaled_dot_product_attention`` on plain ``[B, H, S_local, D]`` shards inside
+    ``context_parallel(mesh)`` (no buffers), forward and (with ``dout``) backward inside."""
+    import dtensor_ring as dr
+
+    sdpa_kw = {"enable_gqa": q.shape[-2] != k.shape[-2]}
+    for ours, theirs in (("causal", "is_causal"), ("softmax_scale", "scale")):
+        if ours in kw:
+            sdpa_kw[theirs] = kw.pop(ours)
+    sdpa_kw.update(kw)
+    layout = None if door.mode == "default" else door.layout
+    with dr.context_parallel(cpu_mesh(ctx.world), layout=layout):
+        args = (view(t).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(*args, **sdpa_kw).transpose(1, 2)
+        if dout is not None:
+            backward(out, dout, view)
+    return out, None
+
+
 class _AttentionModule(torch.nn.Module):
     """Stands for a transformers attention layer (only ``is_causal`` is read)."""
 
@@ -429,6 +469,7 @@ def _call_hf(door, ctx, q, k, v, kw, view, tokens):
 
 _CALLERS = {
     "flash": _call_flash,
+    "ring_fn": _call_flash,
     "ulysses": _call_flash,
     "varlen": _call_varlen,
     "llama3": _call_llama3,
@@ -437,6 +478,7 @@ _CALLERS = {
     "sdpa_scope": _call_sdpa_scope,
     "hf": _call_hf,
     "hf_packed": _call_hf,
+    "cp": _call_cp,
 }
 
 
@@ -477,3 +519,28 @@ def _all_doors() -> dict[str, Door]:
 
 
 DOORS: dict[str, Door] = _all_doors()
+
+
+def _new_doors() -> dict[str, Door]:
+    """The doors of the front doors added later, each tested by a kind of its own (cases.py):
+    the "llama3_zigzag" layout through every door that takes a layout, and
+    ``F.scaled_dot_product_attention`` inside ``context_parallel``."""
+    doors = [
+        Door("llama3_zigzag_flash_attn_func", "flash", "llama3_zigzag"),
+        Door("llama3_zigzag_flash_attn_varlen_func", "varlen", "llama3_zigzag"),
+        Door("ring_attention_func[llama3_zigzag]", "ring_fn", "llama3_zigzag"),
+        Door("ulysses_flash_attn_func[llama3_zigzag]", "ulysses", "llama3_zigzag"),
+        Door("scaled_dot_product_ring_attention[llama3_zigzag,ring]", "sdpa_fn", "llama3_zigzag"),
+        Door("ring_sdpa+F.sdpa[llama3_zigzag,ring]", "sdpa_scope", "llama3_zigzag"),
+        Door("hf.ring_attention_forward[llama3_zigzag]", "hf", "llama3_zigzag"),
+        Door("hf.ring_attention_forward[packed,llama3_zigzag]", "hf_packed", "llama3_zigzag"),
+        # PyTorch's default layout: zigzag, or ring when S % 2W != 0 (dense_indices falls back)
+        Door("context_parallel+F.sdpa[default]", "cp", "zigzag", "", "default"),
+        Door("context_parallel+F.sdpa[stripe]", "cp", "stripe", "", "explicit"),
+        Door("context_parallel+F.sdpa[llama3_zigzag]", "cp", "llama3_zigzag", "", "explicit"),
+    ]
+    return {d.name: d for d in doors}
+
+
+NEW_DOORS: dict[str, Door] = _new_doors()
+ALL_DOORS: dict[str, Door] = {**DOORS, **NEW_DOORS}
