@@ -74,8 +74,9 @@ def test_check_window_smoke(tmp_path):
 
 
 def test_bench_overhead_smoke(tmp_path):
-    """benchmarks/bench_overhead.py on CPU: SDPA, the functional call and DTensor SDPA on a
-    1-rank gloo group, and the profiles."""
+    """benchmarks/bench_overhead.py on CPU: SDPA, the functional call, DTensor SDPA and the
+    scope-free DTensor function on a 1-rank gloo group (the compiled variants are CUDA only),
+    and the profiles."""
     subprocess.run(
         [
             sys.executable,
@@ -90,7 +91,7 @@ def test_bench_overhead_smoke(tmp_path):
         capture_output=True,
     )
     rows = json.loads((tmp_path / "bench_overhead.json").read_text())["rows"]
-    assert {r["what"] for r in rows} == {"sdpa", "functional", "dtensor"}
+    assert {r["what"] for r in rows} == {"sdpa", "functional", "dtensor", "dtensor_fn"}
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
     assert (tmp_path / "profile_functional.txt").read_text().count("ring_attention_impl") > 0
 

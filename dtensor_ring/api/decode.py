@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..consistency import check_consistent, consistency_checks_enabled, relay_errors
+from ..ops.common import call_attention
 from ..ops.decode import decode_attention
 from ..resolve import (
     check_backend_arg,
@@ -98,9 +99,21 @@ def decode_attention_func(
             "sinks": None if sinks is None else tuple(sinks.shape),
         }
         check_consistent(name, fingerprint)
-    out, lse = decode_attention(
-        q, k_cache, v_cache, positions, q_pos, name, scale, backend, left, right, sinks
-    )
+    with torch.no_grad():  # an inference op (its eager call runs the implementation itself)
+        out, lse = call_attention(
+            decode_attention,
+            q,
+            k_cache,
+            v_cache,
+            positions,
+            q_pos,
+            name,
+            scale,
+            backend,
+            left,
+            right,
+            sinks,
+        )
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -49,7 +49,8 @@ def fake_grads(dout, q, k, v, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
 #                                                    |     -> EagerAttention.apply -> impl
 #                                                    +-- otherwise -> op (custom op dispatch)
 #
-# The DTensor handlers (which run below autograd on local shards) call both ops this way.
+# The DTensor handlers (which run below autograd on local shards) call both ops this way, and
+# decoding (an inference op, no autograd) its implementation.
 #
 # Same code, same saved tensors, same results; "otherwise" is compiling, a tensor subclass
 # (DTensor, FakeTensor, functional tensors) or an active TorchDispatchMode / TorchFunctionMode
@@ -111,10 +112,16 @@ def register_attention_autograd(
     _EAGER[backward_op] = backward_impl  # not differentiable: the implementation itself
 
 
+def register_inference_op(op, impl) -> None:
+    """An op without autograd (decoding): in plain eager mode :func:`call_attention` runs
+    ``impl`` itself (Note [Eager calls]); the caller runs it without gradients."""
+    _EAGER[op] = impl
+
+
 def call_attention(op, *args):
     """``op(*args)`` for a front door or a DTensor handler: in plain eager mode on plain tensors
-    a forward op through its ``autograd.Function`` and a backward op as its implementation,
-    else the custom op itself (Note [Eager calls])."""
+    a forward op through its ``autograd.Function`` and a backward op or an inference op as its
+    implementation, else the custom op itself (Note [Eager calls])."""
     eager = _EAGER.get(op)
     if (
         eager is None

@@ -41,7 +41,7 @@ from ..comm.collectives import all_gather_single
 from ..comm.faults import CommSite
 from ..kernels import accumulation_dtype, get_kernel
 from ..kernels.merge import add_sinks, merge_all
-from .common import fake_out_lse
+from .common import fake_out_lse, register_inference_op
 
 
 def visible_keys(
@@ -120,6 +120,7 @@ def decode_attention_impl(
 decode_attention = torch.library.custom_op("dtensor_ring::decode_attention", mutates_args=())(
     decode_attention_impl
 )
+register_inference_op(decode_attention, decode_attention_impl)
 
 
 @decode_attention.register_fake
