@@ -293,22 +293,45 @@ class _LocalGather:
         return self.kv[:, :, : self.stride]  # every group times the same; no copy
 
 
-def _llama3_forward(ql, kl, vl, k_gathered, v_gathered, meta, kernel, scale, a):
-    """One rank's llama3 forward (any layout's metadata) with the gather stood in for:
-    ``(seconds, out)``."""
+class _LocalReduceScatter:
+    """Stands in for llama3's reduce-scatter of dK/dV: keeps this rank's rows (``[W*L, ...]``
+    -> ``[L, ...]``) as the others' zero contributions would; a copy of the same size."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __call__(self, result, full, group=None, async_op=False):
+        result.copy_(full.view(-1, *result.shape)[self.rank])
+        return self
+
+    def wait(self):
+        return None
+
+
+def _llama3_run(ql, kl, vl, k_gathered, v_gathered, meta, kernel, scale, a, rank, dout=None):
+    """One rank's llama3 forward (any layout's metadata), and with ``dout`` forward+backward,
+    with the collectives stood in for: ``(fwd seconds, fwd+bwd seconds or None, out)``."""
     import dtensor_ring.engine.llama3 as llama3
 
-    default_gather = llama3._KVGather
+    defaults = llama3._KVGather, llama3.reduce_scatter_single
     gathered = _LocalGather(k_gathered, v_gathered, a.kv_heads)
     llama3._KVGather = lambda k_, v_, stride, group: gathered
+    llama3.reduce_scatter_single = _LocalReduceScatter(rank)
     try:
 
-        def run():
+        def fwd():
             return llama3.llama3_forward(ql, kl, vl, meta, a.kv_heads, None, kernel, scale)
 
-        return timed(run, a.reps), run()[0]
+        def fwd_bwd():
+            out, lse = fwd()
+            llama3.llama3_backward(
+                dout, ql, kl, vl, out, lse, meta, a.kv_heads, None, kernel, scale
+            )
+
+        t_fwd_bwd = None if dout is None else timed(fwd_bwd, a.reps)
+        return timed(fwd, a.reps), t_fwd_bwd, fwd()[0]
     finally:
-        llama3._KVGather = default_gather
+        llama3._KVGather, llama3.reduce_scatter_single = defaults
 
 
 def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
@@ -363,7 +386,7 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
         cu_q, cu_k, max_q, max_k, k_slice.start, k_slice.stop, L, True, rank, W, device
     )
     ql, kl, vl = (t[rank * L : (rank + 1) * L] for t in (q, k, v))
-    t_fwd, _ = _llama3_forward(ql, kl, vl, k, v, meta, kernel, scale, a)
+    t_fwd, _, _ = _llama3_run(ql, kl, vl, k, v, meta, kernel, scale, a, rank)
     row["llama3_eff_fwd"] = theo_fwd / t_fwd
     row["llama3_limit"] = sum(balance["llama3"]) / W / max(balance["llama3"])
     # balanced all-gather: zigzag's tokens (documents must be multiples of 2W)
@@ -374,10 +397,21 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
         cu_local = torch.tensor(local_bounds, dtype=torch.int32, device=device)
         meta = gather_meta(cu_local, None, L, "llama3_zigzag", True, rank, W, device)
         k_g, v_g = (torch.cat(parts) for parts in shards)  # the all-gather's result
-        t_fwd, out = _llama3_forward(
-            ql, shards[0][rank], shards[1][rank], k_g, v_g, meta, kernel, scale, a
+        t_fwd, t_fwd_bwd, out = _llama3_run(
+            ql,
+            shards[0][rank],
+            shards[1][rank],
+            k_g,
+            v_g,
+            meta,
+            kernel,
+            scale,
+            a,
+            rank,
+            dout[: ql.shape[0]],
         )
         row["llama3_zigzag_eff_fwd"] = theo_fwd / t_fwd
+        row["llama3_zigzag_eff_fwd_bwd"] = theo_fwd_bwd / t_fwd_bwd
         # the rank's rows against the full call's (same kernel): kernel rounding only
         full_out = shard_varlen(full_fwd()[0], cu, "llama3_zigzag", rank, W)[0]
         row["llama3_zigzag_max_diff_vs_full"] = float((out.float() - full_out.float()).abs().max())
@@ -546,7 +580,7 @@ def print_tables(results: dict) -> None:
         )
     print(
         f"\n{'local cu_seqlens':<36}{'ring f':>8}{'ring fb':>8}{'zz f':>8}{'zz fb':>8}"
-        f"{'llama3 f':>9}{'l3zz f':>8}{'limits r/zz/l3/l3zz':>22}"
+        f"{'llama3 f':>9}{'l3zz f':>8}{'l3zz fb':>8}{'limits r/zz/l3/l3zz':>22}"
     )
     for r in results["varlen"]:
         l3zz = r.get("llama3_zigzag_limit")  # absent: documents not multiples of 2W
@@ -554,11 +588,13 @@ def print_tables(results: dict) -> None:
             "-" if l3zz is None else f"{l3zz:.0%}"
         )
         l3zz_eff = r.get("llama3_zigzag_eff_fwd")
+        l3zz_fb = r.get("llama3_zigzag_eff_fwd_bwd")
         print(
             f"{str(r['local_cu_seqlens']):<36}{r['ring_eff_fwd']:>8.1%}"
             f"{r['ring_eff_fwd_bwd']:>8.1%}{r['zigzag_eff_fwd']:>8.1%}"
             f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}"
             + ("       -" if l3zz_eff is None else f"{l3zz_eff:>8.1%}")
+            + ("       -" if l3zz_fb is None else f"{l3zz_fb:>8.1%}")
             + f"{limits:>22}"
         )
     for r in results["merges"]:
