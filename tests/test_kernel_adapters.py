@@ -942,6 +942,19 @@ def test_flash_attn4_deterministic_follows_torch(flash_attn4, monkeypatch):
     assert flash_attn4[-1]["deterministic"] is True
 
 
+def test_selection_follows_the_deterministic_switch(flash_attn4):
+    """The remembered backend choice (kernels.select_kernel) follows
+    torch.use_deterministic_algorithms: flash-attn 4's backward is deterministic only under it."""
+    call = KernelCall("cuda", torch.bfloat16, 128, 32, 8, deterministic=True)
+    assert select_kernel(call).name != "flash_attn4"
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert select_kernel(call).name == "flash_attn4"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert select_kernel(call).name != "flash_attn4"
+
+
 def test_flash_attn4_availability(monkeypatch):
     flash_attn4_module._installed.cache_clear()  # looked up afresh, whatever ran before
     assert (

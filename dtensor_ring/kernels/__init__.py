@@ -7,6 +7,8 @@ error that lists every backend and why it was rejected.
 
 from __future__ import annotations
 
+import torch
+
 from .base import BlockKernel, KernelCall, accumulation_dtype
 from .cpu import CpuFlashKernel
 from .cuda_flash import TorchFlashKernel
@@ -43,10 +45,12 @@ def get_kernel(name: str) -> BlockKernel:
     raise ValueError(f"backend={name!r} is not a known backend; choose one of {BACKEND_NAMES}")
 
 
-# Choices made so far: (call, backend=) -> kernel. What decides them (installed packages, the
-# GPU's architecture, the PyTorch and cuDNN builds) does not change while a process runs, and
-# asking the backends costs ~40 us of host time per call (device properties, module lookups).
-_SELECTED: dict[tuple[KernelCall, str | None], BlockKernel] = {}
+# Choices made so far: (call, backend=, torch's deterministic switches) -> kernel. What else
+# decides them (installed packages, the GPU's architecture, the PyTorch and cuDNN builds) does
+# not change while a process runs, and asking the backends costs ~40 us of host time per call
+# (device properties, module lookups). The flash backends' deterministic backward follows
+# torch.use_deterministic_algorithms, which may change at any time: part of the key.
+_SELECTED: dict[tuple, BlockKernel] = {}
 
 
 def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
@@ -59,9 +63,15 @@ def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
         ValueError: if the named backend cannot run ``call``, or no backend can; the message
             lists each backend considered and why it was rejected (never remembered).
     """
-    kernel = _SELECTED.get((call, backend))
+    key = (
+        call,
+        backend,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    kernel = _SELECTED.get(key)
     if kernel is None:
-        kernel = _SELECTED[(call, backend)] = _select_kernel(call, backend)
+        kernel = _SELECTED[key] = _select_kernel(call, backend)
     return kernel
 
 
