@@ -40,7 +40,7 @@ from ..layouts import get_layout, shard_local
 from ..resolve import check_bool, group_arg
 from .decode import decode_attention_func
 from .functional import ring_attention_func
-from .hf import _summary, check_model_keywords
+from .hf import _sinks, _summary, _window, check_model_keywords
 from .kv_cache import split_prompt
 
 __all__ = ["GENERATE_ATTN_IMPLEMENTATION", "generate", "generation_attention_forward"]
@@ -60,7 +60,7 @@ class _Generation:
 _active: _Generation | None = None
 
 #: Keywords the generation attention function reads (besides attention_mask, scaling, dropout).
-_USED = frozenset({"is_causal", "sliding_window", "position_ids"})
+_USED = frozenset({"is_causal", "sliding_window", "position_ids", "s_aux", "sinks"})
 
 
 def generation_attention_forward(
@@ -97,14 +97,10 @@ def generation_attention_forward(
             f'attn_implementation="{GENERATE_ATTN_IMPLEMENTATION}" runs only inside '
             "dtensor_ring.hf.generate"
         )
-    sinks = kwargs.pop("s_aux", None)
-    if sinks is None:
-        sinks = kwargs.pop("sinks", None)
-    else:
-        kwargs.pop("sinks", None)
     layer = state.cache.layers[module.layer_idx]
     with relay_errors(state.group_name, "generate"):
         check_model_keywords("dtensor_ring generation attention", kwargs, _USED, dropout)
+        sinks = _sinks(kwargs)
         if attention_mask is not None:
             raise ValueError(
                 f"dtensor_ring generation attention cannot honour attention_mask="
@@ -150,8 +146,6 @@ def generation_attention_forward(
 def _layer_window(sliding_window: object, layer) -> tuple[int, int]:
     """flash-attn's window of the model's ``sliding_window`` keyword, checked against what
     the cache layer keeps."""
-    from .hf import _window
-
     left, right = _window(sliding_window)
     right = 0  # causal
     kept = layer.index.sliding_window
