@@ -281,6 +281,23 @@ def llama3_zigzag_flash_attn_varlen_func(
     )
 
 
+def rows_as_documents(t: Tensor) -> Tensor:
+    """A dense ``[B, S_local, H, D]`` as the packed ``[B * S_local, H, D]`` of B documents,
+    one a row (a view where possible): the form an all-gather layout's varlen op takes."""
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def rows_cu_seqlens(batch: int, seq_local: int) -> Tensor:
+    """The local ``cu_seqlens`` (int32 ``[B + 1]``, CPU) of :func:`rows_as_documents`."""
+    return torch.arange(0, (batch + 1) * seq_local, seq_local, dtype=torch.int32)
+
+
+def rows_lse(lse_HT: Tensor, batch: int, seq_local: int) -> Tensor:
+    """The packed lse ``[H, B * S_local]`` of :func:`rows_as_documents` back as the dense
+    ``[B, H, S_local]`` (a view)."""
+    return lse_HT.view(lse_HT.shape[0], batch, seq_local).transpose(0, 1)
+
+
 def llama3_zigzag_flash_attn_func(
     q: Tensor,
     k: Tensor,
@@ -308,11 +325,10 @@ def llama3_zigzag_flash_attn_func(
     check_qkv_tensors(q, k, v)
     B, S, H, D = q.shape
     get_layout(layout, "dense").check_local_length(S, group_arg(group)[1])
-    cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)  # a document per row
     out, lse, _ = gather_varlen_attention_func(
         layout,
-        *(t.reshape(B * S, *t.shape[2:]) for t in (q, k, v)),
-        cu_seqlens,
+        *(rows_as_documents(t) for t in (q, k, v)),
+        rows_cu_seqlens(B, S),
         S,
         heads_k_stride,
         dropout_p,
@@ -327,7 +343,7 @@ def llama3_zigzag_flash_attn_func(
         sinks=sinks,
     )
     out = out.view(B, S, H, D)
-    return (out, lse.view(H, B, S).transpose(0, 1).contiguous(), None) if return_attn_probs else out
+    return (out, rows_lse(lse, B, S).contiguous(), None) if return_attn_probs else out
 
 
 def llama3_attention_func(

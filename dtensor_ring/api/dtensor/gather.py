@@ -38,23 +38,18 @@ from ...layouts import get_layout
 from ...ops.common import call_attention
 from ...ops.varlen import llama3_attention, llama3_attention_backward
 from ...resolve import AttentionSpec, resolve_call
-from ..varlen import llama3_zigzag_flash_attn_func
+from ..varlen import (
+    llama3_zigzag_flash_attn_func,
+    rows_as_documents,
+    rows_cu_seqlens,
+    rows_lse,
+)
 from .placements import swap_seq_heads, to_op_layout
 
 
 def is_gather(config) -> bool:
     """Whether an SDPA call of ``config`` (:class:`SDPAConfig`) runs the all-gather op."""
     return config.mode == "ring" and get_layout(config.layout).all_gather
-
-
-def _fold(t: Tensor) -> Tensor:
-    """``[B, S_local, H, D]`` -> ``[B * S_local, H, D]`` (every row one document)."""
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
-def _cu_seqlens(batch: int, seq_local: int) -> Tensor:
-    """The local ``cu_seqlens`` (int32 ``[B + 1]``, CPU) of ``batch`` rows, a document each."""
-    return torch.arange(0, (batch + 1) * seq_local, seq_local, dtype=torch.int32)
 
 
 def resolve_gather(
@@ -71,9 +66,9 @@ def resolve_gather(
     ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]``: the folded packed form (a varlen
     kernel)."""
     return resolve_call(
-        _fold(q),
-        _fold(k),
-        _fold(v),
+        rows_as_documents(q),
+        rows_as_documents(k),
+        rows_as_documents(v),
         op="sdpa[ring]",
         layout=config.layout,
         form="documents",
@@ -92,12 +87,12 @@ def gather_forward(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> tupl
     """The all-gather op on local ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]``
     (zigzag's tokens) -> ``(out [B, S_local, H, D], lse [B, H, S_local])``."""
     B, S, H, D = q.shape
-    cu = _cu_seqlens(B, S)
+    cu = rows_cu_seqlens(B, S)
     out, lse = call_attention(
         llama3_attention,
-        _fold(q),
-        _fold(k),
-        _fold(v),
+        rows_as_documents(q),
+        rows_as_documents(k),
+        rows_as_documents(v),
         cu,
         cu,
         S,
@@ -108,7 +103,7 @@ def gather_forward(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> tupl
         *spec.op_args(),
         None,
     )
-    return out.view(B, S, H, D), lse.view(H, B, S).transpose(0, 1)
+    return out.view(B, S, H, D), rows_lse(lse, B, S)
 
 
 def gather_backward(
@@ -117,15 +112,15 @@ def gather_backward(
     """Gradients of :func:`gather_forward`: ``dout, q, out [B, S_local, H, D]``, ``k, v
     [B, S_local, H_kv, D]``, ``lse [B, H, S_local]`` -> ``dq, dk, dv`` shaped like q, k, v."""
     B, S, H, _ = q.shape
-    cu = _cu_seqlens(B, S)
+    cu = rows_cu_seqlens(B, S)
     with torch.no_grad():  # as under autograd's backward, also when called directly
         grads = call_attention(
             llama3_attention_backward,
-            _fold(dout),
-            _fold(q),
-            _fold(k),
-            _fold(v),
-            _fold(out),
+            rows_as_documents(dout),
+            rows_as_documents(q),
+            rows_as_documents(k),
+            rows_as_documents(v),
+            rows_as_documents(out),
             lse.transpose(0, 1).reshape(H, B * S),
             cu,
             cu,
