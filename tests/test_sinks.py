@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from test_ulysses import _hybrid_groups
 
 import dtensor_ring as dr
 from tests.reference import (
@@ -183,16 +184,9 @@ def test_varlen(dist_pool, world_size, layout, causal, window, dtype):
     )
 
 
-_GROUPS: dict[str, tuple] = {}
-
-
 def check_hybrid(group, layout):
     """2 x 2 grid: Ulysses groups {0, 1}, {2, 3}; ring groups {0, 2}, {1, 3}."""
-    if "2x2" not in _GROUPS:
-        groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
-        g = dist.get_rank()
-        _GROUPS["2x2"] = (groups[g // 2], groups[2 + g % 2])
-    ulysses_group, ring_group = _GROUPS["2x2"]
+    ulysses_group, ring_group = _hybrid_groups()
     u, r = dist.get_rank(ulysses_group), dist.get_rank(ring_group)
     B, H, H_kv, D, S = 1, 4, 2, 8, 16
     q, k, v = random_qkv(B, S, H, H_kv, D, seed=21)
