@@ -391,19 +391,46 @@ def _llama3_rows(
     [B, H, L, D]``, key/value ``[B, H_kv, L, D]`` -> ``out [B, L, H, D]``; ``sinks [H]``
     repeated for every row's heads."""
     assert _config is not None
-    group = _config.group
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    world = dist.get_world_size(_config.group)
     batch, heads, length, _ = query.shape
 
     def fold(t: Tensor) -> Tensor:  # [B, H, L, D] -> [L, B*H, D], head b*H + h
         return t.permute(2, 0, 1, 3).reshape(length, batch * t.shape[1], t.shape[3])
 
-    q, k, v = fold(query), fold(key), fold(value)
-    cu_seqlens = torch.tensor([0, length * world], dtype=torch.int32)  # one document per row
-    cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
-        cu_seqlens, causal, rank, world
+    out = _llama3_stream(
+        fold(query),
+        fold(key),
+        fold(value),
+        torch.tensor([0, length * world], dtype=torch.int32),  # one document per row
+        scaling,
+        window,
+        causal,
+        None if sinks is None else sinks.repeat(batch),  # head b*H + h: sinks[h]
+        "llama3",
     )
-    out = llama3_attention_func(
+    return out.reshape(length, batch, heads, out.shape[-1]).permute(1, 0, 2, 3)
+
+
+def _llama3_stream(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    scaling: float | None,
+    window: tuple[int, int],
+    causal: bool,
+    sinks: Tensor | None,
+    layout: str,
+) -> Tensor:
+    """llama3 all-gather attention over :func:`setup`'s group of a stream ``layout``: local
+    ``q [L, H, D]``, ``k, v [L, H_kv, D]`` of the packed stream with *global* document
+    boundaries ``cu_seqlens`` -> ``out [L, H, D]`` (all KV heads gathered at once)."""
+    assert _config is not None
+    group = _config.group
+    cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
+        cu_seqlens, causal, dist.get_rank(group), dist.get_world_size(group)
+    )
+    return llama3_attention_func(
         q,
         k,
         v,
@@ -418,10 +445,9 @@ def _llama3_rows(
         window_size=window,
         group=group,
         backend=_config.backend,
-        layout="llama3",
-        sinks=None if sinks is None else sinks.repeat(batch),  # head b*H + h: sinks[h]
+        layout=layout,
+        sinks=sinks,
     )
-    return out.reshape(length, batch, heads, out.shape[-1]).permute(1, 0, 2, 3)
 
 
 def _op_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
@@ -576,27 +602,7 @@ def _varlen_attention(
         )
     q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))  # [T_local, H(_kv), D]
     if lay.varlen == "stream":
-        cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
-            cu_seqlens, causal, rank, world
-        )
-        out = llama3_attention_func(
-            q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            k.shape[1],
-            k_slice,
-            softmax_scale=scaling,
-            causal=causal,
-            window_size=window,
-            group=group,
-            backend=_config.backend,
-            layout=layout,
-            sinks=sinks,
-        )
+        out = _llama3_stream(q, k, v, cu_seqlens, scaling, window, causal, sinks, layout)
     else:
         out = ring_varlen_attention_func(
             _op_layout(layout, causal, window),
