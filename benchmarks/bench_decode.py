@@ -25,9 +25,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,29 +33,11 @@ import torch.nn.functional as F
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 
+from bench_overhead import median_ms  # noqa: E402  (this directory: run as a script)
+
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import accumulation_dtype  # noqa: E402
 from dtensor_ring.kernels.merge import merge_all  # noqa: E402
-
-
-def _median_ms(fn, reps: int) -> float:
-    """Median time of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -88,7 +68,7 @@ def main() -> None:
             q = torch.randn(1, 1, heads, dim, device=device, dtype=dtype)
             k, v = (torch.randn(1, L, kv_heads, dim, device=device, dtype=dtype) for _ in "kv")
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            full = _median_ms(
+            full = median_ms(
                 lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(
                     qt, kt, vt, enable_gqa=True
                 ),
@@ -97,7 +77,7 @@ def main() -> None:
             for W in worlds:
                 n = L // W
                 ks, vs = k[:, :n].contiguous(), v[:, :n].contiguous()
-                shard = _median_ms(
+                shard = median_ms(
                     lambda q=q, ks=ks, vs=vs: dr.decode_attention_func(q, ks, vs), reps
                 )
                 outs = torch.randn(W, 1, 1, heads, dim, device=device, dtype=acc)
@@ -106,7 +86,7 @@ def main() -> None:
                 def merge(outs=outs, lses=lses):
                     merge_all(outs, lses)
 
-                merged = _median_ms(merge, reps)
+                merged = median_ms(merge, reps)
                 step = shard + merged
                 rows.append(
                     dict(

@@ -44,13 +44,14 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 import dtensor_ring as dr  # noqa: E402
 
 
-def _median_ms(fn, reps: int) -> float:
-    """Median time of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU)."""
+def median_ms(fn, reps: int) -> float:
+    """Median time of ``fn`` in ms (CUDA events when CUDA is in use, perf_counter otherwise,
+    e.g. a --smoke run on a GPU machine). Also used by bench_decode.py."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(reps):
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -232,8 +233,8 @@ def main() -> None:
                 dict(
                     seq=S,
                     what=name,
-                    fwd_ms=_median_ms(fwd, a.reps),
-                    fwd_bwd_ms=_median_ms(fwd_bwd, a.reps),
+                    fwd_ms=median_ms(fwd, a.reps),
+                    fwd_bwd_ms=median_ms(fwd_bwd, a.reps),
                     host_fwd_ms=_host_ms(fwd, 20 if a.smoke else 200),
                 )
             )
