@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ._compat import group_name as _group_name
 from .consistency import PerRankCheck, check_consistent, consistency_checks_enabled, relay_errors
@@ -237,7 +238,7 @@ def check_sinks(sinks: object, q: Tensor) -> None:
         return
     if not isinstance(sinks, Tensor):
         raise TypeError(f"sinks must be a tensor [H] or None, got {type(sinks).__name__}")
-    if type(sinks) is not Tensor and type(q) is Tensor and type(sinks).__name__ == "DTensor":
+    if isinstance(sinks, DTensor) and not isinstance(q, DTensor):
         raise TypeError(
             "sinks is a DTensor but q is a plain tensor: pass sinks.full_tensor() (the logits "
             "are replicated on every rank)"

@@ -244,12 +244,17 @@ def test_non_finite_sinks(dist_pool, world_size):
 
 
 def check_bad_sinks(group) -> dict[str, str]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
     q, k, v = random_qkv(1, 4 * dist.get_world_size(group), 4, 2, 8)
+    mesh = DeviceMesh.from_group(group, "cpu")
     cases = {
         "shape": torch.zeros(3, dtype=torch.float64),
         "2-D": torch.zeros(1, 4, dtype=torch.float64),
         "dtype": torch.zeros(4, dtype=torch.int64),
         "type": [0.0] * 4,
+        "DTensor": distribute_tensor(torch.zeros(4, dtype=torch.float64), mesh, [Replicate()]),
     }
     messages = {}
     for name, sinks in cases.items():
@@ -266,6 +271,7 @@ def test_bad_sinks_raise_on_every_rank(dist_pool):
     assert "sinks must be [H] = [4]" in results[0]["2-D"]
     assert "floating-point" in results[0]["dtype"]
     assert "sinks must be a tensor" in results[0]["type"]
+    assert "sinks is a DTensor but q is a plain tensor" in results[0]["DTensor"]
 
 
 def check_compile(group) -> None:
