@@ -14,7 +14,11 @@ rank, it measures, in one run:
   local tokens;
 * precision (at a smaller size): max/mean error of out, dq, dk, dv of the whole simulated ring
   against an fp64 reference, as a ratio to the error of the single-device kernel;
-* predicted multi-GPU efficiency: per step, max(compute, K/V transfer at --link-gbps).
+* predicted multi-GPU efficiency: per step, max(compute, K/V transfer at --link-gbps);
+* efficiency against the fastest full-sequence kernel of any backend measured in the run
+  (``eff_*_vs_best``: the theoretic of the issue, "against the fastest single-GPU kernel");
+* zigzag with the rank's forward (and forward+backward) captured in one CUDA graph and
+  replayed (``eff_*_graph``): the ring without any host work per call.
 
 It prints a table last and writes ``bench_single_gpu.json`` (and PNG plots if matplotlib is
 there) to --out. Timings: CUDA events, warm-up, median of --reps; fresh random data.
@@ -58,6 +62,21 @@ def timed(fn, reps: int, warmup: int = 2) -> float:
             fn()
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def graph_timed(fn, reps: int) -> float:
+    """Median seconds of replaying ``fn`` captured in one CUDA graph (warmed up on a side
+    stream first, as capture requires): what the ring costs with no host work per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, reps)
 
 
 def attn_flops(s_q: int, s_k: int, causal: bool, heads: int, head_dim: int) -> float:
@@ -131,6 +150,19 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
             sim.backward(dout_local)
 
         t_fwd, t_fwd_bwd = timed(sim.forward, a.reps), timed(sim_fwd_bwd, a.reps)
+        graphs = {}
+        if device.type == "cuda" and layout == "zigzag":
+            try:
+                g_fwd = graph_timed(sim.forward, a.reps)
+                g_fwd_bwd = graph_timed(sim_fwd_bwd, a.reps)
+                graphs = dict(
+                    fwd_ms_graph=g_fwd * 1e3,
+                    fwd_bwd_ms_graph=g_fwd_bwd * 1e3,
+                    eff_fwd_graph=theo_fwd / g_fwd,
+                    eff_fwd_bwd_graph=theo_fwd_bwd / g_fwd_bwd,
+                )
+            except Exception as e:  # not capturable with this backend: say why in the JSON
+                graphs = dict(graph_error=f"{type(e).__name__}: {e}")
         # what the real exchangers add to the simulated rank (comm.py): two K/V receive sets,
         # and one fp32 dK/dV receive set (the step-0 accumulator, measured, is the other)
         exchanger_bytes = 2 * kv_bytes + kv_bytes * 4 // dtype.itemsize
@@ -156,6 +188,7 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
                 peak_mem_ratio=rank_peak / local_peak if local_peak else None,
                 peak_mem_mb=rank_peak / 2**20,
                 local_peak_mem_mb=local_peak / 2**20,
+                **graphs,
             )
         )
     return rows
@@ -537,12 +570,29 @@ def main() -> None:
             results["precision"] += precision(backend, a, device, gen)
         except Exception as e:
             results["errors"].append(f"{backend} precision: {type(e).__name__}: {e}")
+    against_fastest_kernel(results["rings"])
     with open(os.path.join(a.out, "bench_single_gpu.json"), "w") as f:
         json.dump(results, f, indent=1)
     plots(results, a.out)
     print_tables(results)
     if a.smoke and results["errors"]:
         raise SystemExit("\n".join(results["errors"]))
+
+
+def against_fastest_kernel(rings: list[dict]) -> None:
+    """Add ``eff_fwd_vs_best`` / ``eff_fwd_bwd_vs_best`` to every ring row: theoretic from the
+    fastest full-sequence kernel of any backend at the same size (``best_fwd_backend``,
+    ``best_fwd_bwd_backend``), not the row's own backend."""
+    for what in ("fwd", "fwd_bwd"):
+        best: dict[int, dict] = {}
+        for r in rings:
+            t = r["tokens_per_rank"]
+            if t not in best or r[f"theoretic_{what}_ms"] < best[t][f"theoretic_{what}_ms"]:
+                best[t] = r
+        for r in rings:
+            b = best[r["tokens_per_rank"]]
+            r[f"eff_{what}_vs_best"] = b[f"theoretic_{what}_ms"] / r[f"{what}_ms"]
+            r[f"best_{what}_backend"] = b["backend"]
 
 
 def print_tables(results: dict) -> None:
@@ -560,6 +610,7 @@ def print_tables(results: dict) -> None:
     print(
         f"\n{'backend':<11}{'layout':<21}{'tok/rank':>8}{'fwd ms':>8}{'eff fwd':>8}"
         f"{'f+b ms':>8}{'eff f+b':>8}{'limit':>7}{'pred f':>7}{'pred fb':>8}{'mem x':>6}"
+        f"{'vs best f/fb':>14}{'graph f/fb':>13}"
     )
     for r in results["rings"]:
         mem = f"{r['peak_mem_ratio']:.2f}" if r["peak_mem_ratio"] else "-"
@@ -568,6 +619,12 @@ def print_tables(results: dict) -> None:
             f"{r['eff_fwd']:>8.1%}{r['fwd_bwd_ms']:>8.2f}{r['eff_fwd_bwd']:>8.1%}"
             f"{r['plan_limit']:>7.1%}{r['predicted_eff_fwd']:>7.1%}"
             f"{r['predicted_eff_fwd_bwd']:>8.1%}{mem:>6}"
+            f"{r['eff_fwd_vs_best']:>8.1%}/{r['eff_fwd_bwd_vs_best']:<5.0%}"
+            + (
+                f"{r['eff_fwd_graph']:>7.1%}/{r['eff_fwd_bwd_graph']:.0%}"
+                if "eff_fwd_graph" in r
+                else ("  " + r["graph_error"][:30] if "graph_error" in r else "")
+            )
         )
     print(
         f"\n{'backend':<11}{'layout':<8}{'tensor':<7}{'max err':>10}{'ratio max':>10}"
