@@ -18,7 +18,9 @@ rank, it measures, in one run:
 * efficiency against the fastest full-sequence kernel of any backend measured in the run
   (``eff_*_vs_best``: the theoretic of the issue, "against the fastest single-GPU kernel");
 * zigzag with the rank's forward (and forward+backward) captured in one CUDA graph and
-  replayed (``eff_*_graph``): the ring without any host work per call.
+  replayed (``eff_*_graph``): the ring without any host work per call;
+* ``layout="auto"``'s candidates (ring, all-gather, Ulysses) measured against the cost
+  model's prediction, and whether it chose the fastest (``policy``).
 
 It prints a table last and writes ``bench_single_gpu.json`` (and PNG plots if matplotlib is
 there) to --out. Timings: CUDA events, warm-up, median of --reps; fresh random data.
@@ -454,6 +456,86 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
     return [row]
 
 
+def policy_rows(backend: str, tokens: int, a, device, gen) -> list[dict]:
+    """The algorithms ``layout="auto"`` chooses from, each as its slowest rank with the
+    collectives stood in for (as the rings: no communication), against the cost model's
+    prediction with an instant link (Note [Choosing ring, all-gather or Ulysses]): does the
+    model pick the fastest? ``ring``: zigzag; ``all_gather``: llama3_zigzag with one head group;
+    ``ulysses``: the one kernel over the whole sequence with the rank's heads (its all-to-alls'
+    reshuffling copies are not timed)."""
+    from dtensor_ring import Machine, choose_algorithm, shard_varlen
+    from dtensor_ring.schedule.cost import kv_repeat
+    from dtensor_ring.schedule.llama3 import gather_meta
+
+    W, scale = a.world_size, a.head_dim**-0.5
+    kernel = get_kernel(backend)
+    q, k, v, dout = qkv(W * tokens, a, a.dtype, device, gen)
+    plan = make_plan("zigzag", W, causal=True)
+    flops = plan.flops(tokens, heads=a.heads, head_dim=a.head_dim)
+    rank = max(range(W), key=flops.__getitem__)
+    sim = RankSimulator(q, k, v, layout="zigzag", world_size=W, rank=rank, backend=backend)
+    dout_local = shard_local(dout, "zigzag", rank, W)
+
+    def ring_fwd_bwd():
+        sim.forward()
+        sim.backward(dout_local)
+
+    measured = {"ring": (timed(sim.forward, a.reps), timed(ring_fwd_bwd, a.reps))}
+    q1, k1, v1, d1 = (t[0] for t in (q, k, v, dout))  # one row: one document
+    cu = torch.tensor([0, W * tokens], dtype=torch.int32, device=device)
+    shards = [[shard_varlen(t, cu, "llama3_zigzag", r, W)[0] for r in range(W)] for t in (k1, v1)]
+    ql = shard_varlen(q1, cu, "llama3_zigzag", 0, W)[0]
+    cu_local = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    meta = gather_meta(cu_local, None, tokens, "llama3_zigzag", True, 0, W, device)
+    t_fwd, t_fwd_bwd, _ = _llama3_run(
+        ql,
+        shards[0][0],
+        shards[1][0],
+        *(torch.cat(s) for s in shards),
+        meta,
+        kernel,
+        scale,
+        a,
+        0,
+        d1[:tokens],
+    )
+    measured["all_gather"] = (t_fwd, t_fwd_bwd)
+    if a.heads % W == 0:
+        h, h_kv = a.heads // W, a.kv_heads * kv_repeat(a.kv_heads, W) // W
+        measured["ulysses"] = kernel_times(
+            kernel, q[:, :, :h], k[:, :, :h_kv], v[:, :, :h_kv], dout[:, :, :h], True, a.reps
+        )
+    instant = Machine(link_gbps=1e12, latency_ms=0.0)
+    rows = []
+    for i, what in enumerate(("fwd", "fwd_bwd")):
+        choice = choose_algorithm(
+            W * tokens,
+            W,
+            heads=a.heads,
+            kv_heads=a.kv_heads,
+            head_dim=a.head_dim,
+            itemsize=a.dtype.itemsize,
+            backward=what == "fwd_bwd",
+            machine=instant,
+        )
+        times = {name: t[i] * 1e3 for name, t in measured.items()}
+        fastest = min(times, key=times.__getitem__)
+        rows.append(
+            dict(
+                backend=backend,
+                tokens_per_rank=tokens,
+                world_size=W,
+                what=what,
+                measured_ms=times,
+                predicted_ms=choice.predicted_ms,
+                chosen=choice.algorithm,
+                fastest=fastest,
+                chosen_vs_fastest=times[choice.algorithm] / times[fastest],
+            )
+        )
+    return rows
+
+
 def plots(results: dict, out_dir: str) -> None:
     """Efficiency vs tokens per rank (per layout and backend) and memory bars, as PNGs."""
     try:
@@ -544,6 +626,7 @@ def main() -> None:
         precision=[],
         merges=[],
         varlen=[],
+        policy=[],
         errors=[],
     )
     for bounds in VARLEN_LOCAL_CU_SEQLENS if not a.smoke else ((0, 4, 12, 16),):
@@ -570,6 +653,13 @@ def main() -> None:
             results["precision"] += precision(backend, a, device, gen)
         except Exception as e:
             results["errors"].append(f"{backend} precision: {type(e).__name__}: {e}")
+    # the all-gather needs a varlen kernel (the smoke run: the math kernel)
+    varlen_able = [b for b in backends if get_kernel(b).supports_varlen] + ["math"] * a.smoke
+    for t in tokens if varlen_able else ():
+        try:
+            results["policy"] += policy_rows(varlen_able[0], t, a, device, gen)
+        except Exception as e:
+            results["errors"].append(f"{varlen_able[0]} {t} policy: {type(e).__name__}: {e}")
     against_fastest_kernel(results["rings"])
     with open(os.path.join(a.out, "bench_single_gpu.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -653,6 +743,17 @@ def print_tables(results: dict) -> None:
             + ("       -" if l3zz_eff is None else f"{l3zz_eff:>8.1%}")
             + ("       -" if l3zz_fb is None else f"{l3zz_fb:>8.1%}")
             + f"{limits:>22}"
+        )
+    print(
+        f"\n{'layout=auto':<12}{'tok/rank':>8} {'what':<8}{'measured ms (ring/ag/uly)':>27}"
+        f"{'predicted':>22}  chosen / fastest"
+    )
+    for r in results["policy"]:
+        m, p = r["measured_ms"], r["predicted_ms"]
+        print(
+            f"{r['backend']:<11}{r['tokens_per_rank']:>8} {r['what']:<8}"
+            f"{'/'.join(f'{m[x]:.2f}' for x in m):>27}{'/'.join(f'{p[x]:.2f}' for x in p):>22}"
+            f"  {r['chosen']} / {r['fastest']} ({r['chosen_vs_fastest']:.2f}x)"
         )
     for r in results["merges"]:
         print(

@@ -8,6 +8,10 @@ Public names:
       ``register_layout``, ``shard_local``, ``unshard_local``, ``gather_sequence``,
       ``token_indices``;
     * schedules: ``make_plan`` (per-rank blocks and FLOPs);
+    * any registered layout, ``layout="auto"`` included (ring, all-gather or Ulysses chosen
+      per call by a cost model): ``ring_attention_func``, ``ring_varlen_attention_func``,
+      ``choose_algorithm``, ``AlgorithmChoice``, ``Machine``, ``set_machine``,
+      ``get_machine``;
     * single-device simulation: ``RankSimulator``, ``simulate_ring``;
     * block kernels: ``BACKEND_NAMES``;
     * variable-length (packed documents, docs/varlen.md): ``ring_flash_attn_varlen_func``,
@@ -37,6 +41,7 @@ from .api.dtensor import (
     unshard_sequence,
 )
 from .api.functional import (
+    ring_attention_func,
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
@@ -65,6 +70,7 @@ from .api.varlen import (
     ring_flash_attn_varlen_func,
     ring_flash_attn_varlen_kvpacked_func,
     ring_flash_attn_varlen_qkvpacked_func,
+    ring_varlen_attention_func,
     zigzag_ring_flash_attn_varlen_func,
     zigzag_ring_flash_attn_varlen_kvpacked_func,
     zigzag_ring_flash_attn_varlen_qkvpacked_func,
@@ -89,6 +95,13 @@ from .layouts import (
 from .schedule.cost import comm_volume, varlen_balance
 from .schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .schedule.plan import make_plan
+from .schedule.policy import (
+    AlgorithmChoice,
+    Machine,
+    choose_algorithm,
+    get_machine,
+    set_machine,
+)
 from .simulate import RankSimulator, simulate_ring
 
 __all__ = [
@@ -108,6 +121,14 @@ __all__ = [
     "get_layout",
     "register_layout",
     "make_plan",
+    # the choice behind layout="auto" (Note [Choosing ring, all-gather or Ulysses])
+    "AlgorithmChoice",
+    "Machine",
+    "choose_algorithm",
+    "get_machine",
+    "set_machine",
+    "ring_attention_func",
+    "ring_varlen_attention_func",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",
     "ring_flash_attn_qkvpacked_func",

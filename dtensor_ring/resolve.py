@@ -27,6 +27,7 @@ graph, and the kernel choice is a Dynamo constant (:func:`select_backend`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -42,6 +43,7 @@ from .kernels import KernelCall, select_kernel
 from .layouts import Form, Layout, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
 from .schedule.cost import kv_repeat
+from .schedule.policy import AlgorithmChoice, choose_algorithm
 
 
 class AttentionSpec(NamedTuple):
@@ -78,6 +80,18 @@ def check_bool(name: str, value: object) -> bool:
     if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_not_choosing(layout: Layout) -> None:
+    """``ValueError`` for a choosing layout ("auto") where the algorithm is fixed (Note
+    [Choosing ring, all-gather or Ulysses]: only some front doors choose)."""
+    if layout.chooses:
+        raise ValueError(
+            f"layout={layout.name!r} (ring, all-gather or Ulysses chosen per call) is for "
+            "ring_attention_func, ring_varlen_attention_func, dtensor_ring.hf and "
+            "context_parallel; here pass the algorithm's layout for zigzag-placed tokens: "
+            "'zigzag' (ring) or 'llama3_zigzag' (all-gather)"
+        )
 
 
 def check_softmax_scale(softmax_scale: object) -> float | None:
@@ -514,6 +528,7 @@ def _resolve(
     softmax_scale = check_softmax_scale(softmax_scale)
     backend = check_backend_arg(backend)
     lay = get_layout(layout, form)
+    check_not_choosing(lay)
     varlen = form in ("varlen", "documents")
     if ring_func is not None:
         lay.check_mask(causal, ring_func=ring_func)
@@ -546,3 +561,61 @@ def _resolve(
     )
     scale = default_scale(q, softmax_scale)
     return AttentionSpec(lay.name, causal, window, scale, backend, group_name, world_size)
+
+
+_reported: set[str] = set()
+
+
+@torch.compiler.assume_constant_result  # a trace-time constant, as the backend choice
+def _choose_algorithm(*args, **kwargs) -> AlgorithmChoice:
+    return choose_algorithm(*args, **kwargs)
+
+
+def resolve_algorithm(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    window_size: tuple[int, int],
+    group_name: str,
+    world_size: int,
+    op: str,
+    varlen: bool = False,
+    candidates: tuple[str, ...] = ("ring", "all_gather", "ulysses"),
+) -> AlgorithmChoice:
+    """The algorithm a ``layout="auto"`` call runs (Note [Choosing ring, all-gather or
+    Ulysses]): q, k, v, causal and window_size checked as :func:`resolve_call` checks them
+    (which runs next, on the chosen algorithm's front door), then
+    :func:`~dtensor_ring.schedule.policy.choose_algorithm` on the global shape, with the
+    backward counted when a gradient will be needed. Each new choice is logged once
+    (``logging.getLogger("dtensor_ring.policy")``, INFO).
+
+    Args:
+        q, k, v: ``[B, S_local, H(_kv), D]`` (``varlen``: packed ``[T_local, H(_kv), D]``,
+            priced as one row of ``T_local * W`` tokens).
+        candidates: the algorithms the front door can run.
+    """
+    with relay_errors((group_name,), op):
+        check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
+        tokens = q.shape[0] if varlen else q.shape[1]
+        causal, window = normalize_window(
+            check_window_size(window_size), check_bool("causal", causal), tokens * world_size
+        )
+        choice = _choose_algorithm(
+            tokens * world_size,
+            world_size,
+            heads=q.shape[-2],
+            kv_heads=k.shape[-2],
+            head_dim=q.shape[-1],
+            batch=1 if varlen else q.shape[0],
+            itemsize=q.element_size(),
+            causal=causal,
+            window=window,
+            backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            candidates=candidates,
+        )
+    if not torch.compiler.is_compiling() and choice.reason not in _reported:
+        _reported.add(choice.reason)
+        logging.getLogger("dtensor_ring.policy").info("layout='auto' chose %s", choice.reason)
+    return choice

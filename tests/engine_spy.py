@@ -1,6 +1,7 @@
-"""Which attention engine a front door ran: the ring (K/V passed around, ``engine/ring.py``) or
-the all-gather (``engine/llama3.py``). For tests of layouts that must all-gather
-("llama3", "llama3_zigzag") whichever way they are called."""
+"""Which attention engine a front door ran: the ring (K/V passed around, ``engine/ring.py``),
+the all-gather (``engine/llama3.py``) or Ulysses. For tests of layouts that must all-gather
+("llama3", "llama3_zigzag") whichever way they are called, and of ``layout="auto"`` with the
+choice forced (:func:`forced_algorithm`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from collections.abc import Iterator
 def engines_used() -> Iterator[set[str]]:
     """Inside, every call of the ops' engine functions adds "ring" or "llama3" to the set
     yielded (forward and backward; the ops look the functions up when they run, so patching
-    the ops modules' names catches every path: eager, compiled, DTensor handlers). Restored
-    on exit, also on an exception (the workers of the test pool are reused)."""
+    the ops modules' names catches every path: eager, compiled, DTensor handlers), and a
+    ``layout="auto"`` call that chose Ulysses adds "ulysses". Restored on exit, also on an
+    exception (the workers of the test pool are reused)."""
+    import dtensor_ring.api.functional as functional
     import dtensor_ring.ops.ring as ring_ops
     import dtensor_ring.ops.varlen as varlen_ops
 
@@ -25,6 +28,7 @@ def engines_used() -> Iterator[set[str]]:
         (varlen_ops, "ring_backward", "ring"),
         (varlen_ops, "llama3_forward", "llama3"),
         (varlen_ops, "llama3_backward", "llama3"),
+        (functional, "ulysses_flash_attn_func", "ulysses"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in targets]
 
@@ -42,3 +46,24 @@ def engines_used() -> Iterator[set[str]]:
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)
+
+
+@contextlib.contextmanager
+def forced_algorithm(algorithm: str | None) -> Iterator[None]:
+    """Inside, ``layout="auto"`` calls choose ``algorithm`` ("ring", "all_gather", "ulysses"):
+    the cost model runs with that one candidate (so its layout and ``heads_k_stride`` are
+    the policy's own). None: the model's own choice. Restored on exit."""
+    import dtensor_ring.resolve as resolve
+
+    original = resolve.choose_algorithm
+
+    def only(*args, candidates, **kwargs):
+        assert algorithm in candidates, (algorithm, candidates)
+        return original(*args, candidates=(algorithm,), **kwargs)
+
+    try:
+        if algorithm is not None:
+            resolve.choose_algorithm = only
+        yield
+    finally:
+        resolve.choose_algorithm = original

@@ -101,12 +101,15 @@ def _training_step(group, S, causal, layout, no_restore, backward_inside):
         with engines_used() as used_after:
             loss.backward()
         used |= used_after
-    assert used == ({"llama3"} if layout == "llama3_zigzag" else {"ring"}), (layout, used)
+    if layout == "auto":  # one of ring, all-gather (the llama3 op), Ulysses
+        assert len(used) == 1 and used <= {"ring", "llama3", "ulysses"}, used
+    else:
+        assert used == ({"llama3"} if layout == "llama3_zigzag" else {"ring"}), (layout, used)
 
     effective = layout or ("zigzag" if S % (2 * W) == 0 else "ring")
     expected_idx = (
         _head_tail(S, W, rank)  # llama3_zigzag holds zigzag's (head-tail) tokens
-        if effective in ("zigzag", "llama3_zigzag")
+        if effective in ("zigzag", "llama3_zigzag", "auto")
         else dtensor_ring.token_indices(effective, S, rank, W)
     )
     errors = {
@@ -141,6 +144,8 @@ def _training_step(group, S, causal, layout, no_restore, backward_inside):
         # zigzag's tokens, K/V all-gathered (the llama3 op), causal and not
         (24, True, "llama3_zigzag", "none", True),
         (24, False, "llama3_zigzag", "all", False),
+        # zigzag's tokens, ring / all-gather / Ulysses chosen by the cost model
+        (24, True, "auto", "none", True),
     ],
     ids=[
         "default-causal",
@@ -150,6 +155,7 @@ def _training_step(group, S, causal, layout, no_restore, backward_inside):
         "ring-bidir",
         "llama3_zigzag",
         "llama3_zigzag-bidir",
+        "auto",
     ],
 )
 def test_training_step_matches_single_process(

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.engine_spy import engines_used  # noqa: E402
+from tests.engine_spy import engines_used, forced_algorithm  # noqa: E402
 from tests.reference import reference_attention  # noqa: E402
 
 WORLD = 2
@@ -51,9 +51,14 @@ def _config(arch: str):
 _REFERENCE = {"gpt_oss": "eager"}  # transformers has no sdpa path with sinks
 
 
-def _check_engine(layout: str, used: set[str]) -> None:
+def _check_engine(layout: str, used: set[str], algorithm: str | None = None) -> None:
     """The all-gather layouts ran the all-gather op only (for every mask), the others the
-    ring only."""
+    ring only; "auto" the ``algorithm`` it was forced to, or one of the three."""
+    if layout == "auto":
+        engines = {"ring": "ring", "all_gather": "llama3", "ulysses": "ulysses"}
+        assert len(used) == 1 and used <= set(engines.values()), used
+        assert algorithm is None or used == {engines[algorithm]}, (algorithm, used)
+        return
     expected = {"llama3"} if layout in ("llama3", "llama3_zigzag") else {"ring"}
     assert used == expected, (layout, used)
 
@@ -68,9 +73,10 @@ def _model(arch: str, attn_implementation: str):
 
 
 def _cp_vs_full(
-    group, arch: str, layout: str, extra: dict | None = None
+    group, arch: str, layout: str, extra: dict | None = None, algorithm: str | None = None
 ) -> tuple[float, float, float]:
-    """The model with CP (given ``extra`` keywords) vs without."""
+    """The model with CP (given ``extra`` keywords; "auto" forced to ``algorithm``) vs
+    without."""
     import dtensor_ring.hf as drhf
 
     gen = torch.Generator().manual_seed(1)
@@ -84,10 +90,10 @@ def _cp_vs_full(
     drhf.setup(group=group, layout=layout)
     model = _model(arch, "dtensor_ring")
     inputs = drhf.shard_batch(batch, group=group, layout=layout)
-    with engines_used() as used:
+    with forced_algorithm(algorithm), engines_used() as used:
         out = model(**inputs, **(extra or {}))
         out.loss.backward()
-    _check_engine(layout, used)
+    _check_engine(layout, used, algorithm)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)  # each rank's share of the global mean
     logits = drhf.gather_outputs(out.logits.detach(), inputs, group=group, layout=layout)
@@ -138,8 +144,30 @@ def test_matches_without_cp(dist_pool, arch, layout):
         )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arch, algorithm",
+    [
+        ("llama", None),  # the cost model's own choice
+        ("llama", "ring"),
+        ("mistral", "all_gather"),  # sliding window
+        ("gpt_oss", "ulysses"),  # sinks (s_aux) of the rank's heads
+        ("gemma3_bidirectional", "ring"),  # no mask: the order-free ring
+    ],
+)
+def test_auto_matches_without_cp(dist_pool, arch, algorithm):
+    """layout="auto" (zigzag's tokens, the algorithm chosen per call) vs one process."""
+    for errors in dist_pool.run(_cp_vs_full, WORLD, arch=arch, layout="auto", algorithm=algorithm):
+        assert max(errors) < 1e-5, errors
+
+
 def _packed_vs_per_document(
-    group, layout: str, lengths: tuple[int, ...], arch: str = "llama", extra: dict | None = None
+    group,
+    layout: str,
+    lengths: tuple[int, ...],
+    arch: str = "llama",
+    extra: dict | None = None,
+    algorithm: str | None = None,
 ) -> tuple[float, float, float]:
     """A packed row (DataCollatorWithFlattening) with CP (given ``extra`` keywords) vs the
     model run on each document."""
@@ -164,10 +192,10 @@ def _packed_vs_per_document(
     drhf.setup(group=group, layout=layout)
     model = _model(arch, "dtensor_ring")
     inputs = drhf.shard_batch(batch, group=group, layout=layout)
-    with engines_used() as used:
+    with forced_algorithm(algorithm), engines_used() as used:
         out = model(**inputs, **(extra or {}))
         out.loss.backward()
-    _check_engine(layout, used)
+    _check_engine(layout, used, algorithm)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
     parts = [torch.empty_like(out.logits) for _ in range(dist.get_world_size(group))]
@@ -211,6 +239,20 @@ def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
             loss_err,
             grad_err,
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ring", "all_gather"])
+def test_auto_packed_matches_per_document(dist_pool, algorithm):
+    for errors in dist_pool.run(
+        _packed_vs_per_document,
+        WORLD,
+        layout="auto",
+        lengths=(8, 12, 4),
+        arch="mistral",
+        algorithm=algorithm,
+    ):
+        assert max(errors) < 1e-5, errors
 
 
 def _llama3_zigzag_rejects(group, what: str) -> str:

@@ -58,11 +58,10 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..layouts import gather_sequence, get_layout, order_layout, shard_local
+from ..layouts import call_layout, gather_sequence, get_layout, shard_local
 from ..resolve import check_bool, check_unsupported
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
 from .functional import ring_attention_func
-from .varlen import is_all_gather
 
 
 def _cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -139,10 +138,8 @@ def _ring_sdpa_local(
         )
     world_size = dist.get_world_size(group)
     layout = _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
-    if not is_all_gather(layout):  # order-free without a mask (the Note)
-        layout = order_layout(layout, is_causal, (-1, -1))
     out = ring_attention_func(
-        layout,
+        call_layout(layout, is_causal, (-1, -1)),  # order-free without a mask (the Note)
         *to_op_layout(query, key, value),
         softmax_scale=scale,
         causal=is_causal,

@@ -38,8 +38,9 @@ from torch import Tensor
 
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
-from ..resolve import group_arg, resolve_call, unpack
-from .varlen import is_all_gather, llama3_zigzag_flash_attn_func
+from ..resolve import group_arg, resolve_algorithm, resolve_call, unpack
+from .ulysses import ulysses_flash_attn_func
+from .varlen import chooses, is_all_gather, llama3_zigzag_flash_attn_func
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -64,13 +65,46 @@ def ring_attention_func(
     """Ring attention in any registered dense ``layout`` (the functions below fix it):
     ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``.
     An all-gather layout ("llama3_zigzag") all-gathers K/V instead
-    (:func:`~dtensor_ring.api.varlen.llama3_zigzag_flash_attn_func`, ``heads_k_stride=1``)."""
+    (:func:`~dtensor_ring.api.varlen.llama3_zigzag_flash_attn_func`, ``heads_k_stride=1``); a
+    choosing layout ("auto", zigzag's tokens) runs the ring, the all-gather or Ulysses,
+    whichever the cost model predicts fastest (Note [Choosing ring, all-gather or Ulysses])."""
+    name, world_size = group_arg(group)
+    heads_k_stride = 1
+    if chooses(layout):
+        choice = resolve_algorithm(
+            q,
+            k,
+            v,
+            causal=causal,
+            window_size=window_size,
+            group_name=name,
+            world_size=world_size,
+            op="ring_attention",
+        )
+        layout, heads_k_stride = choice.layout, max(choice.heads_k_stride, 1)
+        if choice.algorithm == "ulysses":
+            return ulysses_flash_attn_func(
+                q,
+                k,
+                v,
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size,
+                alibi_slopes,
+                deterministic,
+                return_attn_probs,
+                group,
+                layout=layout,
+                backend=backend,
+                sinks=sinks,
+            )
     if is_all_gather(layout):
         return llama3_zigzag_flash_attn_func(
             q,
             k,
             v,
-            1,
+            heads_k_stride,
             dropout_p,
             softmax_scale,
             causal,
@@ -83,7 +117,6 @@ def ring_attention_func(
             sinks=sinks,
             layout=layout,
         )
-    name, world_size = group_arg(group)
     spec = resolve_call(
         q,
         k,

@@ -63,9 +63,9 @@ from ..consistency import relay_errors
 from ..layouts import (
     LAYOUTS,
     Layout,
+    call_layout,
     get_layout,
     layout_names,
-    order_layout,
 )
 from ..layouts.varlen import (
     host_values,
@@ -76,7 +76,7 @@ from ..layouts.varlen import (
 from ..resolve import check_bool, group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
 from .functional import ring_attention_func
-from .varlen import is_all_gather, llama3_attention_func, ring_varlen_attention_func
+from .varlen import llama3_attention_func, ring_varlen_attention_func
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -93,8 +93,8 @@ IGNORE_INDEX = -100
 #: The keyword under which :func:`shard_batch` hands a padded batch's full ``attention_mask``
 #: to the attention function (transformers forwards it untouched; Note [Padding]).
 PADDING_MASK = "dtensor_ring_attention_mask"
-HFLayout = Literal["ring", "zigzag", "stripe", "llama3", "llama3_zigzag"]
-HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3")
+HFLayout = Literal["ring", "zigzag", "stripe", "llama3", "llama3_zigzag", "auto"]
+HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3", "auto")
 
 
 @dataclass
@@ -186,9 +186,11 @@ def setup(
 
     Args:
         group: the context-parallel process group (default: the default group).
-        layout: "ring", "zigzag", "stripe", "llama3" or "llama3_zigzag" (:data:`HF_LAYOUTS`):
-            how :func:`shard_batch` shards the sequence; "llama3" and "llama3_zigzag"
-            all-gather K/V, the others pass them around a ring.
+        layout: "ring", "zigzag", "stripe", "llama3", "llama3_zigzag" or "auto"
+            (:data:`HF_LAYOUTS`): how :func:`shard_batch` shards the sequence; "llama3" and
+            "llama3_zigzag" all-gather K/V, "auto" (zigzag's tokens) chooses the ring, the
+            all-gather or Ulysses per call (Note [Choosing ring, all-gather or Ulysses]), the
+            others pass them around a ring.
         backend: block-kernel backend name (``dtensor_ring.BACKEND_NAMES``), or None.
     """
     from transformers import AttentionInterface
@@ -359,7 +361,7 @@ def ring_attention_forward(
     if lay.dense:
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         out = ring_attention_func(
-            _op_layout(layout, causal, window),
+            call_layout(layout, causal, window),
             q,
             k,
             v,
@@ -448,13 +450,6 @@ def _llama3_stream(
         layout=layout,
         sinks=sinks,
     )
-
-
-def _op_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
-    """The layout to call the functional front doors with: an all-gather layout
-    ("llama3_zigzag") as is, for every mask (it must stay an all-gather); else
-    :func:`order_layout`'s (any sharding order runs the contiguous ring if no mask)."""
-    return layout if is_all_gather(layout) else order_layout(layout, causal, window)
 
 
 def _group_name() -> str:
@@ -605,7 +600,7 @@ def _varlen_attention(
         out = _llama3_stream(q, k, v, cu_seqlens, scaling, window, causal, sinks, layout)
     else:
         out = ring_varlen_attention_func(
-            _op_layout(layout, causal, window),
+            call_layout(layout, causal, window),
             q,
             k,
             v,

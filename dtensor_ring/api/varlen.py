@@ -67,6 +67,7 @@ from ..resolve import (
     group_arg,
     local_k_slice_bounds,
     max_seqlen_value,
+    resolve_algorithm,
     resolve_call,
     unpack,
 )
@@ -97,7 +98,25 @@ def ring_varlen_attention_func(
     """Ring attention over packed documents in any registered per-document varlen ``layout``
     (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` ->
     ``out [T_local, H, D]``. An all-gather layout ("llama3_zigzag") all-gathers K/V instead
-    (:func:`gather_varlen_attention_func`, ``heads_k_stride=1``)."""
+    (:func:`gather_varlen_attention_func`, ``heads_k_stride=1``); a choosing layout ("auto")
+    runs the ring ("zigzag") or the all-gather ("llama3_zigzag"), whichever the cost model
+    predicts faster (Note [Choosing ring, all-gather or Ulysses])."""
+    heads_k_stride = 1
+    if chooses(layout):
+        name, world_size = group_arg(group)
+        choice = resolve_algorithm(
+            q,
+            k,
+            v,
+            causal=causal,
+            window_size=window_size,
+            group_name=name,
+            world_size=world_size,
+            op="ring_attention_varlen",
+            varlen=True,
+            candidates=("ring", "all_gather"),
+        )
+        layout, heads_k_stride = choice.layout, max(choice.heads_k_stride, 1)
     if is_all_gather(layout):
         return gather_varlen_attention_func(
             layout,
@@ -106,7 +125,7 @@ def ring_varlen_attention_func(
             v,
             cu_seqlens,
             max_seqlen,
-            1,
+            heads_k_stride,
             dropout_p,
             softmax_scale,
             causal,
@@ -152,12 +171,25 @@ def ring_varlen_attention_func(
     return (out, lse, None) if return_attn_probs else out
 
 
-def is_all_gather(layout: object) -> bool:
-    """Whether ``layout`` is a registered layout whose front doors all-gather K/V (False for
-    anything else: the front door's own resolution reports a bad name)."""
+def _registered(layout: object) -> Layout | None:
+    """The registered layout ``layout`` names (or is), else None: the front door's own
+    resolution reports a bad name."""
     if isinstance(layout, str) and layout in layout_names():
         layout = get_layout(layout)
-    return isinstance(layout, Layout) and layout.all_gather
+    return layout if isinstance(layout, Layout) else None
+
+
+def is_all_gather(layout: object) -> bool:
+    """Whether ``layout`` is a registered layout whose front doors all-gather K/V."""
+    lay = _registered(layout)
+    return lay is not None and lay.all_gather
+
+
+def chooses(layout: object) -> bool:
+    """Whether ``layout`` is a registered layout whose front doors choose ring, all-gather or
+    Ulysses per call (Note [Choosing ring, all-gather or Ulysses])."""
+    lay = _registered(layout)
+    return lay is not None and lay.chooses
 
 
 def gather_varlen_attention_func(

@@ -10,6 +10,8 @@ names. Built in (Note [Sequence layouts], Note [Varlen layouts]):
     stripe         yes    -           yes
     llama3         -      stream      no     (all-gather attention, packed sequences)
     llama3_zigzag  yes    documents   no     (zigzag's tokens, all-gather attention)
+    auto           yes    documents   no     (zigzag's tokens, ring / all-gather / Ulysses
+                                              chosen per call: schedule/policy.py)
 
 A new layout is one :class:`Layout` subclass passed to :func:`register_layout`.
 """
@@ -22,6 +24,7 @@ from .registry import (
     VARLEN_LAYOUTS,
     Form,
     LayoutName,
+    call_layout,
     get_layout,
     layout_names,
     order_layout,
@@ -44,6 +47,7 @@ __all__ = [
     "LayoutName",
     "Run",
     "VarlenForm",
+    "call_layout",
     "gather_sequence",
     "get_layout",
     "layout_names",

@@ -64,6 +64,9 @@ class Layout:
             ``ring_varlen_attention_func``) all-gather K/V for this layout instead of passing
             them around a ring (Note [Balanced all-gather attention] in ``engine/llama3.py``);
             a "documents" layout whose runs have stride 1.
+        chooses: the front doors that can choose pick the algorithm per call (ring,
+            all-gather or Ulysses: Note [Choosing ring, all-gather or Ulysses] in
+            ``schedule/policy.py``); the others reject the layout.
     """
 
     name: ClassVar[str]
@@ -72,6 +75,7 @@ class Layout:
     dense: ClassVar[bool] = True
     varlen: ClassVar[VarlenForm | None] = None
     all_gather: ClassVar[bool] = False
+    chooses: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"<layout {self.name!r}>"

@@ -92,10 +92,21 @@ class Llama3ZigzagLayout(ZigzagLayout):
     all_gather = True
 
 
+class AutoLayout(ZigzagLayout):
+    """Zigzag's tokens; ``ring_attention_func``, ``ring_varlen_attention_func`` and the doors
+    built on them (transformers, ``context_parallel``) choose ring, all-gather or Ulysses per
+    call by a cost model (Note [Choosing ring, all-gather or Ulysses])."""
+
+    name = "auto"
+    causal_only = False
+    chooses = True
+
+
 BUILTIN_LAYOUTS: tuple[Layout, ...] = (
     RingLayout(),
     ZigzagLayout(),
     StripeLayout(),
     Llama3Layout(),
     Llama3ZigzagLayout(),
+    AutoLayout(),
 )

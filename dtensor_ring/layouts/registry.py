@@ -7,7 +7,7 @@ from typing import Literal
 from .base import Layout
 from .builtin import BUILTIN_LAYOUTS
 
-LayoutName = Literal["ring", "zigzag", "stripe", "llama3_zigzag"]
+LayoutName = Literal["ring", "zigzag", "stripe", "llama3_zigzag", "auto"]
 # the built-in dense layouts
 LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "stripe", "llama3_zigzag")
 # the built-in varlen layouts
@@ -92,3 +92,11 @@ def order_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
     rank's queries and keys share one order), so the contiguous plan serves shards in any
     layout, and the Ulysses all-to-alls need not reorder them."""
     return layout if causal or tuple(window) != (-1, -1) else "ring"
+
+
+def call_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
+    """The layout a front door that translates a mask-free call (transformers,
+    ``context_parallel``) passes to ``ring_attention_func``: an all-gather or choosing layout
+    as is (it must stay one; it handles every mask itself), else :func:`order_layout`'s."""
+    lay = get_layout(layout)
+    return layout if lay.all_gather or lay.chooses else order_layout(layout, causal, window)

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..._compat import dtensor as _dtensor_compat
 from ...layouts import LayoutName, get_layout
-from ...resolve import check_window_size
+from ...resolve import check_not_choosing, check_window_size
 from .function import Mode, SDPAConfig
 from .handlers import aten_handlers
 from .placements import check_mode, check_sdpa_args
@@ -159,7 +159,7 @@ def ring_sdpa(
         RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
             when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
     """
-    get_layout(layout, "dense")
+    check_not_choosing(get_layout(layout, "dense"))
     check_mode(mode)
     if torch.compiler.is_compiling():
         raise RuntimeError(
