@@ -92,8 +92,26 @@ class Blocks(Protocol):
 
 
 def _part(x: Tensor, part: Part, dim: int) -> Tensor:
+    if part is Part.ALL:  # the tensor itself: no view to build (host time per block)
+        return x
     start, stop = part.bounds(x.shape[dim])
     return x.narrow(dim, start, stop - start)
+
+
+class PartsOf:
+    """The parts of one tensor that a loop over a plan's blocks takes, each taken once: the
+    queries' side (q, out, dout, lse) stays put while K/V travel, and a plan's blocks use a
+    few parts of it many times. ``parts_of(part)`` is ``take(x, part)``, remembered by the
+    part's identity (parts live in the plan for the whole call)."""
+
+    def __init__(self, take, x: Tensor):
+        self._take, self._x, self._parts = take, x, {}
+
+    def __call__(self, part) -> Tensor:
+        taken = self._parts.get(id(part))
+        if taken is None:
+            taken = self._parts[id(part)] = self._take(self._x, part)
+        return taken
 
 
 class DenseBlocks:

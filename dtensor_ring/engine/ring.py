@@ -57,7 +57,7 @@ from ..kernels import BlockKernel, accumulation_dtype
 from ..kernels.merge import empty_rows_nan_
 from ..schedule.blocks import Block, Part
 from ..schedule.plan import Step
-from .blocks import Blocks, DenseBlocks
+from .blocks import Blocks, DenseBlocks, PartsOf
 
 
 class Exchanger(Protocol):
@@ -139,6 +139,7 @@ def ring_forward(
     out_acc = torch.empty(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     lse_acc = blocks.new_lse(q_BSHD, acc)
     side = _SideStream(q_BSHD.device)
+    q_part = PartsOf(blocks.take, q_BSHD)
     kv = [k_BSHD, v_BSHD]
     for s, step in enumerate(steps):
         pending = exchanger.start(kv) if s + 1 < len(steps) else None
@@ -147,7 +148,7 @@ def ring_forward(
                 continue
             out_b, lse_b = blocks.forward(
                 kernel,
-                blocks.take(q_BSHD, blk.q),
+                q_part(blk.q),
                 blocks.take(kv[0], blk.kv),
                 blocks.take(kv[1], blk.kv),
                 blk,
@@ -216,6 +217,8 @@ def ring_backward(
     direct = dkv_exchanger is not None and dkv_exchanger.direct
     dq_acc = torch.zeros(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     side = _SideStream(q_BSHD.device)
+    dout_part, q_part, out_part = (PartsOf(blocks.take, x) for x in (dout_BSHD, q_BSHD, out_BSHD))
+    lse_part = PartsOf(blocks.take_lse, lse_BHS)
     kv = [k_BSHD, v_BSHD]
     dkv_own = _zeros_like(kv, acc)  # step 0's accumulator: our own K/V
     pending_dkv = None
@@ -228,12 +231,12 @@ def ring_backward(
                 continue
             dq_b, dk_b, dv_b = blocks.backward(
                 kernel,
-                blocks.take(dout_BSHD, blk.q),
-                blocks.take(q_BSHD, blk.q),
+                dout_part(blk.q),
+                q_part(blk.q),
                 blocks.take(kv[0], blk.kv),
                 blocks.take(kv[1], blk.kv),
-                blocks.take(out_BSHD, blk.q),
-                blocks.take_lse(lse_BHS, blk.q),
+                out_part(blk.q),
+                lse_part(blk.q),
                 blk,
                 scale,
             )
