@@ -516,6 +516,7 @@ def policy_rows(backend: str, tokens: int, a, device, gen) -> list[dict]:
             head_dim=a.head_dim,
             itemsize=a.dtype.itemsize,
             backward=what == "fwd_bwd",
+            speeds=dict.fromkeys(measured, kernel.relative_speed),  # one kernel for all here
             machine=instant,
         )
         times = {name: t[i] * 1e3 for name, t in measured.items()}

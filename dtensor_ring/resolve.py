@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import group_name as _group_name
 from .consistency import PerRankCheck, check_consistent, consistency_checks_enabled, relay_errors
-from .kernels import KernelCall, select_kernel
+from .kernels import KernelCall, get_kernel, select_kernel
 from .layouts import Form, Layout, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
 from .schedule.cost import kv_repeat
@@ -581,15 +581,20 @@ def resolve_algorithm(
     group_name: str,
     world_size: int,
     op: str,
+    layout: str | Layout,
+    backend: object = None,
+    deterministic: object = False,
     varlen: bool = False,
     candidates: tuple[str, ...] = ("ring", "all_gather", "ulysses"),
 ) -> AlgorithmChoice:
     """The algorithm a ``layout="auto"`` call runs (Note [Choosing ring, all-gather or
-    Ulysses]): q, k, v, causal and window_size checked as :func:`resolve_call` checks them
-    (which runs next, on the chosen algorithm's front door), then
-    :func:`~dtensor_ring.schedule.policy.choose_algorithm` on the global shape, with the
-    backward counted when a gradient will be needed. Each new choice is logged once
-    (``logging.getLogger("dtensor_ring.policy")``, INFO).
+    Ulysses]): q, k, v, causal, window_size, the length for ``layout``, backend and
+    deterministic checked as :func:`resolve_call` checks them (which runs next, on the chosen
+    algorithm's front door); the candidates whose kernel cannot run the call (the all-gather
+    needs a varlen kernel) dropped; then
+    :func:`~dtensor_ring.schedule.policy.choose_algorithm` on the global shape with each
+    candidate's kernel speed, the backward counted when a gradient will be needed. Each new
+    choice is logged once (``logging.getLogger("dtensor_ring.policy")``, INFO).
 
     Args:
         q, k, v: ``[B, S_local, H(_kv), D]`` (``varlen``: packed ``[T_local, H(_kv), D]``,
@@ -599,9 +604,29 @@ def resolve_algorithm(
     with relay_errors((group_name,), op):
         check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
         tokens = q.shape[0] if varlen else q.shape[1]
+        if not varlen:  # the divisibility error names the caller's layout, not the chosen one
+            get_layout(layout, "dense").check_local_length(tokens, world_size)
         causal, window = normalize_window(
             check_window_size(window_size), check_bool("causal", causal), tokens * world_size
         )
+        backend = check_backend_arg(backend)
+        deterministic = check_bool("deterministic", deterministic)
+        kernels, unable = {}, None
+        for name in candidates:  # the kernel each would run; those with none are dropped
+            try:
+                kernels[name] = select_backend(
+                    q,
+                    k,
+                    backend,
+                    varlen=varlen or name == "all_gather",
+                    deterministic=deterministic,
+                    window=window is not None,
+                    head_split=world_size if name == "ulysses" else 1,
+                )
+            except ValueError as e:
+                unable = e
+        if not kernels:  # what the chosen door would say
+            raise unable
         choice = _choose_algorithm(
             tokens * world_size,
             world_size,
@@ -613,7 +638,8 @@ def resolve_algorithm(
             causal=causal,
             window=window,
             backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-            candidates=candidates,
+            candidates=tuple(kernels),
+            speeds={name: get_kernel(b).relative_speed for name, b in kernels.items()},
         )
     if not torch.compiler.is_compiling() and choice.reason not in _reported:
         _reported.add(choice.reason)

@@ -56,21 +56,25 @@ def test_short_sequences_avoid_the_ring_long_ones_use_it(backward):
         choice = dr.choose_algorithm(tokens * 8, 8, backward=backward, **H200)
         assert choice.algorithm != "ring", choice.reason
         assert choice.predicted_ms[choice.algorithm] < choice.predicted_ms["ring"]
-    for tokens in (8192, 32768):
+    for tokens in (16384, 32768):
         choice = dr.choose_algorithm(tokens * 8, 8, backward=backward, **H200)
         assert choice.algorithm == "ring", choice.reason
         assert set(choice.predicted_ms) == {"ring", "all_gather", "ulysses"}
 
 
 def test_constants_that_remove_a_cost_decide():
-    """No host cost and an instant link: the ring's steps are pure GPU time, which every
-    algorithm shares, and ties go to the ring. A slow link at a GPU-bound size: the ring
-    hides its hops, the others expose theirs; where even the ring's hops cannot hide, Ulysses,
-    which moves the fewest bytes, wins."""
+    """No host cost, an instant link and a kernel as fast on short blocks as on long ones:
+    the ring's steps are pure GPU time, which every algorithm shares, and ties go to the
+    ring; with the kernel faster on long blocks, Ulysses' one long kernel wins. A slow link at
+    a GPU-bound size: the ring hides its hops, the others expose theirs; where even the
+    ring's hops cannot hide, Ulysses, which moves the fewest bytes, wins."""
     free = dr.Machine(host_fwd_ms=0.0, host_bwd_ms=0.0, link_gbps=1e12, latency_ms=0.0)
+    flat = free._replace(saturation_rows=1)
     infiniband, slow_link = dr.Machine(link_gbps=50.0), dr.Machine(link_gbps=5.0)
     for tokens, W in itertools.product((64, 2048, 16384), (2, 3, 8)):
-        assert dr.choose_algorithm(tokens * W, W, machine=free, **H200).algorithm == "ring"
+        assert dr.choose_algorithm(tokens * W, W, machine=flat, **H200).algorithm == "ring"
+    assert dr.choose_algorithm(2048 * 8, 8, machine=free, **H200).algorithm == "ulysses"
+    assert flat.rate(64) == pytest.approx(flat.tflops) and free.rate(1300) < 0.64 * free.tflops
     choice = dr.choose_algorithm(32768 * 8, 8, machine=infiniband, **H200)
     assert choice.algorithm == "ring"
     assert min(choice.predicted_ms.values()) == choice.predicted_ms["ring"]
@@ -133,7 +137,9 @@ def test_candidates_and_layouts(causal, window, heads, expected):
 def test_choice_is_reported(caplog):
     q = torch.randn(1, 64, 4, 8, requires_grad=True)
     k = torch.randn(1, 64, 2, 8)
-    args = dict(causal=True, window_size=(-1, -1), group_name="g", world_size=4, op="test")
+    args = dict(
+        causal=True, window_size=(-1, -1), group_name="g", world_size=4, op="t", layout="auto"
+    )
     with caplog.at_level(logging.INFO, logger="dtensor_ring.policy"):
         first = resolve_algorithm(q, k, k, **args)
         again = resolve_algorithm(q, k, k, **args)
@@ -145,6 +151,24 @@ def test_choice_is_reported(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "dtensor_ring.policy"]
     assert lines == [f"layout='auto' chose {first.reason}", f"layout='auto' chose {no_grad.reason}"]
     assert first.reason.startswith(f"{first.algorithm}: ")
+
+
+def test_candidates_follow_the_kernels():
+    """A candidate whose kernel cannot run the call is not chosen (the all-gather needs a
+    varlen kernel; cpu_flash has none), and the length is checked for "auto" itself."""
+    q, k = torch.randn(1, 64, 4, 8), torch.randn(1, 64, 2, 8)
+    args = dict(
+        causal=True, window_size=(-1, -1), group_name="g", world_size=4, op="t", layout="auto"
+    )
+    assert set(resolve_algorithm(q, k, k, **args).predicted_ms) == {"ring", "all_gather", "ulysses"}
+    assert set(resolve_algorithm(q, k, k, backend="cpu_flash", **args).predicted_ms) == {
+        "ring",
+        "ulysses",
+    }
+    with pytest.raises(ValueError, match="layout='auto' holds 2 chunks per rank"):
+        resolve_algorithm(q[:, :3], k[:, :3], k[:, :3], **args)
+    with pytest.raises(ValueError, match="backend"):
+        resolve_algorithm(q, k, k, backend="no_such_kernel", **args)
 
 
 # --- numerics on the pool ---------------------------------------------------------------------

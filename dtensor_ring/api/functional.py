@@ -80,6 +80,9 @@ def ring_attention_func(
             group_name=name,
             world_size=world_size,
             op="ring_attention",
+            layout=layout,
+            backend=backend,
+            deterministic=deterministic,
         )
         layout, heads_k_stride = choice.layout, max(choice.heads_k_stride, 1)
         if choice.algorithm == "ulysses":

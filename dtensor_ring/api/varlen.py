@@ -113,6 +113,9 @@ def ring_varlen_attention_func(
             group_name=name,
             world_size=world_size,
             op="ring_attention_varlen",
+            layout=layout,
+            backend=backend,
+            deterministic=deterministic,
             varlen=True,
             candidates=("ring", "all_gather"),
         )

@@ -86,7 +86,10 @@ class BlockKernel:
     """Base class of the block-kernel backends; subclasses declare what they support.
 
     Capability attributes are checked by :meth:`unsupported_reason`; a backend with further
-    limits overrides :meth:`extra_reason`.
+    limits overrides :meth:`extra_reason`. ``relative_speed``: its rate on long blocks
+    relative to cuDNN's, measured on an H200 (1.0 where not measured: the CPU kernels, the
+    flash-attn package), for the cost model of ``layout="auto"``
+    (Note [Choosing ring, all-gather or Ulysses]).
     """
 
     name: ClassVar[str]
@@ -97,6 +100,7 @@ class BlockKernel:
     supports_varlen: ClassVar[bool] = False
     supports_window: ClassVar[bool] = False
     deterministic_backward: ClassVar[bool] = True
+    relative_speed: ClassVar[float] = 1.0
 
     def is_available(self) -> str | None:
         """``None`` when the backend can run in this process, else why not."""

@@ -40,6 +40,13 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
 * ``decode``, ``kv_cache``: ``decode_attention_func`` over uneven / empty / scattered cache
   shards and windows by position, and ``KVCacheShard`` + ``prefill_attention`` +
   ``decode_step_attention`` (:mod:`tests.adversarial.inference`);
+* ``auto``: ``layout="auto"`` (zigzag's tokens; ring, all-gather or Ulysses chosen per call)
+  through the doors that choose (``ring_attention_func``, ``ring_varlen_attention_func``,
+  transformers dense and packed, ``context_parallel``) with the cost model's choice and with
+  the choice forced (``[auto:ring]``, ``[auto:ulysses]``: the forced engine must run), through
+  base, mask, memory layouts, debug_on (the primary doors also nonfinite, disagree, shapes),
+  two tiny transformers models via ``shard_batch(layout="auto")``; and the doors that must
+  reject it (Ulysses, SDPA on DTensors) through base: a clean ``ValueError`` on every rank;
 * ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache.
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
@@ -48,6 +55,7 @@ case's ``fast`` flag marks the CI subset).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -60,6 +68,7 @@ from torch import Tensor
 from . import oracle
 from .doors import (
     ALL_DOORS,
+    AUTO_DOORS,
     DOORS,
     HYBRID_SPLIT,
     NEW_DOORS,
@@ -254,10 +263,41 @@ def attention_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
         kw["return_attn_probs"] = True
     view = VIEWS[setup.view]
     dout = data.dout[:, idx] if setup.grads else None
-    out, lse = door.call(ctx, *args, kw, view, Tokens(idx, data.bounds), dout)
+    with _engine_spy(door) as used:
+        out, lse = door.call(ctx, *args, kw, view, Tokens(idx, data.bounds), dout)
     if setup.expect_error:
         return {"returned": Flag(False, f"returned a result although {setup.expect_error}")}
-    return _checks(door, setup, data, idx, out, lse, leaves)
+    checks = _checks(door, setup, data, idx, out, lse, leaves)
+    if door.layout == "auto":
+        checks["engine"] = _engine_check(door, used)
+    return checks
+
+
+#: the engine (:func:`tests.engine_spy.engines_used`) of each algorithm ``layout="auto"`` runs
+ENGINES = {"ring": "ring", "all_gather": "llama3", "ulysses": "ulysses"}
+
+
+def _engine_check(door: Door, used: set[str]) -> Flag:
+    """A ``layout="auto"`` call ran one engine: the forced one, else one its door can choose
+    (no Ulysses for packed documents)."""
+    if door.force:
+        allowed = {ENGINES[door.force]}
+    else:
+        allowed = {"ring", "llama3"} if door.packed_stream else set(ENGINES.values())
+    return Flag(
+        len(used) == 1 and used <= allowed,
+        f"{door.force or 'auto'}: ran {sorted(used)}, expected one of {sorted(allowed)}",
+    )
+
+
+def _engine_spy(door: Door):
+    """The engines the call runs (:func:`tests.engine_spy.engines_used`) for a door of
+    ``layout="auto"``; else nothing recorded."""
+    if door.layout != "auto":
+        return contextlib.nullcontext(set())
+    from tests.engine_spy import engines_used
+
+    return engines_used()
 
 
 def reference_semantics(door: Door, setup: Setup) -> tuple[bool, tuple[int, int], float]:
@@ -495,7 +535,17 @@ def _backends(door: Door) -> tuple:
     if "backend" not in door.accepts:
         return (None,)
     gather = door.layout == "llama3_zigzag" and door.family != "ulysses"
+    if door.layout == "auto":  # the all-gather is the choice on 2+ ranks (when not forced)
+        gather = door.force in ("", "all_gather")
     return (None, "math") if door.packed_stream or gather else BACKENDS
+
+
+def _maybe_backends(door: Door) -> tuple:
+    """Backends a door runs or rejects cleanly depending on its call: ``layout="auto"``'s
+    cost model choosing the ring (correct) or the all-gather (no dense varlen kernel)."""
+    if door.layout != "auto" or door.force or door.packed_stream or "backend" not in door.accepts:
+        return ()
+    return tuple(b for b in BACKENDS if b not in _backends(door))
 
 
 def _case(kind, door, world, detail, setup, expect=CORRECT, fn=attention_case, **extra) -> Case:
@@ -525,12 +575,13 @@ def base_cases(doors=None) -> list[Case]:
         backends = BACKENDS if "backend" in door.accepts else (None,)
         for world, backend in itertools.product(WORLDS, backends):
             ok = backend in _backends(door)
+            maybe = backend in _maybe_backends(door)
             setup = Setup(
                 kw={"causal": True, **_backend_kw(backend)},
                 lse=door.has_lse and backend == "math",
-                expect_error=None if ok else f"backend={backend} has no varlen kernel",
+                expect_error=None if ok or maybe else f"backend={backend} has no varlen kernel",
             )
-            expect = CORRECT if ok else ERROR
+            expect = CORRECT if ok else EITHER if maybe else ERROR
             cases.append(_case("base", door, world, f"backend={backend}", setup, expect))
     return cases
 
@@ -561,6 +612,8 @@ def _mask_variants(door: Door, world: int):
     ] * windows
     if not door.causal_only:
         variants.append(("noncausal", {"causal": False}, None))
+        # zigzag's ring is causal or maskless: "auto" forced to the ring has no algorithm left
+        windows = windows and door.force != "ring"
         variants += [
             ("noncausal,window=(1,2)", {"causal": False, "window_size": (1, 2)}, None),
             ("noncausal,window=(0,0)", {"causal": False, "window_size": (0, 0)}, None),
@@ -863,12 +916,16 @@ def _other_door(door: Door, field_name: str) -> Door | None:
             # the same tokens, K/V passed around the ring instead of all-gathered
             "llama3_zigzag_flash_attn_func": "zigzag_ring_flash_attn_func",
             "llama3_zigzag_flash_attn_varlen_func": "zigzag_ring_flash_attn_varlen_func",
+            # "auto" chooses the all-gather on 2+ ranks: rank 0 runs the ring instead
+            "ring_attention_func[auto]": "zigzag_ring_flash_attn_func",
+            "ring_varlen_attention_func[auto]": "zigzag_ring_flash_attn_varlen_func",
         },
         "op": {
             "ring_flash_attn_func": "ulysses_flash_attn_func[ring]",
             "zigzag_ring_flash_attn_func": "ulysses_flash_attn_func[zigzag]",
             "ring_flash_attn_varlen_func": "llama3_flash_attn_varlen_func",
             f"{_SDPA_FN}[zigzag,ring]": f"{_SDPA_FN}[zigzag,ulysses]",
+            "ring_attention_func[auto]": "ulysses_flash_attn_func[zigzag]",
         },
     }
     name = swaps.get(field_name, {}).get(door.name)
@@ -924,7 +981,7 @@ def _disagreements(door: Door, world: int) -> list[tuple[str, dict]]:
     if (
         "backend" in door.accepts
         and door.family not in ("hf", "hf_packed")
-        and not (door.packed_stream or door.layout == "llama3_zigzag")
+        and not (door.packed_stream or door.layout in ("llama3_zigzag", "auto"))
     ):
         out.append(("backend", {"kw": {"backend": "math"}}))
     if "deterministic" in door.accepts:
@@ -1141,6 +1198,8 @@ def _head_split(door: Door, world: int) -> int:
         return HYBRID_SPLIT[world][0]
     if door.family == "ulysses" or (door.family.startswith("sdpa") and door.mode == "ulysses"):
         return world
+    if door.force == "ulysses":
+        return world
     return 1
 
 
@@ -1148,7 +1207,7 @@ def _dense_len_ok(door: Door, world: int, s_local: int) -> bool:
     """Whether ``s_local`` tokens per rank fit the door's layout (zigzag: 2W chunks)."""
     if door.family == "cp" and door.mode == "default":  # PyTorch's default: ring when odd
         return True
-    if door.layout not in ("zigzag", "llama3_zigzag"):
+    if door.layout not in ("zigzag", "llama3_zigzag", "auto"):
         return True
     if door.family != "hybrid":
         return s_local % 2 == 0
@@ -1216,6 +1275,55 @@ def llama3_zigzag_cases() -> list[Case]:
     cases += disagree_cases(primary) + dtype_cases(primary) + values_cases(primary)
     cases += shapes_cases(primary)
     return _retag(cases, "llama3_zigzag")
+
+
+AUTO_CHOOSING = [
+    d for d in AUTO_DOORS.values() if d.family in ("ring_fn", "varlen", "hf", "hf_packed", "cp")
+]
+AUTO_REJECTING = [d for d in AUTO_DOORS.values() if d not in AUTO_CHOOSING]
+#: the doors that choose, with the cost model's own choice: every adversity of the kind
+AUTO_PRIMARY = [
+    AUTO_DOORS["ring_attention_func[auto]"],
+    AUTO_DOORS["ring_varlen_attention_func[auto]"],
+]
+AUTO_REJECTED = "layout='auto' is only for the front doors that choose the algorithm"
+#: (arch, docs, world) of the transformers models run with ``layout="auto"``
+AUTO_HF_MODELS = (("llama", None, 2), ("llama", (16, 8, 8), 4))
+
+
+def rejected_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """:func:`attention_case` of a door that must reject ``layout="auto"``: its ``ValueError``
+    must name the layout (another one, e.g. of a check that happens to fail first, is a
+    failed check rather than the clean error expected)."""
+    try:
+        return attention_case(ctx, door, setup)
+    except ValueError as e:
+        if "'auto'" not in str(e):
+            return {"names_auto": Flag(False, f"ValueError not naming layout 'auto': {e}")}
+        raise
+
+
+def auto_cases() -> list[Case]:
+    """``layout="auto"`` (zigzag's tokens; ring, all-gather or Ulysses chosen per call): the
+    doors that choose through base, mask, memory layouts and the consistency mode (the forced
+    choices: base, mask, debug_on), the primary ones also through non-finite values, ranks
+    that disagree and edge shapes; tiny transformers models sharded by ``shard_batch``; and
+    the doors that must reject it (base: a clean error on every rank)."""
+    doors, primary = AUTO_CHOOSING, AUTO_PRIMARY
+    unforced = [d for d in doors if not d.force]
+    cases = base_cases(doors) + mask_cases(doors) + layout_cases(unforced)
+    cases += debug_on_cases(doors)
+    cases += nonfinite_cases(primary) + disagree_cases(primary) + shapes_cases(primary)
+    rejected = base_cases(AUTO_REJECTING)
+    for c in rejected:
+        c.params["setup"] = replace(c.params["setup"], expect_error=AUTO_REJECTED, grads=False)
+        c.fn, c.expect = rejected_case, ERROR
+    cases = _retag(cases + rejected, "auto")
+    for arch, docs, world in AUTO_HF_MODELS:
+        params = dict(arch=arch, layout="auto", docs=docs)
+        name = f"auto/hf.model:{arch}/W{world}/auto{',packed' if docs else ''}"
+        cases.append(Case(name, "auto", world, hf_model_case, params, CORRECT))
+    return cases
 
 
 CP_DOORS = [d for d in NEW_DOORS.values() if d.family == "cp"]
@@ -1394,6 +1502,7 @@ KINDS = {
     "debug_on": debug_on_cases,
     "llama3_zigzag": llama3_zigzag_cases,
     "context_parallel": context_parallel_cases,
+    "auto": auto_cases,
     "decode": decode_cases,
     "kv_cache": kv_cache_cases,
 }

@@ -132,6 +132,7 @@ _PREFIX = {
     ("ulysses", "llama3_zigzag"): "ulysses_flash_attn",
     ("flash", "llama3_zigzag"): "llama3_zigzag_flash_attn",
     ("varlen", "llama3_zigzag"): "llama3_zigzag_flash_attn_varlen",
+    ("ulysses", "auto"): "ulysses_flash_attn",
 }
 
 #: world size -> (Ulysses size U, ring size R) of the hybrid door
@@ -162,18 +163,26 @@ class Door:
     varlen | llama3 | ulysses | hybrid | sdpa_fn | sdpa_scope | hf | hf_packed | cp
     (``F.scaled_dot_product_attention`` on plain shards inside ``context_parallel``);
     ``packing``: "", "kv" or "qkv"; ``mode``: the DTensor mode (cp: "default" passes
-    ``layout=None``, PyTorch's choice: zigzag when ``S % 2W == 0``, else ring)."""
+    ``layout=None``, PyTorch's choice: zigzag when ``S % 2W == 0``, else ring); ``force``
+    (``layout="auto"``): the algorithm the call is made to choose ("ring", "all_gather",
+    "ulysses": ``tests.engine_spy.forced_algorithm``), "" for the cost model's own choice."""
 
     name: str
     family: str
     layout: str
     packing: str = ""
     mode: str = "ring"
+    force: str = ""
 
     @property
     def packed_stream(self) -> bool:
         """Tensors are packed documents (``[T_local, H, D]``; one stream, B == 1)."""
         return self.family in ("varlen", "llama3", "hf_packed")
+
+    @property
+    def generic_varlen(self) -> bool:
+        """``ring_varlen_attention_func(layout, ...)`` rather than a layout's own varlen door."""
+        return self.family == "varlen" and self.name.startswith("ring_varlen_attention_func[")
 
     @property
     def causal_only(self) -> bool:
@@ -241,14 +250,17 @@ class Door:
         """Run this door on this rank's tensors; ``(out [B, S, H, D], lse [B, H, S] | None)``.
         With ``dout`` (``[B, S, H, D]``) also run the backward of ``(out * dout).sum()``
         (inside the door's scope, where it has one)."""
+        from tests.engine_spy import forced_algorithm
+
         unknown = set(kw) - self.accepts
         assert not unknown, f"suite bug: {self.name} cannot pass {sorted(unknown)}"
         caller = _CALLERS[self.family]
-        if self.family in ("sdpa_scope", "cp"):
-            return caller(self, ctx, q, k, v, dict(kw), view, tokens, dout)
-        out, lse = caller(self, ctx, q, k, v, dict(kw), view, tokens)
-        if dout is not None:
-            backward(out, dout, view)
+        with forced_algorithm(self.force or None):
+            if self.family in ("sdpa_scope", "cp"):
+                return caller(self, ctx, q, k, v, dict(kw), view, tokens, dout)
+            out, lse = caller(self, ctx, q, k, v, dict(kw), view, tokens)
+            if dout is not None:
+                backward(out, dout, view)
         return out, lse
 
 
@@ -297,7 +309,13 @@ def _call_varlen(door, ctx, q, k, v, kw, view, tokens):
     args = _packed_args(door, q[0], k[0], v[0], view)
     cu = kw.pop("cu_seqlens", oracle.local_cu_seqlens(tokens.bounds, ctx.world))
     max_seqlen = kw.pop("max_seqlen", None)
-    out, lse = _split_result(_func(door)(*args, cu, max_seqlen, **kw))
+    if door.generic_varlen:
+        from dtensor_ring.api.varlen import ring_varlen_attention_func
+
+        result = ring_varlen_attention_func(door.layout, *args, cu, max_seqlen, **kw)
+    else:
+        result = _func(door)(*args, cu, max_seqlen, **kw)
+    out, lse = _split_result(result)
     return out.unsqueeze(0), None if lse is None else lse.unsqueeze(0)
 
 
@@ -543,4 +561,30 @@ def _new_doors() -> dict[str, Door]:
 
 
 NEW_DOORS: dict[str, Door] = _new_doors()
-ALL_DOORS: dict[str, Door] = {**DOORS, **NEW_DOORS}
+
+
+def _auto_doors() -> dict[str, Door]:
+    """The doors of ``layout="auto"`` (zigzag's tokens; ring, all-gather or Ulysses chosen
+    per call): those that choose (``ring_attention_func``, ``ring_varlen_attention_func``,
+    transformers, ``context_parallel``), ``[auto:<algorithm>]`` with the choice forced (on the
+    tiny shapes of the cases the cost model picks the all-gather on 2+ ranks, the ring on
+    one), and those that must reject the layout (Ulysses, SDPA on DTensors)."""
+    doors = [
+        Door("ring_attention_func[auto]", "ring_fn", "auto"),
+        Door("ring_attention_func[auto:ring]", "ring_fn", "auto", force="ring"),
+        Door("ring_attention_func[auto:ulysses]", "ring_fn", "auto", force="ulysses"),
+        Door("ring_varlen_attention_func[auto]", "varlen", "auto"),
+        Door("ring_varlen_attention_func[auto:ring]", "varlen", "auto", force="ring"),
+        Door("hf.ring_attention_forward[auto]", "hf", "auto"),
+        Door("hf.ring_attention_forward[packed,auto]", "hf_packed", "auto"),
+        Door("context_parallel+F.sdpa[auto]", "cp", "auto", "", "explicit"),
+        # the doors whose algorithm is fixed: a clean ValueError on every rank
+        Door("ulysses_flash_attn_func[auto]", "ulysses", "auto"),
+        Door("scaled_dot_product_ring_attention[auto,ring]", "sdpa_fn", "auto"),
+        Door("ring_sdpa+F.sdpa[auto,ring]", "sdpa_scope", "auto"),
+    ]
+    return {d.name: d for d in doors}
+
+
+AUTO_DOORS: dict[str, Door] = _auto_doors()
+ALL_DOORS: dict[str, Door] = {**DOORS, **NEW_DOORS, **AUTO_DOORS}

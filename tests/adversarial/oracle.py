@@ -43,8 +43,8 @@ def dense_indices(layout: str, rank: int, world: int, seq_len: int) -> Tensor:
     """Global positions of rank ``rank``'s tokens under a dense layout (ring/zigzag/stripe).
 
     A length the layout cannot split (a case that must raise: its data is never compared)
-    gets the contiguous split. "llama3_zigzag" holds zigzag's tokens."""
-    layout = "zigzag" if layout == "llama3_zigzag" else layout
+    gets the contiguous split. "llama3_zigzag" and "auto" hold zigzag's tokens."""
+    layout = "zigzag" if layout in ("llama3_zigzag", "auto") else layout
     divisor = 2 * world if layout == "zigzag" else world
     if seq_len % divisor != 0:
         layout = "ring"
@@ -54,8 +54,9 @@ def dense_indices(layout: str, rank: int, world: int, seq_len: int) -> Tensor:
 def varlen_indices(layout: str, bounds: list[int], rank: int, world: int) -> Tensor:
     """Global positions of rank ``rank``'s tokens of a packed stream with ``bounds`` (global
     ``cu_seqlens``): ring cuts every document into W pieces, zigzag into 2W (pieces r and
-    2W-1-r), llama3 cuts the stream into W contiguous slices; llama3_zigzag holds zigzag's."""
-    layout = "zigzag" if layout == "llama3_zigzag" else layout
+    2W-1-r), llama3 cuts the stream into W contiguous slices; llama3_zigzag and auto hold
+    zigzag's."""
+    layout = "zigzag" if layout in ("llama3_zigzag", "auto") else layout
     if layout == "llama3":
         n = bounds[-1] // world
         return torch.arange(rank * n, (rank + 1) * n)
