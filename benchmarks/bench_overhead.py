@@ -199,6 +199,62 @@ CONTENDERS = (
 )
 
 
+def measure_overhead(
+    seqs, reps: int, contenders, device, dtype, dims, host_calls: int = 200, profile_dir=None
+) -> list[dict]:
+    """Rows of fwd, fwd+bwd and host-per-forward ms of every contender at every S (``dims``:
+    ``(H, H_kv, D)``), each with its ratio to eager SDPA at that S. Runs on a 1-rank group:
+    the default one if initialised (its backend must suit ``device``), else one made here and
+    destroyed afterwards; ``profile_dir``: write the profiles at the first S there."""
+    own_group = not dist.is_initialized()
+    if own_group:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+    heads, kv_heads, dim = dims
+    rows = []
+    for S in seqs:
+        leaves = [
+            torch.randn(1, S, h, dim, device=device, dtype=dtype, requires_grad=True)
+            for h in (heads, kv_heads, kv_heads)
+        ]
+        for name in contenders:
+            fwd, fwd_bwd = _callables(name, *leaves, mesh)
+            if profile_dir is not None and S == seqs[0] and "+" not in name:
+                _profile(fwd, os.path.join(profile_dir, f"profile_{name}.txt"))
+                _profile(fwd_bwd, os.path.join(profile_dir, f"profile_{name}_fwd_bwd.txt"))
+                _op_profile(fwd_bwd, os.path.join(profile_dir, f"ops_{name}_fwd_bwd.txt"))
+            rows.append(
+                dict(
+                    seq=S,
+                    what=name,
+                    fwd_ms=median_ms(fwd, reps),
+                    fwd_bwd_ms=median_ms(fwd_bwd, reps),
+                    host_fwd_ms=_host_ms(fwd, host_calls),
+                )
+            )
+    base = {r["seq"]: r for r in rows if r["what"] == "sdpa"}  # eager SDPA: the baseline
+    for r in rows:
+        r["fwd_vs_sdpa"] = r["fwd_ms"] / base[r["seq"]]["fwd_ms"]
+        r["fwd_bwd_vs_sdpa"] = r["fwd_bwd_ms"] / base[r["seq"]]["fwd_bwd_ms"]
+    if own_group:
+        dist.destroy_process_group()
+    return rows
+
+
+def print_overhead(rows: list[dict]) -> None:
+    """The overhead table (printed)."""
+    print(
+        f"{'S':>6} {'what':>11} {'fwd ms':>8} {'x sdpa':>7} {'f+b ms':>8} {'x sdpa':>7} {'host':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['seq']:>6} {r['what']:>11} {r['fwd_ms']:8.3f} {r['fwd_vs_sdpa']:7.2f} "
+            f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_vs_sdpa']:7.2f} {r['host_fwd_ms']:7.3f}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -213,43 +269,17 @@ def main() -> None:
     heads, kv_heads, dim = (32, 8, 128) if cuda else (4, 2, 16)
     seqs = [int(s) for s in a.seq.split(",")] if not a.smoke else [16]
     os.makedirs(a.out, exist_ok=True)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
-    rows = []
-    for S in seqs:
-        leaves = [
-            torch.randn(1, S, h, dim, device=device, dtype=dtype, requires_grad=True)
-            for h in (heads, kv_heads, kv_heads)
-        ]
-        for name in CONTENDERS if cuda else CONTENDERS[:4]:
-            fwd, fwd_bwd = _callables(name, *leaves, mesh)
-            if a.profile and S == seqs[0] and "+" not in name:
-                _profile(fwd, os.path.join(a.out, f"profile_{name}.txt"))
-                _profile(fwd_bwd, os.path.join(a.out, f"profile_{name}_fwd_bwd.txt"))
-                _op_profile(fwd_bwd, os.path.join(a.out, f"ops_{name}_fwd_bwd.txt"))
-            rows.append(
-                dict(
-                    seq=S,
-                    what=name,
-                    fwd_ms=median_ms(fwd, a.reps),
-                    fwd_bwd_ms=median_ms(fwd_bwd, a.reps),
-                    host_fwd_ms=_host_ms(fwd, 20 if a.smoke else 200),
-                )
-            )
-    base = {r["seq"]: r for r in rows if r["what"] == "sdpa"}  # eager SDPA: the baseline
-    print(
-        f"{'S':>6} {'what':>11} {'fwd ms':>8} {'x sdpa':>7} {'f+b ms':>8} {'x sdpa':>7} {'host':>7}"
+    rows = measure_overhead(
+        seqs,
+        a.reps,
+        CONTENDERS if cuda else CONTENDERS[:4],
+        device,
+        dtype,
+        (heads, kv_heads, dim),
+        host_calls=20 if a.smoke else 200,
+        profile_dir=a.out if a.profile else None,
     )
-    for r in rows:
-        b = base[r["seq"]]
-        r["fwd_vs_sdpa"] = r["fwd_ms"] / b["fwd_ms"]
-        r["fwd_bwd_vs_sdpa"] = r["fwd_bwd_ms"] / b["fwd_bwd_ms"]
-        print(
-            f"{r['seq']:>6} {r['what']:>11} {r['fwd_ms']:8.3f} {r['fwd_vs_sdpa']:7.2f} "
-            f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_vs_sdpa']:7.2f} {r['host_fwd_ms']:7.3f}"
-        )
+    print_overhead(rows)
     meta = dict(
         date=datetime.date.today().isoformat(),
         torch=torch.__version__,
@@ -258,7 +288,6 @@ def main() -> None:
     )
     with open(os.path.join(a.out, "bench_overhead.json"), "w") as f:
         json.dump(dict(**meta, rows=rows), f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ rank, it measures, in one run:
 * zigzag with the rank's forward (and forward+backward) captured in one CUDA graph and
   replayed (``eff_*_graph``): the ring without any host work per call;
 * ``layout="auto"``'s candidates (ring, all-gather, Ulysses) measured against the cost
-  model's prediction, and whether it chose the fastest (``policy``).
+  model's prediction, and whether it chose the fastest (``policy``);
+* the fixed cost of one call at W = 1 (``overhead``, ``--overhead-seq``): eager SDPA, the
+  functional call, SDPA on DTensors and the DTensor function on a real 1-rank group
+  (``bench_overhead.py``'s measurement; its own script adds the compiled variants).
 
 It prints a table last and writes ``bench_single_gpu.json`` (and PNG plots if matplotlib is
 there) to --out. Timings: CUDA events, warm-up, median of --reps; fresh random data.
@@ -590,6 +593,7 @@ def main() -> None:
     p.add_argument("--precision-tokens", type=int, default=512)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--link-gbps", type=float, default=450.0, help="GB/s per direction")
+    p.add_argument("--overhead-seq", default="1024,8192", help="W = 1 fixed cost at these S")
     a = p.parse_args()
     if a.smoke:
         a.world_size, a.tokens, a.heads, a.kv_heads, a.head_dim = 3, "8,16", 4, 2, 16
@@ -628,6 +632,7 @@ def main() -> None:
         merges=[],
         varlen=[],
         policy=[],
+        overhead=[],
         errors=[],
     )
     for bounds in VARLEN_LOCAL_CU_SEQLENS if not a.smoke else ((0, 4, 12, 16),):
@@ -662,6 +667,21 @@ def main() -> None:
         except Exception as e:
             results["errors"].append(f"{varlen_able[0]} {t} policy: {type(e).__name__}: {e}")
     against_fastest_kernel(results["rings"])
+    try:
+        from bench_overhead import CONTENDERS, measure_overhead
+
+        seqs = [int(s) for s in a.overhead_seq.split(",")] if not a.smoke else [16]
+        results["overhead"] = measure_overhead(
+            seqs,
+            a.reps,
+            [c for c in CONTENDERS if "+" not in c],  # eager contenders
+            device,
+            a.dtype,
+            (a.heads, a.kv_heads, a.head_dim),
+            host_calls=20 if a.smoke else 200,
+        )
+    except Exception as e:
+        results["errors"].append(f"overhead: {type(e).__name__}: {e}")
     with open(os.path.join(a.out, "bench_single_gpu.json"), "w") as f:
         json.dump(results, f, indent=1)
     plots(results, a.out)
@@ -756,6 +776,11 @@ def print_tables(results: dict) -> None:
             f"{'/'.join(f'{m[x]:.2f}' for x in m):>27}{'/'.join(f'{p[x]:.2f}' for x in p):>22}"
             f"  {r['chosen']} / {r['fastest']} ({r['chosen_vs_fastest']:.2f}x)"
         )
+    if results["overhead"]:
+        from bench_overhead import print_overhead
+
+        print()
+        print_overhead(results["overhead"])
     for r in results["merges"]:
         print(
             f"merge {r['merge']:<8} {r['tokens']} rows: {r['ms']:.3f} ms, {r['gbps']:.0f} GB/s, "
