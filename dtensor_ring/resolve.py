@@ -88,9 +88,9 @@ def check_not_choosing(layout: Layout) -> None:
     if layout.chooses:
         raise ValueError(
             f"layout={layout.name!r} (ring, all-gather or Ulysses chosen per call) is for "
-            "ring_attention_func, ring_varlen_attention_func, dtensor_ring.hf and "
-            "context_parallel; here pass the algorithm's layout for zigzag-placed tokens: "
-            "'zigzag' (ring) or 'llama3_zigzag' (all-gather)"
+            "ring_attention_func, ring_varlen_attention_func, SDPA on DTensors, "
+            "dtensor_ring.hf and context_parallel; here pass the algorithm's layout for "
+            "zigzag-placed tokens: 'zigzag' (ring) or 'llama3_zigzag' (all-gather)"
         )
 
 
@@ -586,6 +586,7 @@ def resolve_algorithm(
     deterministic: object = False,
     varlen: bool = False,
     candidates: tuple[str, ...] = ("ring", "all_gather", "ulysses"),
+    backward: bool | None = None,
 ) -> AlgorithmChoice:
     """The algorithm a ``layout="auto"`` call runs (Note [Choosing ring, all-gather or
     Ulysses]): q, k, v, causal, window_size, the length for ``layout``, backend and
@@ -600,6 +601,7 @@ def resolve_algorithm(
         q, k, v: ``[B, S_local, H(_kv), D]`` (``varlen``: packed ``[T_local, H(_kv), D]``,
             priced as one row of ``T_local * W`` tokens).
         candidates: the algorithms the front door can run.
+        backward: count a backward (None: whether a gradient will be needed of q, k, v).
     """
     with relay_errors((group_name,), op):
         check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
@@ -637,7 +639,11 @@ def resolve_algorithm(
             itemsize=q.element_size(),
             causal=causal,
             window=window,
-            backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            backward=(
+                torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+                if backward is None
+                else backward
+            ),
             candidates=tuple(kernels),
             speeds={name: get_kernel(b).relative_speed for name, b in kernels.items()},
         )

@@ -291,9 +291,6 @@ def _rejects(group: dist.ProcessGroup, door: str) -> str:
     with pytest.raises(ValueError) as info:
         if door == "ulysses":
             dr.ulysses_flash_attn_func(x, x, x, causal=True, group=group, layout="auto")
-        elif door == "ring_sdpa":
-            with dr.ring_sdpa(layout="auto"):
-                pass
         else:
             dr.api.varlen.llama3_attention_func(
                 *(torch.randn(4, 2, 8),) * 3,
@@ -308,7 +305,7 @@ def _rejects(group: dist.ProcessGroup, door: str) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("door", ["ulysses", "ring_sdpa", "llama3_stream"])
+@pytest.mark.parametrize("door", ["ulysses", "llama3_stream"])
 def test_doors_that_do_not_choose_reject_auto(dist_pool, door):
     for message in dist_pool.run(_rejects, 2, timeout_s=60, door=door):
         assert re.search(r"layout='auto'|'auto'", message), message
@@ -350,3 +347,50 @@ def _compiled(group: dist.ProcessGroup) -> list[float]:
 def test_compiles_fullgraph(dist_pool):
     for errors in dist_pool.run(_compiled, 2, timeout_s=300):
         assert max(errors) < 1e-6, errors
+
+
+# --- DTensors ---------------------------------------------------------------------------------
+
+
+def _dtensor_forced(group: dist.ProcessGroup) -> dict[str, float]:
+    """SDPA on zigzag-sharded DTensors with ``layout="auto"``, in the ``ring_sdpa`` scope and
+    through ``scaled_dot_product_ring_attention``, with each algorithm forced: out, dq, dk, dv
+    against the fp64 reference (the scope's forward and backward handlers choose separately:
+    every algorithm's backward is exact given the global out and lse)."""
+    import torch.nn.functional as F
+    from test_dtensor import _local_err, _mesh, _reference, _sdpa_inputs
+
+    mesh, rank, W = _mesh(group), dist.get_rank(group), dist.get_world_size(group)
+    errors = {}
+    for algorithm in ("ring", "all_gather", "ulysses"):
+        for door in ("scope", "function"):
+            q, k, v, dout, leaves, dout_dt = _sdpa_inputs(mesh, "auto", H=6, H_kv=3)
+            ref, grads = _reference(q, k, v, dout, causal=True)
+            with forced_algorithm(algorithm), engines_used() as used:
+                if door == "scope":
+                    with dr.ring_sdpa(layout="auto"):
+                        out = F.scaled_dot_product_attention(
+                            *leaves, is_causal=True, enable_gqa=True
+                        )
+                        out.backward(dout_dt)
+                else:
+                    out = dr.scaled_dot_product_ring_attention(
+                        *leaves, is_causal=True, enable_gqa=True, layout="auto"
+                    )
+                    out.backward(dout_dt)
+            assert (
+                used == {"ring": {"ring"}, "all_gather": {"llama3"}, "ulysses": set()}[algorithm]
+            ), (algorithm, door, used)
+            errs = [_local_err(out, ref, "auto", rank, W)]
+            errs += [
+                _local_err(t.grad, g, "auto", rank, W) for t, g in zip(leaves, grads, strict=True)
+            ]
+            errors[f"{algorithm} {door}"] = max(errs)
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_dtensor_sdpa_forced(dist_pool, world_size):
+    for errors in dist_pool.run(_dtensor_forced, world_size):
+        for name, err in errors.items():
+            assert err < 1e-10, (name, err)

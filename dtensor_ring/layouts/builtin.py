@@ -93,9 +93,10 @@ class Llama3ZigzagLayout(ZigzagLayout):
 
 
 class AutoLayout(ZigzagLayout):
-    """Zigzag's tokens; ``ring_attention_func``, ``ring_varlen_attention_func`` and the doors
-    built on them (transformers, ``context_parallel``) choose ring, all-gather or Ulysses per
-    call by a cost model (Note [Choosing ring, all-gather or Ulysses])."""
+    """Zigzag's tokens; ``ring_attention_func``, ``ring_varlen_attention_func``, the doors
+    built on them (transformers, ``context_parallel``) and SDPA on DTensors choose ring,
+    all-gather or Ulysses per call by a cost model (Note [Choosing ring, all-gather or
+    Ulysses])."""
 
     name = "auto"
     causal_only = False

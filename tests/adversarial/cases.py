@@ -279,7 +279,10 @@ ENGINES = {"ring": "ring", "all_gather": "llama3", "ulysses": "ulysses"}
 
 def _engine_check(door: Door, used: set[str]) -> Flag:
     """A ``layout="auto"`` call ran one engine: the forced one, else one its door can choose
-    (no Ulysses for packed documents)."""
+    (no Ulysses for packed documents). SDPA on DTensors: the scope's forward and backward
+    handlers choose separately, and its Ulysses runs the Ulysses op (not spied)."""
+    if door.family in ("sdpa_fn", "sdpa_scope"):
+        return Flag(used <= {"ring", "llama3"}, f"auto on DTensors: ran {sorted(used)}")
     if door.force:
         allowed = {ENGINES[door.force]}
     else:
@@ -1278,7 +1281,9 @@ def llama3_zigzag_cases() -> list[Case]:
 
 
 AUTO_CHOOSING = [
-    d for d in AUTO_DOORS.values() if d.family in ("ring_fn", "varlen", "hf", "hf_packed", "cp")
+    d
+    for d in AUTO_DOORS.values()
+    if d.family in ("ring_fn", "varlen", "hf", "hf_packed", "cp", "sdpa_fn", "sdpa_scope")
 ]
 AUTO_REJECTING = [d for d in AUTO_DOORS.values() if d not in AUTO_CHOOSING]
 #: the doors that choose, with the cost model's own choice: every adversity of the kind

@@ -566,9 +566,9 @@ NEW_DOORS: dict[str, Door] = _new_doors()
 def _auto_doors() -> dict[str, Door]:
     """The doors of ``layout="auto"`` (zigzag's tokens; ring, all-gather or Ulysses chosen
     per call): those that choose (``ring_attention_func``, ``ring_varlen_attention_func``,
-    transformers, ``context_parallel``), ``[auto:<algorithm>]`` with the choice forced (on the
-    tiny shapes of the cases the cost model picks the all-gather on 2+ ranks, the ring on
-    one), and those that must reject the layout (Ulysses, SDPA on DTensors)."""
+    transformers, ``context_parallel``, SDPA on DTensors), ``[auto:<algorithm>]`` with the
+    choice forced (on the tiny shapes of the cases the cost model picks the all-gather on 2+
+    ranks, the ring on one), and the one that must reject the layout (Ulysses)."""
     doors = [
         Door("ring_attention_func[auto]", "ring_fn", "auto"),
         Door("ring_attention_func[auto:ring]", "ring_fn", "auto", force="ring"),
@@ -578,10 +578,10 @@ def _auto_doors() -> dict[str, Door]:
         Door("hf.ring_attention_forward[auto]", "hf", "auto"),
         Door("hf.ring_attention_forward[packed,auto]", "hf_packed", "auto"),
         Door("context_parallel+F.sdpa[auto]", "cp", "auto", "", "explicit"),
-        # the doors whose algorithm is fixed: a clean ValueError on every rank
-        Door("ulysses_flash_attn_func[auto]", "ulysses", "auto"),
         Door("scaled_dot_product_ring_attention[auto,ring]", "sdpa_fn", "auto"),
         Door("ring_sdpa+F.sdpa[auto,ring]", "sdpa_scope", "auto"),
+        # the door whose algorithm is fixed: a clean ValueError on every rank
+        Door("ulysses_flash_attn_func[auto]", "ulysses", "auto"),
     ]
     return {d.name: d for d in doors}
 

@@ -3,6 +3,7 @@ signature, without a scope or private API (Note [How SDPA on DTensors reaches ri
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,10 +11,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ...layouts import LayoutName
+from ...layouts import LayoutName, get_layout
 from ...ops.ring import ring_attention, ring_attention_backward
 from ...ops.ulysses import ulysses_attention, ulysses_attention_backward
-from ...resolve import AttentionSpec, resolve_call
+from ...resolve import AttentionSpec, resolve_algorithm, resolve_call
 from .gather import gather_sdpa, is_gather
 from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
 
@@ -73,8 +74,9 @@ def scaled_dot_product_ring_attention(
             and stripe (not for llama3_zigzag).
         scale: softmax scale, default ``D ** -0.5``.
         layout: how the sequence is sharded (Note [Sequence layouts]): "ring", "zigzag",
-            "stripe", or "llama3_zigzag" (zigzag's tokens, K/V all-gathered; with
-            ``mode="ulysses"``, zigzag's order).
+            "stripe", "llama3_zigzag" (zigzag's tokens, K/V all-gathered; with
+            ``mode="ulysses"``, zigzag's order), or "auto" (zigzag's tokens; ring, all-gather
+            or Ulysses chosen per call: Note [Choosing ring, all-gather or Ulysses]).
         backend: block-kernel backend name, or None for automatic choice.
         mode: "ring" (ring attention) or "ulysses" (Ulysses all-to-all attention,
             ``dtensor_ring::ulysses_attention``; needs ``H`` divisible by the context-parallel
@@ -97,16 +99,61 @@ def scaled_dot_product_ring_attention(
     cp_dim, group_name = check_sdpa_args(
         query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode
     )
-    config = SDPAConfig(layout, backend, mode, window_size)
+    world = query.device_mesh.size(cp_dim)
+    config = chosen_config(
+        SDPAConfig(layout, backend, mode, window_size),
+        *to_op_layout(query.to_local(), key.to_local(), value.to_local()),
+        is_causal,
+        group_name,
+        world,
+    )
     if is_gather(config):  # Note [All-gather layouts on DTensors]
         return gather_sdpa(config, query, key, value, is_causal, scale, cp_dim, sinks)
     q, k, v = to_op_layout(query, key, value)
-    world = query.device_mesh.size(cp_dim)
     spec = resolve_sdpa(
         config, q, k, v, is_causal, scale, group_name, world, global_len=q.shape[1], sinks=sinks
     )
-    out, _ = MODE_OPS[mode][0](q, k, v, *spec.op_args(), replicated(sinks, query))
+    out, _ = MODE_OPS[config.mode][0](q, k, v, *spec.op_args(), replicated(sinks, query))
     return swap_seq_heads(out)
+
+
+def chosen_config(
+    config: SDPAConfig,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    is_causal: bool,
+    group_name: str,
+    world_size: int,
+    backward: bool | None = None,
+) -> SDPAConfig:
+    """``config``, or for a choosing layout ("auto") the configuration of the algorithm the
+    cost model picks for this call (Note [Choosing ring, all-gather or Ulysses]): the ring
+    ("zigzag" or the maskless "ring"), the all-gather ("llama3_zigzag") or ``mode="ulysses"``
+    over zigzag's tokens. ``q, k, v``: the local shards ``[B, S_local, H(_kv), D]``;
+    ``backward``: whether a backward is counted (None: whether ``q, k, v`` need gradients).
+    Forward and backward may choose differently (an SDPA handler runs below autograd): every
+    algorithm's backward is exact given the global ``out`` and ``lse``."""
+    if not get_layout(config.layout).chooses:
+        return config
+    if config.mode == "ulysses":  # Ulysses asked for: zigzag's tokens
+        return dataclasses.replace(config, layout="zigzag")
+    choice = resolve_algorithm(
+        q,
+        k,
+        v,
+        causal=is_causal,
+        window_size=config.window_size,
+        group_name=group_name,
+        world_size=world_size,
+        op="sdpa[auto]",
+        layout=config.layout,
+        backend=config.backend,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        backward=backward,
+    )
+    mode = "ulysses" if choice.algorithm == "ulysses" else "ring"
+    return dataclasses.replace(config, layout=choice.layout, mode=mode)
 
 
 def replicated(sinks: Tensor | None, like: DTensor) -> DTensor | None:

@@ -15,7 +15,7 @@ from ..._compat import aten_op, require_aten_op
 from ..._compat import dtensor as _dtensor_compat
 from ...ops.common import call_attention
 from ...resolve import AttentionSpec
-from .function import MODE_OPS, SDPAConfig, resolve_sdpa
+from .function import MODE_OPS, SDPAConfig, chosen_config, resolve_sdpa
 from .gather import gather_backward, gather_forward, is_gather, resolve_gather
 from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
 
@@ -91,9 +91,10 @@ def _unused_output(mesh: DeviceMesh, device: torch.device, position: int) -> DTe
 
 def _bind_sdpa_call(
     config: SDPAConfig, op: torch._ops.OpOverload, args: tuple, kwargs: dict
-) -> tuple[dict, tuple[Tensor, Tensor, Tensor], AttentionSpec]:
+) -> tuple[dict, tuple[Tensor, Tensor, Tensor], AttentionSpec, SDPAConfig]:
     """Bind an SDPA aten op's arguments by name, check them, and resolve the call: the bound
-    arguments, the local shards in the op layout ``[B, S, H, D]``, and the spec."""
+    arguments, the local shards in the op layout ``[B, S, H, D]``, the spec, and the
+    configuration the call runs (``layout="auto"``: the chosen algorithm's)."""
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
@@ -110,9 +111,12 @@ def _bind_sdpa_call(
     )
     q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
     world = query.device_mesh.size(cp_dim)
+    # below autograd: a backward is counted where the caller wants gradients
+    backward = "backward" in op.name() or torch.is_grad_enabled()
+    config = chosen_config(config, q, k, v, is_causal, group_name, world, backward)
     resolve = resolve_gather if is_gather(config) else resolve_sdpa
     spec = resolve(config, q, k, v, is_causal, a.get("scale"), group_name, world)
-    return a, (q, k, v), spec
+    return a, (q, k, v), spec, config
 
 
 def aten_sdpa_forward_handler(
@@ -120,7 +124,7 @@ def aten_sdpa_forward_handler(
 ) -> tuple:
     """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
     family = _family_of()[op]
-    a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
+    a, (q, k, v), spec, config = _bind_sdpa_call(config, op, args, kwargs)
     query, mesh = a["query"], a["query"].device_mesh
     if is_gather(config):  # Note [All-gather layouts on DTensors]
         out, lse = gather_forward(q, k, v, spec)
@@ -147,7 +151,7 @@ def aten_sdpa_backward_handler(
 ) -> tuple:
     """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
     family = _family_of()[op]
-    a, (q, k, v), spec = _bind_sdpa_call(config, op, args, kwargs)
+    a, (q, k, v), spec, config = _bind_sdpa_call(config, op, args, kwargs)
     mesh, placements = a["query"].device_mesh, a["query"].placements
     dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
     dout, out, lse = (

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..._compat import dtensor as _dtensor_compat
 from ...layouts import LayoutName, get_layout
-from ...resolve import check_not_choosing, check_window_size
+from ...resolve import check_window_size
 from .function import Mode, SDPAConfig
 from .handlers import aten_handlers
 from .placements import check_mode, check_sdpa_args
@@ -145,7 +145,9 @@ def ring_sdpa(
             DTensors]); with ``mode="ulysses"`` it is zigzag's token order. The default,
             "ring", is the contiguous shards that ``distribute_tensor(x, mesh, [Shard(2)])``
             makes; a load-balanced order is asked for here, and :func:`shard_sequence` inside
-            the scope shards in it by default.
+            the scope shards in it by default. "auto" holds zigzag's tokens and chooses the
+            ring, the all-gather or Ulysses per call (Note [Choosing ring, all-gather or
+            Ulysses]).
         backend: block-kernel backend name, or None for automatic choice.
         mode: "ring" (ring attention) or "ulysses" (all-to-all attention; needs ``H``
             divisible by the context-parallel size, else ``ValueError`` on every rank before
@@ -159,7 +161,7 @@ def ring_sdpa(
         RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
             when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
     """
-    check_not_choosing(get_layout(layout, "dense"))
+    get_layout(layout, "dense")
     check_mode(mode)
     if torch.compiler.is_compiling():
         raise RuntimeError(
