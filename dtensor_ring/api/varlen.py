@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..layouts import Layout, get_layout, layout_names
+from ..layouts import Layout, find_layout, get_layout
 from ..layouts.varlen import host_values
 from ..ops.common import call_attention
 from ..ops.varlen import llama3_attention, ring_attention_varlen
@@ -177,9 +177,7 @@ def ring_varlen_attention_func(
 def _registered(layout: object) -> Layout | None:
     """The registered layout ``layout`` names (or is), else None: the front door's own
     resolution reports a bad name."""
-    if isinstance(layout, str) and layout in layout_names():
-        layout = get_layout(layout)
-    return layout if isinstance(layout, Layout) else None
+    return layout if isinstance(layout, Layout) else find_layout(layout)
 
 
 def is_all_gather(layout: object) -> bool:

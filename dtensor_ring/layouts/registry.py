@@ -60,6 +60,11 @@ def layout_names(form: Form = "any") -> tuple[str, ...]:
     return tuple(name for name, lay in _REGISTRY.items() if _has_form(lay, form))
 
 
+def find_layout(name: object) -> Layout | None:
+    """The layout registered as ``name``, or None (any object: no error)."""
+    return _REGISTRY.get(name) if isinstance(name, str) else None
+
+
 def get_layout(layout: str | Layout, form: Form = "any") -> Layout:
     """The registered layout called ``layout`` (a :class:`Layout` is returned as is).
 
