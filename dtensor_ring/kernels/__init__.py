@@ -2,15 +2,13 @@
 
 ``BACKENDS`` is the priority list (fastest first). :func:`select_kernel` returns the first
 backend that supports a call, or the one named by ``backend=``; when none fits it raises one
-error that lists every backend and why it was rejected. ``backend="autotune"`` (never chosen
-automatically) measures the able backends per block shape instead (Note [Autotuned blocks]).
+error that lists every backend and why it was rejected.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .autotune import AutotuneKernel
 from .base import BlockKernel, KernelCall, accumulation_dtype
 from .cpu import CpuFlashKernel
 from .cuda_flash import TorchFlashKernel
@@ -36,14 +34,12 @@ BACKENDS: tuple[BlockKernel, ...] = (
     CpuFlashKernel(),
     MathKernel(),
 )
-# every backend but the reference math kernel (the fallback), measured per block shape
-AUTOTUNE = AutotuneKernel([b for b in BACKENDS if b.name != "math"], fallback=BACKENDS[-1])
-BACKEND_NAMES: tuple[str, ...] = (*(b.name for b in BACKENDS), AUTOTUNE.name)
+BACKEND_NAMES: tuple[str, ...] = tuple(b.name for b in BACKENDS)
 
 
 def get_kernel(name: str) -> BlockKernel:
     """The backend called ``name``; raises ``ValueError`` listing the valid names."""
-    for b in (*BACKENDS, AUTOTUNE):
+    for b in BACKENDS:
         if b.name == name:
             return b
     raise ValueError(f"backend={name!r} is not a known backend; choose one of {BACKEND_NAMES}")
@@ -80,10 +76,8 @@ def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
 
 
 def clear_selection_cache() -> None:
-    """Forget the backend choices :func:`select_kernel` remembered (and the per-shape
-    measurements of ``backend="autotune"``)."""
+    """Forget the backend choices :func:`select_kernel` remembered."""
     _SELECTED.clear()
-    AUTOTUNE.clear()
 
 
 def _select_kernel(call: KernelCall, backend: str | None) -> BlockKernel:
