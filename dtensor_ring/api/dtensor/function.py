@@ -100,13 +100,10 @@ def scaled_dot_product_ring_attention(
         query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode
     )
     world = query.device_mesh.size(cp_dim)
-    config = chosen_config(
-        SDPAConfig(layout, backend, mode, window_size),
-        *to_op_layout(query.to_local(), key.to_local(), value.to_local()),
-        is_causal,
-        group_name,
-        world,
-    )
+    config = SDPAConfig(layout, backend, mode, window_size)
+    if get_layout(layout).chooses:  # the local shards only then (host time per call)
+        local = to_op_layout(query.to_local(), key.to_local(), value.to_local())
+        config = chosen_config(config, *local, is_causal, group_name, world)
     if is_gather(config):  # Note [All-gather layouts on DTensors]
         return gather_sdpa(config, query, key, value, is_causal, scale, cp_dim, sinks)
     q, k, v = to_op_layout(query, key, value)
