@@ -24,6 +24,9 @@ and a step takes as long as the slowest of what it needs,
 
 The kernel's rate grows with the block: the ring's and the all-gather's blocks have S_local / 2
 query rows (zigzag's pieces; S_local without a mask), Ulysses' one kernel the whole sequence.
+Each algorithm's rate is also scaled by its kernel's ``relative_speed`` (the all-gather needs a
+varlen kernel: on a machine with only PyTorch's kernels that is torch's flash, ~0.57x cuDNN),
+and a candidate no kernel can run is not priced (``resolve_algorithm``).
 
     ring        the slowest rank's plan row (Plan.score_pairs: fewer steps under a window); one
                 K/V hop per step but the last; backward: 2.5x the FLOPs, K/V + fp32 dK/dV hops
