@@ -43,9 +43,12 @@ def _model(arch: str, attn_implementation: str = "eager"):
     return model.eval()
 
 
-def _generate_vs_one_process(group, arch: str, lengths: tuple[int, ...]) -> list[tuple]:
+def _generate_vs_one_process(
+    group, arch: str, lengths: tuple[int, ...], layout: str = "zigzag"
+) -> list[tuple]:
     """For each prompt length, greedy and sampled: ``(length, do_sample, tokens equal, ring
-    attention calls, decoding steps)`` of ``dtensor_ring.hf.generate`` vs ``model.generate``."""
+    attention calls, decoding steps)`` of ``dtensor_ring.hf.generate`` (prefill in
+    ``layout``) vs ``model.generate``."""
     import dtensor_ring.api.generate as gen_api
     import dtensor_ring.hf as drhf
 
@@ -73,7 +76,7 @@ def _generate_vs_one_process(group, arch: str, lengths: tuple[int, ...]) -> list
                 want = model.generate(ids, **kwargs)
                 calls.update(ring=0, decode=0)
                 torch.manual_seed(5)
-                got = drhf.generate(model, ids, **kwargs)
+                got = drhf.generate(model, ids, layout=layout, **kwargs)
                 assert model.config._attn_implementation == "eager"  # restored
                 results.append(
                     (S, do_sample, torch.equal(got, want), calls["ring"], calls["decode"])
@@ -101,6 +104,17 @@ def test_generate_matches_one_process(dist_pool, arch, world_size, lengths):
             assert ring_calls == (layers if prefill else 0), (S, ring_calls)
             # the rest of the prompt, then 8 new tokens (the last one needs no forward)
             assert decode_calls == layers * (S - prefill + 7), (S, decode_calls)
+
+
+@pytest.mark.slow
+def test_generate_auto_layout(dist_pool):
+    """Prefill with layout="auto" (zigzag's tokens; the cost model picks the prefill's
+    algorithm): the tokens of one-process generation, sliding window included."""
+    for per_rank in dist_pool.run(
+        _generate_vs_one_process, 3, arch="mistral", lengths=(13,), layout="auto"
+    ):
+        for S, do_sample, equal, ring_calls, _ in per_rank:
+            assert equal and ring_calls == 2, (S, do_sample, equal, ring_calls)
 
 
 def _rejects(group, what: str) -> str:

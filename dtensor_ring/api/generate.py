@@ -228,7 +228,8 @@ def generate(
             shorter than that (e.g. shorter than the group) runs token by token.
         group: the context-parallel group (default: :func:`dtensor_ring.hf.setup`'s, else the
             default group); ``setup``'s ``backend`` is used too.
-        layout: the dense layout of the prefill ("zigzag", "ring", "stripe").
+        layout: the dense layout of the prefill ("zigzag", "ring", "stripe", or "auto":
+            zigzag's tokens, the prefill's algorithm chosen per call).
         generate_kwargs: ``model.generate``'s (``max_new_tokens``, ``do_sample``, ``top_k``,
             ``attention_mask`` all ones, ``return_dict_in_generate`` ...). Sampling: seed every
             rank alike (``torch.manual_seed``).

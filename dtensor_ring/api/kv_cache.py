@@ -162,7 +162,8 @@ def prefill_attention(
             prompt in ``layout`` (:func:`dtensor_ring.shard_local`); the prompt has
             ``S_local * W`` tokens (a multiple of ``get_layout(layout).divisor(W)``).
         cache: an empty :class:`KVCacheShard`.
-        layout: a dense layout ("zigzag", "ring", "stripe").
+        layout: a dense layout ("zigzag", "ring", "stripe", or "auto": zigzag's tokens, the
+            algorithm chosen per call).
         softmax_scale, window_size, backend: as in :func:`dtensor_ring.zigzag_ring_flash_attn_func`.
         sinks: ``[H]`` attention-sink logits, or None.
 
