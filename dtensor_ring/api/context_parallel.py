@@ -200,8 +200,10 @@ def context_parallel(
         buffers: tensors to shard in place (input ids, labels, positions, ...); no Parameters.
         buffer_seq_dims: the sequence dim of each buffer.
         no_restore_buffers: buffers (a subset of ``buffers``) left sharded on exit.
-        layout: our extension: "ring", "zigzag", "stripe" or "llama3_zigzag" (zigzag's
-            tokens, K/V all-gathered instead of passed around a ring). None (PyTorch's behaviour):
+        layout: our extension: "ring", "zigzag", "stripe", "llama3_zigzag" (zigzag's
+            tokens, K/V all-gathered instead of passed around a ring) or "auto" (zigzag's
+            tokens; ring, all-gather or Ulysses chosen per call: Note [Choosing ring,
+            all-gather or Ulysses]). None (PyTorch's behaviour):
             "zigzag" (its head-tail load balancing) when ``S % 2W == 0``, else "ring", with
             ``S`` the first buffer's length (without buffers: each SDPA call's ``S_local * W``).
 

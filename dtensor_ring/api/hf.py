@@ -22,7 +22,9 @@ Causal and bidirectional models (``is_causal=False``, e.g. Gemma 3 with
 ``use_bidirectional_attention``), dense and packed, in every layout; "llama3" dense batches of
 any batch size (Note [llama3 with a batch]). "llama3_zigzag" (zigzag's tokens, K/V
 all-gathered: Note [Balanced all-gather attention] in ``engine/llama3.py``) runs the all-gather
-op for every mask, dense (a row per document) and packed (documents multiples of 2W).
+op for every mask, dense (a row per document) and packed (documents multiples of 2W). "auto"
+(zigzag's tokens) chooses the ring, the all-gather or (dense) Ulysses per call (Note [Choosing
+ring, all-gather or Ulysses] in ``schedule/policy.py``).
 
 Padding (a 2-D ``attention_mask`` with zeros, left, right or inside rows) in causal models:
 :func:`shard_batch` moves each row's padding after its real tokens, carrying positions and
