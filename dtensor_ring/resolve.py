@@ -43,7 +43,7 @@ from .kernels import KernelCall, get_kernel, select_kernel
 from .layouts import Form, Layout, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
 from .schedule.cost import kv_repeat
-from .schedule.policy import AlgorithmChoice, choose_algorithm
+from .schedule.policy import AlgorithmChoice, choose_algorithm, get_machine
 
 
 class AttentionSpec(NamedTuple):
@@ -563,12 +563,28 @@ def _resolve(
     return AttentionSpec(lay.name, causal, window, scale, backend, group_name, world_size)
 
 
-_reported: set[str] = set()
+# Choices made so far: choose_algorithm's arguments and the machine -> choice (pricing a call
+# walks the plan's blocks: ~0.2 ms of host time, as much as the rest of a small call).
+_CHOICES: dict[tuple, AlgorithmChoice] = {}
 
 
 @torch.compiler.assume_constant_result  # a trace-time constant, as the backend choice
-def _choose_algorithm(*args, **kwargs) -> AlgorithmChoice:
-    return choose_algorithm(*args, **kwargs)
+def _choose_algorithm(seq_len: int, world_size: int, **kwargs) -> AlgorithmChoice:
+    """:func:`choose_algorithm`, remembered per arguments and machine; each new choice is
+    logged once (``logging.getLogger("dtensor_ring.policy")``, INFO)."""
+    speeds = tuple(sorted(kwargs.pop("speeds").items()))
+    key = (seq_len, world_size, speeds, tuple(sorted(kwargs.items())), get_machine())
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = choose_algorithm(seq_len, world_size, speeds=dict(speeds), **kwargs)
+        _CHOICES[key] = choice
+        logging.getLogger("dtensor_ring.policy").info("layout='auto' chose %s", choice.reason)
+    return choice
+
+
+def clear_algorithm_choices() -> None:
+    """Forget the choices of ``layout="auto"`` remembered so far."""
+    _CHOICES.clear()
 
 
 def resolve_algorithm(
@@ -594,8 +610,9 @@ def resolve_algorithm(
     algorithm's front door); the candidates whose kernel cannot run the call (the all-gather
     needs a varlen kernel) dropped; then
     :func:`~dtensor_ring.schedule.policy.choose_algorithm` on the global shape with each
-    candidate's kernel speed, the backward counted when a gradient will be needed. Each new
-    choice is logged once (``logging.getLogger("dtensor_ring.policy")``, INFO).
+    candidate's kernel speed, the backward counted when a gradient will be needed (remembered
+    per shape and machine; each new choice is logged once on the ``dtensor_ring.policy``
+    logger, INFO).
 
     Args:
         q, k, v: ``[B, S_local, H(_kv), D]`` (``varlen``: packed ``[T_local, H(_kv), D]``,
@@ -647,7 +664,4 @@ def resolve_algorithm(
             candidates=tuple(kernels),
             speeds={name: get_kernel(b).relative_speed for name, b in kernels.items()},
         )
-    if not torch.compiler.is_compiling() and choice.reason not in _reported:
-        _reported.add(choice.reason)
-        logging.getLogger("dtensor_ring.policy").info("layout='auto' chose %s", choice.reason)
     return choice

@@ -52,7 +52,9 @@ def engines_used() -> Iterator[set[str]]:
 def forced_algorithm(algorithm: str | None) -> Iterator[None]:
     """Inside, ``layout="auto"`` calls choose ``algorithm`` ("ring", "all_gather", "ulysses"):
     the cost model runs with that one candidate (so its layout and ``heads_k_stride`` are
-    the policy's own). None: the model's own choice. Restored on exit."""
+    the policy's own). None: the model's own choice. Restored on exit; the remembered choices
+    are forgotten on entry and exit (forced ones must not outlive the block, nor earlier ones
+    answer inside it)."""
     import dtensor_ring.resolve as resolve
 
     original = resolve.choose_algorithm
@@ -61,9 +63,11 @@ def forced_algorithm(algorithm: str | None) -> Iterator[None]:
         assert algorithm in candidates, (algorithm, candidates)
         return original(*args, candidates=(algorithm,), **kwargs)
 
+    resolve.clear_algorithm_choices()
     try:
         if algorithm is not None:
             resolve.choose_algorithm = only
         yield
     finally:
         resolve.choose_algorithm = original
+        resolve.clear_algorithm_choices()

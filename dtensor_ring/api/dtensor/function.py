@@ -101,7 +101,7 @@ def scaled_dot_product_ring_attention(
     )
     world = query.device_mesh.size(cp_dim)
     config = SDPAConfig(layout, backend, mode, window_size)
-    if get_layout(layout).chooses:  # the local shards only then (host time per call)
+    if get_layout(layout).chooses:
         local = to_op_layout(query.to_local(), key.to_local(), value.to_local())
         config = chosen_config(config, *local, is_causal, group_name, world)
     if is_gather(config):  # Note [All-gather layouts on DTensors]
@@ -124,15 +124,14 @@ def chosen_config(
     world_size: int,
     backward: bool | None = None,
 ) -> SDPAConfig:
-    """``config``, or for a choosing layout ("auto") the configuration of the algorithm the
+    """For ``config`` of a choosing layout ("auto"), the configuration of the algorithm the
     cost model picks for this call (Note [Choosing ring, all-gather or Ulysses]): the ring
     ("zigzag" or the maskless "ring"), the all-gather ("llama3_zigzag") or ``mode="ulysses"``
     over zigzag's tokens. ``q, k, v``: the local shards ``[B, S_local, H(_kv), D]``;
     ``backward``: whether a backward is counted (None: whether ``q, k, v`` need gradients).
     Forward and backward may choose differently (an SDPA handler runs below autograd): every
-    algorithm's backward is exact given the global ``out`` and ``lse``."""
-    if not get_layout(config.layout).chooses:
-        return config
+    algorithm's backward is exact given the global ``out`` and ``lse``. Callers call it only
+    for a choosing layout (the local shards and ``backward`` cost host time)."""
     if config.mode == "ulysses":  # Ulysses asked for: zigzag's tokens
         return dataclasses.replace(config, layout="zigzag")
     choice = resolve_algorithm(

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..._compat import aten_op, require_aten_op
 from ..._compat import dtensor as _dtensor_compat
+from ...layouts import get_layout
 from ...ops.common import call_attention
 from ...resolve import AttentionSpec
 from .function import MODE_OPS, SDPAConfig, chosen_config, resolve_sdpa
@@ -111,9 +112,10 @@ def _bind_sdpa_call(
     )
     q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
     world = query.device_mesh.size(cp_dim)
-    # below autograd: a backward is counted where the caller wants gradients
-    backward = "backward" in op.name() or torch.is_grad_enabled()
-    config = chosen_config(config, q, k, v, is_causal, group_name, world, backward)
+    if get_layout(config.layout).chooses:
+        # below autograd: a backward is counted where the caller wants gradients
+        backward = "backward" in op.name() or torch.is_grad_enabled()
+        config = chosen_config(config, q, k, v, is_causal, group_name, world, backward)
     resolve = resolve_gather if is_gather(config) else resolve_sdpa
     spec = resolve(config, q, k, v, is_causal, a.get("scale"), group_name, world)
     return a, (q, k, v), spec, config
