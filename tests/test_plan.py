@@ -4,8 +4,8 @@ import pytest
 from expecttest import assert_expected_inline
 
 from dtensor_ring import make_plan, token_indices
+from dtensor_ring.parts import Block, Part, band_pairs
 from dtensor_ring.resolve import normalize_window
-from dtensor_ring.schedule.blocks import Block, Part, band_pairs
 
 
 def test_ring_causal_table():

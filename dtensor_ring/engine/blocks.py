@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..kernels import BlockKernel
 from ..kernels.merge import merge_
-from ..schedule.blocks import Block, DocSpans, Part
+from ..parts import Block, DocSpans, Part
 from ..schedule.plan import Plan
 
 

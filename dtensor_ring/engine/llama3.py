@@ -90,7 +90,7 @@ from ..comm.collectives import all_gather_single, reduce_scatter_single
 from ..comm.faults import CommSite
 from ..kernels import BlockKernel, accumulation_dtype
 from ..kernels.merge import empty_rows_nan_, merge_
-from ..schedule.blocks import Block
+from ..parts import Block
 from ..schedule.llama3 import Llama3Meta
 from .blocks import varlen_blocks
 

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from ..kernels import BlockKernel, accumulation_dtype
 from ..kernels.merge import empty_rows_nan_
-from ..schedule.blocks import Block, Part
+from ..parts import Block, Part
 from ..schedule.plan import Step
 from .blocks import Blocks, DenseBlocks, PartsOf
 

@@ -21,7 +21,7 @@ A layout describes a rank's tokens as **runs**: ``(local start, length, global s
 tokens of a run being ``stride`` global positions apart (ring: one run; zigzag: two; stripe: one
 with stride W). Everything else follows from the runs: token indices, the inverse order, and
 the blocks of a schedule (Note [Windowed schedules] in ``schedule/plan.py``). A layout may also
-give its blocks as :class:`~dtensor_ring.schedule.blocks.Part` pairs that hold for every local
+give its blocks as :class:`~dtensor_ring.parts.Part` pairs that hold for every local
 length (:meth:`Layout.part_block`): such plans are built once per world size, not per length,
 and the varlen forms apply them to every document at once (Note [Varlen layouts]).
 
@@ -37,7 +37,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from ..schedule.blocks import Block
+from ..parts import Block
 
 Run = tuple[int, int, int]  # (local start, length, global position of its first token)
 VarlenForm = Literal["documents", "stream"]
@@ -92,7 +92,7 @@ class Layout:
 
     def part_block(self, causal: bool, world_size: int, rank: int, src: int) -> Block | None:
         """The unwindowed block of queries of ``rank`` against K/V of ``src`` with
-        :class:`~dtensor_ring.schedule.blocks.Part` parts valid for every local length (None:
+        :class:`~dtensor_ring.parts.Part` parts valid for every local length (None:
         nothing to compute), or ``NotImplemented`` when the layout has no such table."""
         return NotImplemented
 

@@ -6,7 +6,7 @@ Their ``part_block`` tables are the schedules of Note [Ring schedules] in ``sche
 
 from __future__ import annotations
 
-from ..schedule.blocks import Block, Part
+from ..parts import Block, Part
 from .base import Layout, Run
 
 A, LO, HI, TAIL, HEAD = Part.ALL, Part.LO, Part.HI, Part.TAIL, Part.HEAD

@@ -26,7 +26,7 @@ from ..layouts.varlen import (
     host_values,
     varlen_token_indices,
 )
-from .blocks import UNBOUNDED, Block, Span
+from ..parts import UNBOUNDED, Block, Span
 from .plan import run_block, window_bounds
 from .varlen import merge_doc_blocks
 

@@ -75,7 +75,7 @@ import functools
 from dataclasses import dataclass
 
 from ..layouts import Layout, get_layout
-from .blocks import UNBOUNDED, Block, Span
+from ..parts import UNBOUNDED, Block, Span
 
 
 @dataclass(frozen=True)

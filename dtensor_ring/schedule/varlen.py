@@ -28,7 +28,7 @@ import functools
 from collections.abc import Iterable
 
 from ..layouts import Layout, get_layout
-from .blocks import Block, DocSpans
+from ..parts import Block, DocSpans
 from .plan import Plan, has_part_table, make_plan, plan_from_blocks, run_pair_blocks, window_bounds
 
 
@@ -43,7 +43,7 @@ def varlen_plan(
     ``cu_seqlens`` as ints, the same on every rank); ``window`` normalised over positions
     within each document (:func:`dtensor_ring.resolve.normalize_window`), or None.
 
-    Parts are :class:`~dtensor_ring.schedule.blocks.Part` (applied to every document) or
+    Parts are :class:`~dtensor_ring.parts.Part` (applied to every document) or
     :class:`DocSpans`. Cached. Raises ``ValueError`` as :func:`make_plan`.
     """
     lay = get_layout(layout, "documents")

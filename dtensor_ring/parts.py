@@ -1,7 +1,7 @@
 """The vocabulary of schedules: parts of a rank's local tokens, and blocks between them.
 
-Plans (:mod:`.plan`), layouts (:mod:`dtensor_ring.layouts`) and the engine speak it; it
-depends on nothing else, so every layer can use it.
+Plans (:mod:`dtensor_ring.schedule.plan`), layouts (:mod:`dtensor_ring.layouts`) and the
+engine speak it; it depends on nothing else, so every layer below the front doors can use it.
 """
 
 from __future__ import annotations
