@@ -27,7 +27,6 @@ graph, and the kernel choice is a Dynamo constant (:func:`select_backend`).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -39,11 +38,13 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import group_name as _group_name
 from .consistency import PerRankCheck, check_consistent, consistency_checks_enabled, relay_errors
-from .kernels import KernelCall, get_kernel, select_kernel
-from .layouts import Form, Layout, get_layout
+from .kernels import KernelCall, select_kernel
+from .layouts import Form, Layout, alias_algorithm, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
 from .schedule.cost import kv_repeat
-from .schedule.policy import AlgorithmChoice, choose_algorithm, get_machine
+
+# the values of algorithm= (Note [Layouts and algorithms] in algorithm.py)
+ALGORITHMS: tuple[str, ...] = ("ring", "all_gather", "ulysses", "auto")
 
 
 class AttentionSpec(NamedTuple):
@@ -82,16 +83,40 @@ def check_bool(name: str, value: object) -> bool:
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def check_not_choosing(layout: Layout) -> None:
-    """``ValueError`` for a choosing layout ("auto") where the algorithm is fixed (Note
-    [Choosing ring, all-gather or Ulysses]: only some front doors choose)."""
-    if layout.chooses:
+def check_algorithm(algorithm: object, allowed: tuple[str, ...] = ALGORITHMS) -> str | None:
+    """``algorithm`` if it is None or one of ``allowed``, else ``ValueError`` / ``TypeError``."""
+    if algorithm is None:
+        return None
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm must be a str or None, got {type(algorithm).__name__}")
+    if algorithm not in allowed:
         raise ValueError(
-            f"layout={layout.name!r} (ring, all-gather or Ulysses chosen per call) is for "
-            "ring_attention_func, ring_varlen_attention_func, SDPA on DTensors, "
-            "dtensor_ring.hf and context_parallel; here pass the algorithm's layout for "
-            "zigzag-placed tokens: 'zigzag' (ring) or 'llama3_zigzag' (all-gather)"
+            f"algorithm={algorithm!r} cannot run this call; choose one of {allowed} (packed "
+            "documents: 'ring' or 'all_gather')"
         )
+    return algorithm
+
+
+def placement(
+    layout: str | Layout, algorithm: object, *, allowed: tuple[str, ...] = ALGORITHMS
+) -> tuple[Layout, str]:
+    """``(the layout that places the tokens, the algorithm)`` of ``layout=`` and
+    ``algorithm=`` (None: an alias's, else the door's first), Note [Layouts and algorithms] in
+    ``algorithm.py``; ``allowed``: the algorithms the door can run (one: a door with a fixed
+    algorithm, which then overrides an alias's). ``ValueError`` for a contradiction or an
+    algorithm the door lacks."""
+    implied = alias_algorithm(layout)
+    algorithm = check_algorithm(algorithm)  # an explicit one overrides the alias's
+    if implied == "auto" and algorithm is None and "auto" not in allowed:
+        raise ValueError(
+            f"layout={layout!r} asks for the algorithm to be chosen per call, but this call "
+            f"runs algorithm={allowed[0]!r} (the doors that choose: "
+            "ring_attention_func, ring_varlen_attention_func, SDPA on DTensors, "
+            "dtensor_ring.hf, context_parallel); pass layout='zigzag' for zigzag-placed tokens"
+        )
+    if algorithm is None:
+        algorithm = implied if implied in allowed else allowed[0]
+    return get_layout(layout), check_algorithm(algorithm, allowed)
 
 
 def check_softmax_scale(softmax_scale: object) -> float | None:
@@ -405,6 +430,7 @@ def resolve_call(
     *,
     op: str,
     layout: str | Layout,
+    algorithm: str = "ring",
     form: Form = "dense",
     causal: bool,
     softmax_scale: float | None,
@@ -416,7 +442,7 @@ def resolve_call(
     backend: str | None,
     group_name: str,
     world_size: int,
-    ring_func: str | None = "ring_flash_attn_func",
+    ring_func: str = "ring_flash_attn_func",
     layout_world: int | None = None,
     head_split: int = 1,
     global_len: int | None = None,
@@ -433,14 +459,16 @@ def resolve_call(
             packed ``[T_local, H(_kv), D]``).
         layout, form: the layout name and the form the front door needs of it
             (:func:`dtensor_ring.layouts.get_layout`).
+        algorithm: the algorithm the call runs ("ring", "all_gather", "ulysses":
+            :func:`dtensor_ring.algorithm.route`'s); an alias layout name gives its tokens'
+            layout ("auto" raises: it is resolved by ``route``).
         causal, softmax_scale, window_size, dropout_p, alibi_slopes, deterministic, backend:
             flash-attn's arguments.
         sinks: None or the sink logits ``[H]`` (:func:`check_sinks`; values compared across
             ranks in the consistency mode).
         group_name, world_size: the process group the call runs over (its size W); the global
             length is ``tokens_local * W``.
-        ring_func: ring attention is asked of the layout: check its mask, naming this function
-            for non-causal calls in the message; None (Ulysses) accepts every mask.
+        ring_func: the function a ring call's mask error suggests for non-causal attention.
         layout_world, head_split: the layout's ring has ``layout_world`` ranks (default W;
             hybrid: the ring group) and the kernel sees the heads of a ``head_split``-way
             head all-to-all (Ulysses, hybrid).
@@ -466,6 +494,7 @@ def resolve_call(
             k,
             v,
             layout=layout,
+            algorithm=algorithm,
             form=form,
             causal=causal,
             softmax_scale=softmax_scale,
@@ -506,6 +535,7 @@ def _resolve(
     v: Tensor,
     *,
     layout: str | Layout,
+    algorithm: str,
     form: Form,
     causal: bool,
     softmax_scale: float | None,
@@ -517,7 +547,7 @@ def _resolve(
     backend: str | None,
     group_name: str,
     world_size: int,
-    ring_func: str | None,
+    ring_func: str,
     layout_world: int | None,
     head_split: int,
     global_len: int | None,
@@ -528,9 +558,9 @@ def _resolve(
     softmax_scale = check_softmax_scale(softmax_scale)
     backend = check_backend_arg(backend)
     lay = get_layout(layout, form)
-    check_not_choosing(lay)
+    placement(layout, None, allowed=(algorithm,))  # "auto" where the algorithm is fixed: raise
     varlen = form in ("varlen", "documents")
-    if ring_func is not None:
+    if algorithm == "ring":
         lay.check_mask(causal, ring_func=ring_func)
     check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
     check_sinks(sinks, q)
@@ -545,7 +575,7 @@ def _resolve(
         )
     if not varlen:
         ring_world = world_size if layout_world is None else layout_world
-        if ring_func is not None:
+        if algorithm == "ring":
             lay.check_local_length(tokens * (world_size // ring_world), ring_world)
         elif not lay.identity_order:
             lay.check_length(tokens * world_size, world_size)
@@ -561,107 +591,3 @@ def _resolve(
     )
     scale = default_scale(q, softmax_scale)
     return AttentionSpec(lay.name, causal, window, scale, backend, group_name, world_size)
-
-
-# Choices made so far: choose_algorithm's arguments and the machine -> choice (pricing a call
-# walks the plan's blocks: ~0.2 ms of host time, as much as the rest of a small call).
-_CHOICES: dict[tuple, AlgorithmChoice] = {}
-
-
-@torch.compiler.assume_constant_result  # a trace-time constant, as the backend choice
-def _choose_algorithm(seq_len: int, world_size: int, **kwargs) -> AlgorithmChoice:
-    """:func:`choose_algorithm`, remembered per arguments and machine; each new choice is
-    logged once (``logging.getLogger("dtensor_ring.policy")``, INFO)."""
-    speeds = tuple(sorted(kwargs.pop("speeds").items()))
-    key = (seq_len, world_size, speeds, tuple(sorted(kwargs.items())), get_machine())
-    choice = _CHOICES.get(key)
-    if choice is None:
-        choice = choose_algorithm(seq_len, world_size, speeds=dict(speeds), **kwargs)
-        _CHOICES[key] = choice
-        logging.getLogger("dtensor_ring.policy").info("layout='auto' chose %s", choice.reason)
-    return choice
-
-
-def clear_algorithm_choices() -> None:
-    """Forget the choices of ``layout="auto"`` remembered so far."""
-    _CHOICES.clear()
-
-
-def resolve_algorithm(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool,
-    window_size: tuple[int, int],
-    group_name: str,
-    world_size: int,
-    op: str,
-    layout: str | Layout,
-    backend: object = None,
-    deterministic: object = False,
-    varlen: bool = False,
-    candidates: tuple[str, ...] = ("ring", "all_gather", "ulysses"),
-    backward: bool | None = None,
-) -> AlgorithmChoice:
-    """The algorithm a ``layout="auto"`` call runs (Note [Choosing ring, all-gather or
-    Ulysses]): q, k, v, causal, window_size, the length for ``layout``, backend and
-    deterministic checked as :func:`resolve_call` checks them (which runs next, on the chosen
-    algorithm's front door); the candidates whose kernel cannot run the call (the all-gather
-    needs a varlen kernel) dropped; then
-    :func:`~dtensor_ring.schedule.policy.choose_algorithm` on the global shape with each
-    candidate's kernel speed, the backward counted when a gradient will be needed (remembered
-    per shape and machine; each new choice is logged once on the ``dtensor_ring.policy``
-    logger, INFO).
-
-    Args:
-        q, k, v: ``[B, S_local, H(_kv), D]`` (``varlen``: packed ``[T_local, H(_kv), D]``,
-            priced as one row of ``T_local * W`` tokens).
-        candidates: the algorithms the front door can run.
-        backward: count a backward (None: whether a gradient will be needed of q, k, v).
-    """
-    with relay_errors((group_name,), op):
-        check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
-        tokens = q.shape[0] if varlen else q.shape[1]
-        if not varlen:  # the divisibility error names the caller's layout, not the chosen one
-            get_layout(layout, "dense").check_local_length(tokens, world_size)
-        causal, window = normalize_window(
-            check_window_size(window_size), check_bool("causal", causal), tokens * world_size
-        )
-        backend = check_backend_arg(backend)
-        deterministic = check_bool("deterministic", deterministic)
-        kernels, unable = {}, None
-        for name in candidates:  # the kernel each would run; those with none are dropped
-            try:
-                kernels[name] = select_backend(
-                    q,
-                    k,
-                    backend,
-                    varlen=varlen or name == "all_gather",
-                    deterministic=deterministic,
-                    window=window is not None,
-                    head_split=world_size if name == "ulysses" else 1,
-                )
-            except ValueError as e:
-                unable = e
-        if not kernels:  # what the chosen door would say
-            raise unable
-        choice = _choose_algorithm(
-            tokens * world_size,
-            world_size,
-            heads=q.shape[-2],
-            kv_heads=k.shape[-2],
-            head_dim=q.shape[-1],
-            batch=1 if varlen else q.shape[0],
-            itemsize=q.element_size(),
-            causal=causal,
-            window=window,
-            backward=(
-                torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-                if backward is None
-                else backward
-            ),
-            candidates=tuple(kernels),
-            speeds={name: get_kernel(b).relative_speed for name, b in kernels.items()},
-        )
-    return choice

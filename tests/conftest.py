@@ -52,8 +52,8 @@ def _fresh_backend_choices():
     """Tests install stand-in backends and patch availability (monkeypatch): each test starts
     and ends with no remembered backend choice (``kernels.select_kernel`` caches them), nor
     remembered ``layout="auto"`` choice (``resolve.resolve_algorithm`` caches them)."""
+    from dtensor_ring.algorithm import clear_algorithm_choices
     from dtensor_ring.kernels import clear_selection_cache
-    from dtensor_ring.resolve import clear_algorithm_choices
 
     clear_selection_cache()
     clear_algorithm_choices()

@@ -16,7 +16,7 @@ def engines_used() -> Iterator[set[str]]:
     the ops modules' names catches every path: eager, compiled, DTensor handlers), and a
     ``layout="auto"`` call that chose Ulysses adds "ulysses". Restored on exit, also on an
     exception (the workers of the test pool are reused)."""
-    import dtensor_ring.api.functional as functional
+    import dtensor_ring.api.attend as attend
     import dtensor_ring.ops.ring as ring_ops
     import dtensor_ring.ops.varlen as varlen_ops
 
@@ -28,7 +28,7 @@ def engines_used() -> Iterator[set[str]]:
         (varlen_ops, "ring_backward", "ring"),
         (varlen_ops, "llama3_forward", "llama3"),
         (varlen_ops, "llama3_backward", "llama3"),
-        (functional, "ulysses_flash_attn_func", "ulysses"),
+        (attend, "ulysses_run", "ulysses"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in targets]
 
@@ -55,7 +55,7 @@ def forced_algorithm(algorithm: str | None) -> Iterator[None]:
     the policy's own). None: the model's own choice. Restored on exit; the remembered choices
     are forgotten on entry and exit (forced ones must not outlive the block, nor earlier ones
     answer inside it)."""
-    import dtensor_ring.resolve as resolve
+    import dtensor_ring.algorithm as resolve
 
     original = resolve.choose_algorithm
 

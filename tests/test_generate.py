@@ -53,7 +53,7 @@ def _generate_vs_one_process(
     import dtensor_ring.hf as drhf
 
     calls = {"ring": 0, "decode": 0}
-    ring, decode = gen_api.ring_attention_func, gen_api.decode_attention_func
+    ring, decode = gen_api.dense_attention, gen_api.decode_attention_func
 
     def count(name, fn):
         def wrapped(*args, **kwargs):
@@ -62,7 +62,7 @@ def _generate_vs_one_process(
 
         return wrapped
 
-    gen_api.ring_attention_func = count("ring", ring)
+    gen_api.dense_attention = count("ring", ring)
     gen_api.decode_attention_func = count("decode", decode)
     drhf.setup(group=group)
     model = _model(arch)
@@ -82,7 +82,7 @@ def _generate_vs_one_process(
                     (S, do_sample, torch.equal(got, want), calls["ring"], calls["decode"])
                 )
     finally:
-        gen_api.ring_attention_func, gen_api.decode_attention_func = ring, decode
+        gen_api.dense_attention, gen_api.decode_attention_func = ring, decode
     return results
 
 

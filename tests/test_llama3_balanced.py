@@ -53,8 +53,11 @@ def cumulative(lengths: list[int]) -> list[int]:
 
 
 def test_registered_everywhere():
-    lay = dr.get_layout(LAYOUT)
-    assert lay.all_gather and lay.dense and lay.varlen == "documents" and not lay.causal_only
+    from dtensor_ring.layouts import alias_algorithm, home_layout
+
+    lay = dr.get_layout(LAYOUT)  # an alias: zigzag's tokens + the all-gather
+    assert alias_algorithm(LAYOUT) == "all_gather" and home_layout(lay) == "zigzag"
+    assert lay.dense and lay.varlen == "documents"
     assert LAYOUT in dr.LAYOUTS and LAYOUT in dr.VARLEN_LAYOUTS
     for W in (1, 2, 3, 4):
         S = 4 * W

@@ -25,7 +25,7 @@ from engine_spy import engines_used, forced_algorithm
 from reference import reference_attention, reference_attention_varlen
 
 import dtensor_ring as dr
-from dtensor_ring.resolve import resolve_algorithm
+from dtensor_ring.algorithm import auto_choice, route
 
 H200 = dict(heads=32, kv_heads=8, head_dim=128)
 
@@ -33,8 +33,10 @@ H200 = dict(heads=32, kv_heads=8, head_dim=128)
 
 
 def test_auto_places_tokens_as_zigzag():
-    lay = dr.get_layout("auto")
-    assert lay.chooses and lay.dense and lay.varlen == "documents" and not lay.causal_only
+    from dtensor_ring.layouts import alias_algorithm
+
+    assert dr.get_layout("auto").name == "auto"  # an alias: zigzag's tokens + "auto"
+    assert alias_algorithm("auto") == "auto" and alias_algorithm("zigzag") is None
     for W in (1, 2, 3, 4):
         for r in range(W):
             assert torch.equal(
@@ -135,40 +137,46 @@ def test_candidates_and_layouts(causal, window, heads, expected):
 
 
 def test_choice_is_reported(caplog):
+    """Each new choice is logged once; grad mode and ``requires_grad`` (facts one rank may
+    have alone) do not change it; an inference door (``backward=False``) prices a forward."""
     q = torch.randn(1, 64, 4, 8, requires_grad=True)
     k = torch.randn(1, 64, 2, 8)
     args = dict(
-        causal=True, window_size=(-1, -1), group_name="g", world_size=4, op="t", layout="auto"
+        layout="auto",
+        algorithm=None,
+        causal=True,
+        window_size=(-1, -1),
+        group_name="g",
+        world_size=4,
+        door="t",
     )
     with caplog.at_level(logging.INFO, logger="dtensor_ring.policy"):
-        first = resolve_algorithm(q, k, k, **args)
-        again = resolve_algorithm(q, k, k, **args)
+        first = route(q, k, k, **args)
+        again = route(q, k, k, **args)
         with torch.no_grad():
-            no_grad = resolve_algorithm(q, k, k, **args)
-    assert first == again
-    assert "forward+backward" in first.reason and "forward" in no_grad.reason
-    assert "forward+backward" not in no_grad.reason
+            no_grad = route(q.detach(), k, k, **args)
+        route(q, k, k, backward=False, **args)
+    assert first == again == no_grad
     lines = [r.getMessage() for r in caplog.records if r.name == "dtensor_ring.policy"]
-    assert lines == [f"layout='auto' chose {first.reason}", f"layout='auto' chose {no_grad.reason}"]
-    assert first.reason.startswith(f"{first.algorithm}: ")
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"algorithm='auto' chose {first.algorithm}: ")
+    assert "forward+backward" in lines[0] and "forward+backward" not in lines[1]
 
 
 def test_candidates_follow_the_kernels():
     """A candidate whose kernel cannot run the call is not chosen (the all-gather needs a
     varlen kernel; cpu_flash has none), and the length is checked for "auto" itself."""
     q, k = torch.randn(1, 64, 4, 8), torch.randn(1, 64, 2, 8)
-    args = dict(
-        causal=True, window_size=(-1, -1), group_name="g", world_size=4, op="t", layout="auto"
-    )
-    assert set(resolve_algorithm(q, k, k, **args).predicted_ms) == {"ring", "all_gather", "ulysses"}
-    assert set(resolve_algorithm(q, k, k, backend="cpu_flash", **args).predicted_ms) == {
+    args = dict(layout="auto", causal=True, window_size=(-1, -1), world_size=4)
+    assert set(auto_choice(q, k, k, **args).predicted_ms) == {"ring", "all_gather", "ulysses"}
+    assert set(auto_choice(q, k, k, backend="cpu_flash", **args).predicted_ms) == {
         "ring",
         "ulysses",
     }
-    with pytest.raises(ValueError, match="layout='auto' holds 2 chunks per rank"):
-        resolve_algorithm(q[:, :3], k[:, :3], k[:, :3], **args)
+    with pytest.raises(ValueError, match="holds 2 chunks per rank"):
+        auto_choice(q[:, :3], k[:, :3], k[:, :3], **args)
     with pytest.raises(ValueError, match="backend"):
-        resolve_algorithm(q, k, k, backend="no_such_kernel", **args)
+        auto_choice(q, k, k, backend="no_such_kernel", **args)
 
 
 # --- numerics on the pool ---------------------------------------------------------------------

@@ -23,7 +23,7 @@ Every private aten op the library uses (:data:`PRIVATE_ATEN_OPS`; ``tests/test_c
 asserts that each resolves, and that no module outside ``_compat/`` names one directly).
 "Resolved on": ``2.13.0+cpu`` is this repository's CI build (``tests/test_compat.py``);
 ``2.11.0+cu130`` is the H200 on which the op ran (``tests/gpu/check_kernels.py`` for the
-kernels, ``python -m dtensor_ring.testing.gpu_check_dtensor`` for the SDPA handlers).
+kernels, ``tests/gpu/check_dtensor.py`` for the SDPA handlers).
 
 ==========================================================  ====================  ============
 ``aten.`` op                                                used by               resolved on

@@ -58,10 +58,11 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..layouts import call_layout, gather_sequence, get_layout, shard_local
-from ..resolve import check_bool, check_unsupported
+from ..algorithm import Algorithm
+from ..layouts import gather_sequence, get_layout, shard_local
+from ..resolve import check_bool, check_unsupported, placement
+from .attend import dense_attention
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
-from .functional import ring_attention_func
 
 
 def _cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -102,6 +103,7 @@ def _check_buffer_args(
 def _ring_sdpa_local(
     group: dist.ProcessGroup,
     layout: str | None,
+    algorithm: str | None,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -138,18 +140,24 @@ def _ring_sdpa_local(
         )
     world_size = dist.get_world_size(group)
     layout = _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
-    out = ring_attention_func(
-        call_layout(layout, is_causal, (-1, -1)),  # order-free without a mask (the Note)
+    out, _ = dense_attention(
         *to_op_layout(query, key, value),
-        softmax_scale=scale,
+        layout=layout,
+        algorithm=algorithm,
         causal=is_causal,
+        softmax_scale=scale,
+        window_size=(-1, -1),
         group=group,
+        return_lse=False,
+        order_free=True,  # without a mask, the order-free contiguous plan (the Note)
     )
     return out.transpose(1, 2)
 
 
 @contextlib.contextmanager
-def _sdpa_patched(group: dist.ProcessGroup, layout: str | None) -> Iterator[None]:
+def _sdpa_patched(
+    group: dist.ProcessGroup, layout: str | None, algorithm: str | None
+) -> Iterator[None]:
     """``F.scaled_dot_product_attention`` replaced by :func:`_ring_sdpa_local` for plain
     tensors (DTensors go to the original), restored on exit."""
     original = F.scaled_dot_product_attention
@@ -168,7 +176,7 @@ def _sdpa_patched(group: dist.ProcessGroup, layout: str | None) -> Iterator[None
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if any(isinstance(t, DTensor) for t in (query, key, value)):
             return original(*args[:6], scale=scale, enable_gqa=enable_gqa)
-        return _ring_sdpa_local(group, layout, *args)
+        return _ring_sdpa_local(group, layout, algorithm, *args)
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:
@@ -185,6 +193,7 @@ def context_parallel(
     buffer_seq_dims: list[int] | None = None,
     no_restore_buffers: set[Tensor] | None = None,
     layout: str | None = None,
+    algorithm: Algorithm | None = None,
 ) -> Iterator[None]:
     """PyTorch's ``context_parallel`` on ring attention, on CPU and CUDA.
 
@@ -206,6 +215,8 @@ def context_parallel(
             all-gather or Ulysses]). None (PyTorch's behaviour):
             "zigzag" (its head-tail load balancing) when ``S % 2W == 0``, else "ring", with
             ``S`` the first buffer's length (without buffers: each SDPA call's ``S_local * W``).
+        algorithm: our extension: how K/V move (Note [Layouts and algorithms]): "ring",
+            "all_gather", "ulysses" or "auto"; None: the layout alias's, else "ring".
 
     Raises:
         ValueError: on a malformed argument, a sequence length the layout cannot split, and
@@ -221,6 +232,8 @@ def context_parallel(
         layout = _layout_for(layout, buffers[0].shape[buffer_seq_dims[0]], world_size)
     elif layout is not None:
         get_layout(layout, "dense")
+    if layout is not None:
+        placement(layout, algorithm)
     with torch.no_grad():
         originals = [None if b in no_restore else b.clone() for b in buffers]
         shards = [
@@ -231,7 +244,7 @@ def context_parallel(
             buffer.resize_(shard.shape)
             buffer.copy_(shard)
     try:
-        with _sdpa_patched(group, layout):
+        with _sdpa_patched(group, layout, algorithm):
             yield
     finally:
         with torch.no_grad():

@@ -36,11 +36,9 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.common import call_attention
-from ..ops.ring import ring_attention
-from ..resolve import group_arg, resolve_algorithm, resolve_call, unpack
-from .ulysses import ulysses_flash_attn_func
-from .varlen import chooses, is_all_gather, llama3_zigzag_flash_attn_func
+from ..algorithm import Algorithm
+from ..resolve import unpack
+from .attend import dense_attention
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -61,83 +59,32 @@ def ring_attention_func(
     *,
     backend: str | None = None,
     sinks: Tensor | None = None,
+    algorithm: Algorithm | None = None,
 ) -> Result:
-    """Ring attention in any registered dense ``layout`` (the functions below fix it):
-    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``.
-    An all-gather layout ("llama3_zigzag") all-gathers K/V instead
-    (:func:`~dtensor_ring.api.varlen.llama3_zigzag_flash_attn_func`, ``heads_k_stride=1``); a
-    choosing layout ("auto", zigzag's tokens) runs the ring, the all-gather or Ulysses,
-    whichever the cost model predicts fastest (Note [Choosing ring, all-gather or Ulysses])."""
-    name, world_size = group_arg(group)
-    heads_k_stride = 1
-    if chooses(layout):
-        choice = resolve_algorithm(
-            q,
-            k,
-            v,
-            causal=causal,
-            window_size=window_size,
-            group_name=name,
-            world_size=world_size,
-            op="ring_attention",
-            layout=layout,
-            backend=backend,
-            deterministic=deterministic,
-        )
-        layout, heads_k_stride = choice.layout, max(choice.heads_k_stride, 1)
-        if choice.algorithm == "ulysses":
-            return ulysses_flash_attn_func(
-                q,
-                k,
-                v,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                alibi_slopes,
-                deterministic,
-                return_attn_probs,
-                group,
-                layout=layout,
-                backend=backend,
-                sinks=sinks,
-            )
-    if is_all_gather(layout):
-        return llama3_zigzag_flash_attn_func(
-            q,
-            k,
-            v,
-            heads_k_stride,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            alibi_slopes,
-            deterministic,
-            return_attn_probs,
-            group,
-            backend=backend,
-            sinks=sinks,
-            layout=layout,
-        )
-    spec = resolve_call(
+    """Context-parallel attention of tokens placed by any registered dense ``layout`` (the
+    functions below fix it): ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` ->
+    ``out [B, S_local, H, D]``. ``algorithm`` moves K/V (Note [Layouts and algorithms]):
+    "ring" (the default), "all_gather" (``heads_k_stride=1``), "ulysses" (needs
+    ``H % W == 0``) or "auto" (zigzag's tokens; whichever the cost model predicts fastest:
+    Note [Choosing ring, all-gather or Ulysses]); None: the layout alias's ("llama3_zigzag":
+    all_gather, "auto": auto), else "ring"."""
+    out, lse = dense_attention(
         q,
         k,
         v,
-        op="ring_attention",
         layout=layout,
+        algorithm=algorithm,
         causal=causal,
         softmax_scale=softmax_scale,
         window_size=window_size,
         dropout_p=dropout_p,
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
+        group=group,
         backend=backend,
         sinks=sinks,
-        group_name=name,
-        world_size=world_size,
+        return_lse=return_attn_probs,
     )
-    out, lse = call_attention(ring_attention, q, k, v, *spec.op_args(), sinks)
     return (out, lse, None) if return_attn_probs else out
 
 

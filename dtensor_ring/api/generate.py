@@ -38,8 +38,8 @@ from torch import Tensor
 from ..consistency import relay_errors
 from ..layouts import get_layout, shard_local
 from ..resolve import check_bool, group_arg
+from .attend import dense_attention
 from .decode import decode_attention_func
-from .functional import ring_attention_func
 from .hf import _sinks, _summary, _window, check_model_keywords
 from .kv_cache import split_prompt
 
@@ -115,17 +115,20 @@ def generation_attention_forward(
         window = _layer_window(kwargs.get("sliding_window"), layer)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if layer.last_update == "prefill":
-        out = ring_attention_func(
-            state.layout,
+        out, _ = dense_attention(
             q,
             k,
             v,
+            layout=state.layout,
+            algorithm=None,
             softmax_scale=scaling,
             causal=True,
             window_size=window,
             group=state.group,
             backend=state.backend,
             sinks=sinks,
+            return_lse=False,
+            backward=False,  # inference: the choice prices a forward
         )
         return out, None
     out = decode_attention_func(

@@ -61,11 +61,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..algorithm import Algorithm
 from ..consistency import relay_errors
 from ..layouts import (
     LAYOUTS,
     Layout,
-    call_layout,
     get_layout,
     layout_names,
 )
@@ -75,10 +75,10 @@ from ..layouts.varlen import (
     varlen_local_cu_seqlens,
     varlen_token_indices,
 )
-from ..resolve import check_bool, group_arg
+from ..resolve import ALGORITHMS, check_bool, group_arg, placement
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
-from .functional import ring_attention_func
-from .varlen import llama3_attention_func, ring_varlen_attention_func
+from .attend import dense_attention, varlen_attention
+from .varlen import llama3_attention_func
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -104,6 +104,7 @@ class _Config:
     group: dist.ProcessGroup | None
     layout: str
     backend: str | None
+    algorithm: str | None
 
 
 _config: _Config | None = None
@@ -177,7 +178,10 @@ def _varlen_layout(layout: str) -> Layout:
 
 
 def setup(
-    group: dist.ProcessGroup | None = None, layout: HFLayout = "zigzag", backend: str | None = None
+    group: dist.ProcessGroup | None = None,
+    layout: HFLayout = "zigzag",
+    backend: str | None = None,
+    algorithm: Algorithm | None = None,
 ) -> None:
     """Register ``attn_implementation="dtensor_ring"`` with transformers, running over ``group``.
 
@@ -194,15 +198,19 @@ def setup(
             all-gather or Ulysses per call (Note [Choosing ring, all-gather or Ulysses]), the
             others pass them around a ring.
         backend: block-kernel backend name (``dtensor_ring.BACKEND_NAMES``), or None.
+        algorithm: how K/V move (Note [Layouts and algorithms]): "ring", "all_gather",
+            "ulysses" (dense batches) or "auto"; None: the layout alias's, else "ring"
+            ("llama3": the all-gather).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     global _config
-    get_layout(layout)
+    lay = get_layout(layout)
+    placement(layout, algorithm, allowed=ALGORITHMS if lay.dense else ("all_gather",))
     if group is not None:
         group_arg(group)  # a ProcessGroup this rank belongs to (TypeError / ValueError)
-    _config = _Config(group, layout, backend)
+    _config = _Config(group, layout, backend, algorithm)
     AttentionInterface.register(ATTN_IMPLEMENTATION, ring_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
@@ -362,17 +370,20 @@ def ring_attention_forward(
         _check_positions(kwargs.get("position_ids"), expected)
     if lay.dense:
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        out = ring_attention_func(
-            call_layout(layout, causal, window),
+        out, _ = dense_attention(
             q,
             k,
             v,
-            softmax_scale=scaling,
+            layout=layout,
+            algorithm=_config.algorithm,
             causal=causal,
+            softmax_scale=scaling,
             window_size=window,
             group=group,
             backend=_config.backend,
             sinks=sinks,
+            return_lse=False,
+            order_free=True,  # a bidirectional model on zigzag shards: the order-free plan
         )
     else:
         out = _llama3_rows(query, key, value, scaling, window, causal, sinks)
@@ -601,19 +612,21 @@ def _varlen_attention(
     if lay.varlen == "stream":
         out = _llama3_stream(q, k, v, cu_seqlens, scaling, window, causal, sinks, layout)
     else:
-        out = ring_varlen_attention_func(
-            call_layout(layout, causal, window),
+        out, _ = varlen_attention(
             q,
             k,
             v,
             varlen_local_cu_seqlens(cu_seqlens, layout, rank, world),
             None,
-            softmax_scale=scaling,
+            layout=layout,
+            algorithm=_config.algorithm,
             causal=causal,
+            softmax_scale=scaling,
             window_size=window,
             group=group,
             backend=_config.backend,
             sinks=sinks,
+            order_free=True,
         )
     return out.unsqueeze(0)
 

@@ -40,8 +40,8 @@ from torch import Tensor
 from ..consistency import relay_errors
 from ..layouts import get_layout, token_indices
 from ..resolve import check_qkv_tensors, check_sinks, check_window_size, group_arg
+from .attend import dense_attention
 from .decode import decode_attention_func
-from .functional import ring_attention_func
 
 
 class ShardPositions:
@@ -176,17 +176,20 @@ def prefill_attention(
             raise ValueError("prefill_attention needs an empty cache")
         check_sinks(sinks, q)
         _check_eviction(cache, check_window_size(window_size))
-    out = ring_attention_func(
-        layout,
+    out, _ = dense_attention(
         q,
         k,
         v,
+        layout=layout,
+        algorithm=None,
         softmax_scale=softmax_scale,
         causal=True,
         window_size=window_size,
         group=cache.group,
         backend=backend,
         sinks=sinks,
+        return_lse=False,
+        backward=False,  # inference: the choice prices a forward
     )
     seq_len = q.shape[1] * world
     positions = token_indices(layout, seq_len, dist.get_rank(cache.group), world)

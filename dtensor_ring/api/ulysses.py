@@ -40,7 +40,7 @@ from ..layouts import Layout, LayoutName, get_layout, order_layout, token_indice
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..ops.ulysses import to_heads, ulysses_all_to_all, ulysses_local_attention
-from ..resolve import group_arg, resolve_call, unpack
+from ..resolve import AttentionSpec, group_arg, resolve_call, unpack
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -93,6 +93,7 @@ def ulysses_flash_attn_func(
         v,
         op="ulysses",
         layout=layout,
+        algorithm="ulysses",
         causal=causal,
         softmax_scale=softmax_scale,
         window_size=window_size,
@@ -103,25 +104,38 @@ def ulysses_flash_attn_func(
         sinks=sinks,
         group_name=name,
         world_size=W,
-        ring_func=None,
         head_split=W,
     )
+    out, lse = ulysses_run(q, k, v, spec, sinks, group, return_attn_probs)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ulysses_run(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: AttentionSpec,
+    sinks: Tensor | None,
+    group: dist.ProcessGroup | None,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Ulysses attention of a resolved call (``spec`` with ``head_split=W``):
+    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``(out [B, S_local, H, D],
+    lse [B, H, S_local])``; lse None unless ``return_lse`` (its all-to-all skipped)."""
     name, _, causal, scale, backend, *window = spec.op_args()
+    W = spec.world_size
     local_sinks = head_shard(sinks, group, W)
     if W == 1:
-        out, lse = call_attention(
+        return call_attention(
             ulysses_local_attention, q, k, v, causal, scale, backend, *window, local_sinks
         )
-        return (out, lse, None) if return_attn_probs else out
     order = order_layout(spec.layout, causal, window)
     qh, kh, vh = to_heads(q, k, v, name, W, order)
     out_h, lse_h = call_attention(
         ulysses_local_attention, qh, kh, vh, causal, scale, backend, *window, local_sinks
     )
     out = ulysses_all_to_all(out_h, name, 1, 2, False, order)
-    if not return_attn_probs:
-        return out
-    return out, ulysses_all_to_all(lse_h, name, 2, 1, False, order), None
+    return out, ulysses_all_to_all(lse_h, name, 2, 1, False, order) if return_lse else None
 
 
 def head_shard(sinks: Tensor | None, group: dist.ProcessGroup | None, W: int) -> Tensor | None:

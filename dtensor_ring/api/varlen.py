@@ -52,26 +52,25 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..layouts import Layout, find_layout, get_layout
+from ..algorithm import Algorithm
+from ..layouts import get_layout
 from ..layouts.varlen import host_values
 from ..ops.common import call_attention
-from ..ops.varlen import llama3_attention, ring_attention_varlen
+from ..ops.varlen import llama3_attention
 from ..resolve import (
     check_cu_seqlens_arg,
     check_heads_k_stride,
-    check_qkv_tensors,
     group_arg,
     local_k_slice_bounds,
     max_seqlen_value,
-    resolve_algorithm,
     resolve_call,
     unpack,
 )
 from ..schedule.llama3 import llama3_locals_disagree
+from .attend import dense_attention, varlen_attention
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -94,103 +93,32 @@ def ring_varlen_attention_func(
     *,
     backend: str | None = None,
     sinks: Tensor | None = None,
+    algorithm: Algorithm | None = None,
 ) -> Result:
-    """Ring attention over packed documents in any registered per-document varlen ``layout``
-    (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` ->
-    ``out [T_local, H, D]``. An all-gather layout ("llama3_zigzag") all-gathers K/V instead
-    (:func:`gather_varlen_attention_func`, ``heads_k_stride=1``); a choosing layout ("auto")
-    runs the ring ("zigzag") or the all-gather ("llama3_zigzag"), whichever the cost model
-    predicts faster (Note [Choosing ring, all-gather or Ulysses])."""
-    heads_k_stride = 1
-    if chooses(layout):
-        name, world_size = group_arg(group)
-        choice = resolve_algorithm(
-            q,
-            k,
-            v,
-            causal=causal,
-            window_size=window_size,
-            group_name=name,
-            world_size=world_size,
-            op="ring_attention_varlen",
-            layout=layout,
-            backend=backend,
-            deterministic=deterministic,
-            varlen=True,
-            candidates=("ring", "all_gather"),
-        )
-        layout, heads_k_stride = choice.layout, max(choice.heads_k_stride, 1)
-    if is_all_gather(layout):
-        return gather_varlen_attention_func(
-            layout,
-            q,
-            k,
-            v,
-            cu_seqlens,
-            max_seqlen,
-            heads_k_stride,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            alibi_slopes,
-            deterministic,
-            return_attn_probs,
-            group,
-            backend=backend,
-            sinks=sinks,
-        )
-    name, world_size = group_arg(group)
-
-    def checks() -> None:
-        check_cu_seqlens_arg(cu_seqlens, q)
-        max_seqlen_value(max_seqlen, "max_seqlen")
-
-    spec = resolve_call(
+    """Context-parallel attention over packed documents in any registered per-document varlen
+    ``layout`` (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv,
+    D]`` -> ``out [T_local, H, D]``. ``algorithm`` (Note [Layouts and algorithms]): "ring"
+    (the default), "all_gather" (``heads_k_stride=1``) or "auto" (zigzag's tokens; ring or
+    all-gather, whichever the cost model predicts faster); None: the layout alias's."""
+    out, lse = varlen_attention(
         q,
         k,
         v,
-        op="ring_attention_varlen",
+        cu_seqlens,
+        max_seqlen,
         layout=layout,
-        form="documents",
+        algorithm=algorithm,
         causal=causal,
         softmax_scale=softmax_scale,
         window_size=window_size,
         dropout_p=dropout_p,
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
+        group=group,
         backend=backend,
         sinks=sinks,
-        group_name=name,
-        world_size=world_size,
-        ring_func="ring_flash_attn_varlen_func",
-        checks=checks,
-        metadata=lambda: {"cu_seqlens": host_values(cu_seqlens), "max_seqlen": max_seqlen},
-    )
-    max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
-    out, lse = call_attention(
-        ring_attention_varlen, q, k, v, cu_seqlens, max_seqlen, *spec.op_args(), sinks
     )
     return (out, lse, None) if return_attn_probs else out
-
-
-def _registered(layout: object) -> Layout | None:
-    """The registered layout ``layout`` names (or is), else None: the front door's own
-    resolution reports a bad name."""
-    return layout if isinstance(layout, Layout) else find_layout(layout)
-
-
-def is_all_gather(layout: object) -> bool:
-    """Whether ``layout`` is a registered layout whose front doors all-gather K/V."""
-    lay = _registered(layout)
-    return lay is not None and lay.all_gather
-
-
-def chooses(layout: object) -> bool:
-    """Whether ``layout`` is a registered layout whose front doors choose ring, all-gather or
-    Ulysses per call (Note [Choosing ring, all-gather or Ulysses])."""
-    lay = _registered(layout)
-    return lay is not None and lay.chooses
 
 
 def gather_varlen_attention_func(
@@ -213,56 +141,29 @@ def gather_varlen_attention_func(
     backend: str | None = None,
     sinks: Tensor | None = None,
 ) -> Result:
-    """All-gather attention over packed documents in a per-document ``layout``
-    ("llama3_zigzag"; Note [Balanced all-gather attention]): ``q [T_local, H, D]``,
-    ``k, v [T_local, H_kv, D]`` -> ``out [T_local, H, D]``; ``cu_seqlens`` the local
-    boundaries (global ``// W``), as ring varlen."""
-    name, world_size = group_arg(group)
-
-    def checks() -> None:
-        check_heads_k_stride(heads_k_stride, k.shape[1])
-        check_cu_seqlens_arg(cu_seqlens, q)
-        max_seqlen_value(max_seqlen, "max_seqlen")
-
-    spec = resolve_call(
+    """All-gather attention over packed documents in a per-document ``layout`` (Note
+    [Balanced all-gather attention]): ``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]`` ->
+    ``out [T_local, H, D]``; ``cu_seqlens`` the local boundaries (global ``// W``), as ring
+    varlen."""
+    out, lse = varlen_attention(
         q,
         k,
         v,
-        op="llama3_attention",
+        cu_seqlens,
+        max_seqlen,
         layout=layout,
-        form="documents",
+        algorithm=None,
         causal=causal,
         softmax_scale=softmax_scale,
         window_size=window_size,
         dropout_p=dropout_p,
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
+        group=group,
         backend=backend,
         sinks=sinks,
-        group_name=name,
-        world_size=world_size,
-        checks=checks,
-        metadata=lambda: {
-            "cu_seqlens": host_values(cu_seqlens),
-            "max_seqlen": max_seqlen,
-            "heads_k_stride": heads_k_stride,
-        },
-    )
-    max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
-    out, lse = call_attention(
-        llama3_attention,
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        heads_k_stride,
-        0,
-        0,
-        *spec.op_args(),
-        sinks,
+        heads_k_stride=heads_k_stride,
+        allowed=("all_gather",),
     )
     return (out, lse, None) if return_attn_probs else out
 
@@ -314,23 +215,6 @@ def llama3_zigzag_flash_attn_varlen_func(
     )
 
 
-def rows_as_documents(t: Tensor) -> Tensor:
-    """A dense ``[B, S_local, H, D]`` as the packed ``[B * S_local, H, D]`` of B documents,
-    one a row (a view where possible): the form an all-gather layout's varlen op takes."""
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
-def rows_cu_seqlens(batch: int, seq_local: int) -> Tensor:
-    """The local ``cu_seqlens`` (int32 ``[B + 1]``, CPU) of :func:`rows_as_documents`."""
-    return torch.arange(0, (batch + 1) * seq_local, seq_local, dtype=torch.int32)
-
-
-def rows_lse(lse_HT: Tensor, batch: int, seq_local: int) -> Tensor:
-    """The packed lse ``[H, B * S_local]`` of :func:`rows_as_documents` back as the dense
-    ``[B, H, S_local]`` (a view)."""
-    return lse_HT.view(lse_HT.shape[0], batch, seq_local).transpose(0, 1)
-
-
 def llama3_zigzag_flash_attn_func(
     q: Tensor,
     k: Tensor,
@@ -349,34 +233,32 @@ def llama3_zigzag_flash_attn_func(
     sinks: Tensor | None = None,
     layout: str = "llama3_zigzag",
 ) -> Result:
-    """Balanced all-gather attention of dense sequences in an all-gather ``layout``
-    (``ring_attention_func(layout, ...)`` comes here with ``heads_k_stride=1``): every row is
-    one document of the packed form (a view, no copy), so ``q [B, S_local, H, D]``,
-    ``k, v [B, S_local, H_kv, D]`` in zigzag's token order (``shard_local(x, "llama3_zigzag",
-    rank, W)``) -> ``out [B, S_local, H, D]``; with ``return_attn_probs``, ``lse
-    [B, H, S_local]`` (other arguments: :mod:`dtensor_ring.api.functional`'s docstring)."""
-    check_qkv_tensors(q, k, v)
-    B, S, H, D = q.shape
-    get_layout(layout, "dense").check_local_length(S, group_arg(group)[1])
-    out, lse, _ = gather_varlen_attention_func(
-        layout,
-        *(rows_as_documents(t) for t in (q, k, v)),
-        rows_cu_seqlens(B, S),
-        S,
-        heads_k_stride,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        True,
-        group,
+    """Balanced all-gather attention of dense sequences in ``layout`` (zigzag's tokens by
+    default, ``shard_local(x, "llama3_zigzag", rank, W)``; any layout of consecutive runs):
+    every row is one document of the packed form (a view, no copy), so ``q [B, S_local, H,
+    D]``, ``k, v [B, S_local, H_kv, D]`` -> ``out [B, S_local, H, D]``; with
+    ``return_attn_probs``, ``lse [B, H, S_local]`` (other arguments:
+    :mod:`dtensor_ring.api.functional`'s docstring)."""
+    out, lse = dense_attention(
+        q,
+        k,
+        v,
+        layout=layout,
+        algorithm=None,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        group=group,
         backend=backend,
         sinks=sinks,
+        heads_k_stride=heads_k_stride,
+        allowed=("all_gather",),
+        return_lse=return_attn_probs,
     )
-    out = out.view(B, S, H, D)
-    return (out, rows_lse(lse, B, S).contiguous(), None) if return_attn_probs else out
+    return (out, lse, None) if return_attn_probs else out
 
 
 def llama3_attention_func(
@@ -431,6 +313,7 @@ def llama3_attention_func(
         v,
         op="llama3_attention",
         layout=layout,
+        algorithm="all_gather",
         form="varlen",
         causal=causal,
         softmax_scale=softmax_scale,

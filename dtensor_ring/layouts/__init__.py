@@ -4,14 +4,15 @@ The registry maps the ``layout=`` names of every front door to layout objects; c
 front doors asks the object (its runs, divisibility, masks, varlen form) instead of comparing
 names. Built in (Note [Sequence layouts], Note [Varlen layouts]):
 
-    name           dense  varlen      causal only
+    name           dense  varlen      causal only (ring algorithm)
     ring           yes    documents   no
     zigzag         yes    documents   yes
     stripe         yes    -           yes
-    llama3         -      stream      no     (all-gather attention, packed sequences)
-    llama3_zigzag  yes    documents   no     (zigzag's tokens, all-gather attention)
-    auto           yes    documents   no     (zigzag's tokens, ring / all-gather / Ulysses
-                                              chosen per call: schedule/policy.py)
+    llama3         -      stream      -      (the all-gather algorithm only)
+
+Aliases name a layout and an algorithm (Note [Layouts and algorithms] in
+``dtensor_ring/algorithm.py``): "llama3_zigzag" (zigzag + all-gather), "auto" (zigzag + the
+algorithm chosen per call).
 
 A new layout is one :class:`Layout` subclass passed to :func:`register_layout`.
 """
@@ -24,9 +25,10 @@ from .registry import (
     VARLEN_LAYOUTS,
     Form,
     LayoutName,
-    call_layout,
+    alias_algorithm,
     find_layout,
     get_layout,
+    home_layout,
     layout_names,
     order_layout,
     register_layout,
@@ -48,10 +50,11 @@ __all__ = [
     "LayoutName",
     "Run",
     "VarlenForm",
-    "call_layout",
+    "alias_algorithm",
     "find_layout",
     "gather_sequence",
     "get_layout",
+    "home_layout",
     "layout_names",
     "order_layout",
     "register_layout",

@@ -53,20 +53,13 @@ class Layout:
         name: the registry name (the ``layout=`` argument everywhere).
         chunks_per_rank: the sequence is cut into ``chunks_per_rank * W`` equal chunks; the
             global length must be a multiple of that, the local length of ``chunks_per_rank``.
-        causal_only: ring attention accepts this layout only with a causal mask (its point is
-            to balance causal work). Ulysses, which undoes the layout, accepts any mask.
+        causal_only: the ring algorithm accepts this layout only with a causal mask (its
+            point is to balance causal work). The all-gather and Ulysses accept any mask.
         dense: the layout shards fixed-length sequences (flash-style functions, DTensor SDPA,
             Ulysses, the simulator).
         varlen: its packed-documents form: ``"documents"`` (every document is sharded as a
             sequence of its own), ``"stream"`` (the packed stream is cut into W contiguous
             slices; documents may straddle ranks: llama3's all-gather), or None.
-        all_gather: the functional front doors (``ring_attention_func``,
-            ``ring_varlen_attention_func``) all-gather K/V for this layout instead of passing
-            them around a ring (Note [Balanced all-gather attention] in ``engine/llama3.py``);
-            a "documents" layout whose runs have stride 1.
-        chooses: the front doors that can choose pick the algorithm per call (ring,
-            all-gather or Ulysses: Note [Choosing ring, all-gather or Ulysses] in
-            ``schedule/policy.py``); the others reject the layout.
     """
 
     name: ClassVar[str]
@@ -74,8 +67,6 @@ class Layout:
     causal_only: ClassVar[bool] = False
     dense: ClassVar[bool] = True
     varlen: ClassVar[VarlenForm | None] = None
-    all_gather: ClassVar[bool] = False
-    chooses: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"<layout {self.name!r}>"

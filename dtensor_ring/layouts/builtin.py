@@ -1,5 +1,5 @@
-"""The built-in layouts: ring, zigzag, stripe (Note [Sequence layouts]), llama3's stream and
-llama3_zigzag (zigzag's tokens, K/V all-gathered).
+"""The built-in layouts: ring, zigzag, stripe (Note [Sequence layouts]) and llama3's packed
+stream; the aliases "llama3_zigzag" and "auto" (zigzag's tokens with an algorithm).
 
 Their ``part_block`` tables are the schedules of Note [Ring schedules] in ``schedule/plan.py``.
 """
@@ -80,34 +80,17 @@ class Llama3Layout(RingLayout):
     varlen = "stream"
 
 
-class Llama3ZigzagLayout(ZigzagLayout):
-    """Zigzag's tokens (chunks r and 2W-1-r of every sequence or document) with K/V
-    all-gathered, as Llama 3 trains (Note [Balanced all-gather attention]): causal work is
-    balanced exactly, and any mask is accepted. The functional, DTensor SDPA (ring mode),
-    ``context_parallel`` and transformers front doors all-gather; Ulysses and the simulator
-    treat it as zigzag's token order."""
-
-    name = "llama3_zigzag"
-    causal_only = False
-    all_gather = True
-
-
-class AutoLayout(ZigzagLayout):
-    """Zigzag's tokens; ``ring_attention_func``, ``ring_varlen_attention_func``, the doors
-    built on them (transformers, ``context_parallel``) and SDPA on DTensors choose ring,
-    all-gather or Ulysses per call by a cost model (Note [Choosing ring, all-gather or
-    Ulysses])."""
-
-    name = "auto"
-    causal_only = False
-    chooses = True
-
-
 BUILTIN_LAYOUTS: tuple[Layout, ...] = (
     RingLayout(),
     ZigzagLayout(),
     StripeLayout(),
     Llama3Layout(),
-    Llama3ZigzagLayout(),
-    AutoLayout(),
 )
+
+BUILTIN_ALIASES: dict[str, tuple[str, str]] = {
+    # name: (the layout that places the tokens, the algorithm it runs by default)
+    "llama3_zigzag": ("zigzag", "all_gather"),  # Llama 3's balanced all-gather attention
+    "auto": ("zigzag", "auto"),  # ring, all-gather or Ulysses chosen per call
+}
+"""Layout names that also say how K/V move (Note [Layouts and algorithms] in
+``dtensor_ring/algorithm.py``): kept as documented shorthands."""

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 from .base import Layout
-from .builtin import BUILTIN_LAYOUTS
+from .builtin import BUILTIN_ALIASES, BUILTIN_LAYOUTS
 
 LayoutName = Literal["ring", "zigzag", "stripe", "llama3_zigzag", "auto"]
 # the built-in dense layouts
@@ -14,6 +15,9 @@ LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "stripe", "llama3_zigzag")
 VARLEN_LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "llama3", "llama3_zigzag")
 
 _REGISTRY: dict[str, Layout] = {}
+# alias name -> (registered layout name, algorithm): Note [Layouts and algorithms]
+_ALIASES: dict[str, tuple[str, str]] = dict(BUILTIN_ALIASES)
+_ALIAS_LAYOUTS: dict[str, Layout] = {}  # alias name -> its layout's copy under that name
 
 Form = Literal["any", "dense", "varlen", "documents"]
 _FORM_WORDS = {
@@ -32,6 +36,8 @@ def register_layout(layout: Layout) -> Layout:
     if not isinstance(layout, Layout):
         raise TypeError(f"register_layout needs a Layout instance, got {type(layout).__name__}")
     known = _REGISTRY.get(layout.name)
+    if layout.name in _ALIASES:
+        raise ValueError(f"{layout.name!r} is a built-in alias of a layout and an algorithm")
     if known is not None and known is not layout:
         raise ValueError(f"a layout named {layout.name!r} is already registered ({known!r})")
     _REGISTRY[layout.name] = layout
@@ -56,17 +62,37 @@ def _has_form(layout: Layout, form: Form) -> bool:
 
 
 def layout_names(form: Form = "any") -> tuple[str, ...]:
-    """Names of the registered layouts that have ``form`` ("dense", "varlen", "documents")."""
-    return tuple(name for name, lay in _REGISTRY.items() if _has_form(lay, form))
+    """Names accepted as ``layout=`` whose layout has ``form`` ("dense", "varlen",
+    "documents"): the registered layouts, then the aliases."""
+    names = (*_REGISTRY, *_ALIASES)
+    return tuple(name for name in names if _has_form(find_layout(name), form))
 
 
 def find_layout(name: object) -> Layout | None:
-    """The layout registered as ``name``, or None (any object: no error)."""
-    return _REGISTRY.get(name) if isinstance(name, str) else None
+    """The layout registered as ``name``, or None (any object: no error). An alias gives a copy
+    of the layout it places tokens with, under the alias's name (so messages name what the
+    caller passed)."""
+    if not isinstance(name, str):
+        return None
+    return _ALIAS_LAYOUTS.get(name) or _REGISTRY.get(name)
+
+
+def home_layout(layout: Layout) -> str:
+    """The registered layout name whose tokens ``layout`` places (an alias's target)."""
+    alias = _ALIASES.get(layout.name)
+    return layout.name if alias is None else alias[0]
+
+
+def alias_algorithm(layout: object) -> str | None:
+    """The algorithm an alias name ("llama3_zigzag", "auto") stands for, None for any other
+    value (Note [Layouts and algorithms] in ``dtensor_ring/algorithm.py``)."""
+    alias = _ALIASES.get(layout) if isinstance(layout, str) else None
+    return None if alias is None else alias[1]
 
 
 def get_layout(layout: str | Layout, form: Form = "any") -> Layout:
-    """The registered layout called ``layout`` (a :class:`Layout` is returned as is).
+    """The registered layout called ``layout`` (a :class:`Layout` is returned as is; an alias
+    gives the layout that places its tokens).
 
     Raises:
         TypeError: ``layout`` is neither a string nor a Layout.
@@ -76,7 +102,7 @@ def get_layout(layout: str | Layout, form: Form = "any") -> Layout:
     if isinstance(layout, Layout):
         found = layout
     elif isinstance(layout, str):
-        found = _REGISTRY.get(layout)
+        found = find_layout(layout)
     else:
         raise TypeError(f"layout must be a layout name (str), got {type(layout).__name__}")
     if found is None or not _has_form(found, form):
@@ -88,6 +114,9 @@ def get_layout(layout: str | Layout, form: Form = "any") -> Layout:
 
 for _layout in BUILTIN_LAYOUTS:
     register_layout(_layout)
+for _name, (_target, _) in _ALIASES.items():
+    _ALIAS_LAYOUTS[_name] = copy.copy(_REGISTRY[_target])
+    _ALIAS_LAYOUTS[_name].name = _name
 
 
 def order_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
@@ -97,11 +126,3 @@ def order_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
     rank's queries and keys share one order), so the contiguous plan serves shards in any
     layout, and the Ulysses all-to-alls need not reorder them."""
     return layout if causal or tuple(window) != (-1, -1) else "ring"
-
-
-def call_layout(layout: str, causal: bool, window: tuple[int, int]) -> str:
-    """The layout a front door that translates a mask-free call (transformers,
-    ``context_parallel``) passes to ``ring_attention_func``: an all-gather or choosing layout
-    as is (it must stay one; it handles every mask itself), else :func:`order_layout`'s."""
-    lay = get_layout(layout)
-    return layout if lay.all_gather or lay.chooses else order_layout(layout, causal, window)

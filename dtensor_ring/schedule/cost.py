@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from ..layouts import get_layout, layout_names
+from ..layouts import alias_algorithm, get_layout, layout_names, order_layout
 from ..layouts.varlen import check_divisible, global_bounds
 from .plan import make_plan
 
@@ -122,13 +122,21 @@ def varlen_balance(
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     report: dict[str, list[float]] = {}
     for layout in (get_layout(name) for name in layout_names("documents")):
-        if (layout.causal_only and not causal) or any(
+        ring_only = alias_algorithm(layout.name) in (None, "ring")  # the others take any mask
+        if (layout.causal_only and ring_only and not causal) or any(
             n % layout.divisor(world_size) for n in lengths
         ):
             continue
         work = [0.0] * world_size
         for n in lengths:  # a plan per local length (the same plan for layouts with a table)
-            plan = make_plan(layout, world_size, causal, None, n // world_size)
+            # without a mask every piece meets its whole document: the order-free plan
+            plan = make_plan(
+                order_layout(layout.name, causal, (-1, -1)),
+                world_size,
+                causal,
+                None,
+                n // world_size,
+            )
             for r, row in enumerate(plan.score_pairs(n // world_size)):
                 work[r] += sum(row)
         report[layout.name] = work

@@ -3,7 +3,7 @@ signature, without a scope or private API (Note [How SDPA on DTensors reaches ri
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,16 +11,18 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ...layouts import LayoutName, get_layout
+from ...algorithm import Algorithm, Route, route
+from ...layouts import LayoutName
 from ...ops.ring import ring_attention, ring_attention_backward
 from ...ops.ulysses import ulysses_attention, ulysses_attention_backward
-from ...resolve import AttentionSpec, resolve_algorithm, resolve_call
-from .gather import gather_sdpa, is_gather
-from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
+from ...resolve import AttentionSpec, placement, resolve_call
+from .gather import gather_sdpa
+from .placements import check_sdpa_args, sdpa_algorithm, swap_seq_heads, to_op_layout
 
-Mode = Literal["ring", "ulysses"]
-# mode -> (forward op, backward op); the pairs share schemas (Note [Ulysses in the DTensor path])
-MODE_OPS = {
+Mode = Literal["ring", "ulysses"]  # the older spelling of algorithm= on the SDPA doors
+# algorithm -> (forward op, backward op); the pairs share schemas (Note [Ulysses in the DTensor
+# path]); the all-gather runs on the local shards (Note [All-gather layouts on DTensors])
+ALGORITHM_OPS = {
     "ring": (ring_attention, ring_attention_backward),
     "ulysses": (ulysses_attention, ulysses_attention_backward),
 }
@@ -28,11 +30,12 @@ MODE_OPS = {
 
 @dataclass(frozen=True)
 class SDPAConfig:
-    """The options of a ``ring_sdpa`` scope (or of one scope-free call)."""
+    """The options of a ``ring_sdpa`` scope (or of one scope-free call); ``algorithm`` None:
+    the layout alias's, else "ring" (Note [Layouts and algorithms])."""
 
     layout: str
     backend: str | None
-    mode: str = "ring"
+    algorithm: str | None = None
     window_size: tuple[int, int] = (-1, -1)
 
 
@@ -51,15 +54,16 @@ def scaled_dot_product_ring_attention(
     *,
     layout: LayoutName = "ring",
     backend: str | None = None,
-    mode: Mode = "ring",
+    mode: Mode | None = None,
     window_size: tuple[int, int] = (-1, -1),
     sinks: Tensor | None = None,
+    algorithm: Algorithm | None = None,
 ) -> DTensor:
     """Ring attention with ``F.scaled_dot_product_attention``'s signature, on DTensors.
 
     Computes what SDPA computes inside :func:`ring_sdpa`, without a scope or private API: it
-    calls ``dtensor_ring::ring_attention`` on the DTensors (sharding rule registered with
-    ``register_sharding``); an all-gather layout ("llama3_zigzag") calls
+    calls ``dtensor_ring::ring_attention`` (or the Ulysses op) on the DTensors (sharding rule
+    registered with ``register_sharding``); the all-gather calls
     ``dtensor_ring::llama3_attention`` on the local shards instead (Note [All-gather layouts
     on DTensors]). Works in eager and compiled code (also inside a ``torch.compile``'d
     function), with activation checkpointing.
@@ -70,17 +74,14 @@ def scaled_dot_product_ring_attention(
             mesh dim (the context-parallel dim, holding tokens as ``layout`` says) and
             ``Replicate()`` or ``Shard(0)`` on the others; S divisible by the layout's divisor.
         attn_mask: must be None.  dropout_p: must be 0.0.
-        is_causal: causal mask over the original (unpermuted) sequence; required for zigzag
-            and stripe (not for llama3_zigzag).
+        is_causal: causal mask over the original (unpermuted) sequence; the ring algorithm
+            needs it for zigzag and stripe.
         scale: softmax scale, default ``D ** -0.5``.
         layout: how the sequence is sharded (Note [Sequence layouts]): "ring", "zigzag",
-            "stripe", "llama3_zigzag" (zigzag's tokens, K/V all-gathered; with
-            ``mode="ulysses"``, zigzag's order), or "auto" (zigzag's tokens; ring, all-gather
-            or Ulysses chosen per call: Note [Choosing ring, all-gather or Ulysses]).
+            "stripe", or the aliases "llama3_zigzag" (zigzag + all-gather) and "auto" (zigzag
+            + the algorithm chosen per call).
         backend: block-kernel backend name, or None for automatic choice.
-        mode: "ring" (ring attention) or "ulysses" (Ulysses all-to-all attention,
-            ``dtensor_ring::ulysses_attention``; needs ``H`` divisible by the context-parallel
-            size, takes every layout causal or not). Note [Ulysses in the DTensor path].
+        mode: the older spelling of ``algorithm``: "ring" or "ulysses".
         window_size: flash-attn sliding window ``(left, right)`` over global positions (query
             p sees keys ``[p - left, p + right]``, -1 unbounded, ``is_causal`` sets
             ``right = 0``); docs/window.md.
@@ -88,6 +89,10 @@ def scaled_dot_product_ring_attention(
             plain tensor (the same on every rank; its gradient on each rank is this rank's
             rows' share, as in the functional API) or a DTensor replicated on the mesh (its
             gradient is a ``Partial`` DTensor: the sum over ranks is the whole gradient).
+        algorithm: how K/V move (Note [Layouts and algorithms]): "ring", "all_gather",
+            "ulysses" (needs ``H`` divisible by the context-parallel size; any layout, causal
+            or not: Note [Ulysses in the DTensor path]) or "auto"; None: the layout alias's,
+            else "ring".
 
     Returns:
         ``[B, H, S, D]`` DTensor with ``query``'s placements.
@@ -96,60 +101,54 @@ def scaled_dot_product_ring_attention(
         ValueError: on unsupported placements or arguments, on every rank, before any
             communication.
     """
+    algorithm = sdpa_algorithm(mode, algorithm)
     cp_dim, group_name = check_sdpa_args(
-        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode
+        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, algorithm
     )
     world = query.device_mesh.size(cp_dim)
-    config = SDPAConfig(layout, backend, mode, window_size)
-    if get_layout(layout).chooses:
-        local = to_op_layout(query.to_local(), key.to_local(), value.to_local())
-        config = chosen_config(config, *local, is_causal, group_name, world)
-    if is_gather(config):  # Note [All-gather layouts on DTensors]
-        return gather_sdpa(config, query, key, value, is_causal, scale, cp_dim, sinks)
+    config = SDPAConfig(layout, backend, algorithm, window_size)
+
+    def local() -> tuple[Tensor, Tensor, Tensor]:
+        return to_op_layout(query.to_local(), key.to_local(), value.to_local())
+
+    r = sdpa_route(config, local, is_causal, group_name, world)
+    if r.algorithm == "all_gather":  # Note [All-gather layouts on DTensors]
+        return gather_sdpa(config, r, query, key, value, is_causal, scale, cp_dim, sinks)
     q, k, v = to_op_layout(query, key, value)
     spec = resolve_sdpa(
-        config, q, k, v, is_causal, scale, group_name, world, global_len=q.shape[1], sinks=sinks
-    )
-    out, _ = MODE_OPS[config.mode][0](q, k, v, *spec.op_args(), replicated(sinks, query))
+        config, r, q, k, v, is_causal, scale, group_name, world, global_len=q.shape[1],
+        sinks=sinks,
+    )  # fmt: skip
+    out, _ = ALGORITHM_OPS[r.algorithm][0](q, k, v, *spec.op_args(), replicated(sinks, query))
     return swap_seq_heads(out)
 
 
-def chosen_config(
+def sdpa_route(
     config: SDPAConfig,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    local: Callable[[], tuple[Tensor, Tensor, Tensor]],
     is_causal: bool,
     group_name: str,
     world_size: int,
-    backward: bool | None = None,
-) -> SDPAConfig:
-    """For ``config`` of a choosing layout ("auto"), the configuration of the algorithm the
-    cost model picks for this call (Note [Choosing ring, all-gather or Ulysses]): the ring
-    ("zigzag" or the maskless "ring"), the all-gather ("llama3_zigzag") or ``mode="ulysses"``
-    over zigzag's tokens. ``q, k, v``: the local shards ``[B, S_local, H(_kv), D]``;
-    ``backward``: whether a backward is counted (None: whether ``q, k, v`` need gradients).
-    Forward and backward may choose differently (an SDPA handler runs below autograd): every
-    algorithm's backward is exact given the global ``out`` and ``lse``. Callers call it only
-    for a choosing layout (the local shards and ``backward`` cost host time)."""
-    if config.mode == "ulysses":  # Ulysses asked for: zigzag's tokens
-        return dataclasses.replace(config, layout="zigzag")
-    choice = resolve_algorithm(
+) -> Route:
+    """:func:`~dtensor_ring.algorithm.route` of an SDPA call of ``config``; ``local()``: the
+    local shards ``[B, S_local, H(_kv), D]``, taken only where "auto" prices the call (they
+    cost host time). The forward and backward (an SDPA handler runs below autograd) route
+    alike: the choice prices both, whatever this rank's grad mode."""
+    choosing = placement(config.layout, config.algorithm)[1] == "auto"
+    q, k, v = local() if choosing else (None, None, None)
+    return route(
         q,
         k,
         v,
+        layout=config.layout,
+        algorithm=config.algorithm,
         causal=is_causal,
         window_size=config.window_size,
         group_name=group_name,
         world_size=world_size,
-        op="sdpa[auto]",
-        layout=config.layout,
+        door="sdpa",
         backend=config.backend,
-        deterministic=torch.are_deterministic_algorithms_enabled(),
-        backward=backward,
     )
-    mode = "ulysses" if choice.algorithm == "ulysses" else "ring"
-    return dataclasses.replace(config, layout=choice.layout, mode=mode)
 
 
 def replicated(sinks: Tensor | None, like: DTensor) -> DTensor | None:
@@ -170,6 +169,7 @@ def replicated(sinks: Tensor | None, like: DTensor) -> DTensor | None:
 
 def resolve_sdpa(
     config: SDPAConfig,
+    r: Route,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -180,15 +180,16 @@ def resolve_sdpa(
     global_len: int | None = None,
     sinks: Tensor | None = None,
 ) -> AttentionSpec:
-    """The call resolution of an SDPA call in op layout ``[B, S, H, D]`` (Note [Call
-    resolution]); Ulysses runs the kernel on ``H / W`` query heads."""
-    ulysses = config.mode == "ulysses"
+    """The call resolution of an SDPA call in op layout ``[B, S, H, D]`` routed ``r`` (ring or
+    Ulysses; Note [Call resolution]); Ulysses runs the kernel on ``H / W`` query heads."""
+    ulysses = r.algorithm == "ulysses"
     return resolve_call(
         q,
         k,
         v,
-        op=f"sdpa[{config.mode}]",
-        layout=config.layout,
+        op=f"sdpa[{r.algorithm}]",
+        layout=r.layout,
+        algorithm=r.algorithm,
         causal=is_causal,
         softmax_scale=scale,
         window_size=config.window_size,
@@ -196,7 +197,7 @@ def resolve_sdpa(
         backend=config.backend,
         group_name=group_name,
         world_size=world_size,
-        ring_func=None if ulysses else "ring_sdpa(layout='ring')",
+        ring_func="ring_sdpa(layout='ring')",
         head_split=world_size if ulysses else 1,
         global_len=global_len,
         sinks=sinks,

@@ -3,9 +3,9 @@ runs the all-gather op, not the ring (Note [All-gather layouts on DTensors]).
 
 Note [All-gather layouts on DTensors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-An all-gather layout (``Layout.all_gather``: "llama3_zigzag", zigzag's tokens) shards DTensors
-exactly as zigzag does (:func:`shard_sequence`, the permuted global view of Note [DTensor
-global view of a permuted layout]), but its attention all-gathers K/V
+The all-gather (``algorithm="all_gather"``, or the alias "llama3_zigzag": zigzag's tokens)
+shards DTensors exactly as its layout does (:func:`shard_sequence`, the permuted global view
+of Note [DTensor global view of a permuted layout]), but its attention all-gathers K/V
 (``dtensor_ring::llama3_attention``, Note [Balanced all-gather attention] in
 ``engine/llama3.py``) instead of passing them around a ring, for every mask (causal,
 non-causal, windowed). That op is varlen: ``[T, H, D]``, no batch dim. As the dense front
@@ -24,8 +24,8 @@ through a sharding rule:
   through both (dK/dV come back reduce-scattered: each rank's are its own tokens' whole
   gradients, as ``Shard`` says).
 
-``mode="ulysses"`` (all-to-alls) keeps the Ulysses op and treats the layout as zigzag's
-token order.
+``algorithm="ulysses"`` (all-to-alls) keeps the Ulysses op and treats "llama3_zigzag" as
+zigzag's token order.
 """
 
 from __future__ import annotations
@@ -34,26 +34,18 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
-from ...layouts import get_layout
+from ...algorithm import Route
 from ...ops.common import call_attention
 from ...ops.varlen import llama3_attention, llama3_attention_backward
 from ...resolve import AttentionSpec, resolve_call
-from ..varlen import (
-    llama3_zigzag_flash_attn_func,
-    rows_as_documents,
-    rows_cu_seqlens,
-    rows_lse,
-)
+from ..attend import rows_as_documents, rows_cu_seqlens, rows_lse
+from ..varlen import llama3_zigzag_flash_attn_func
 from .placements import swap_seq_heads, to_op_layout
-
-
-def is_gather(config) -> bool:
-    """Whether an SDPA call of ``config`` (:class:`SDPAConfig`) runs the all-gather op."""
-    return config.mode == "ring" and get_layout(config.layout).all_gather
 
 
 def resolve_gather(
     config,
+    r: Route,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -69,8 +61,9 @@ def resolve_gather(
         rows_as_documents(q),
         rows_as_documents(k),
         rows_as_documents(v),
-        op="sdpa[ring]",
-        layout=config.layout,
+        op="sdpa[all_gather]",
+        layout=r.layout,
+        algorithm="all_gather",
         form="documents",
         causal=is_causal,
         softmax_scale=scale,
@@ -79,7 +72,6 @@ def resolve_gather(
         backend=config.backend,
         group_name=group_name,
         world_size=world_size,
-        ring_func="ring_sdpa(layout='ring')",
     )
 
 
@@ -136,6 +128,7 @@ def gather_backward(
 
 def gather_sdpa(
     config,
+    r: Route,
     query: DTensor,
     key: DTensor,
     value: DTensor,
@@ -156,7 +149,7 @@ def gather_sdpa(
         q,
         k,
         v,
-        1,
+        r.heads_k_stride,
         softmax_scale=scale,
         causal=is_causal,
         window_size=config.window_size,
@@ -164,6 +157,6 @@ def gather_sdpa(
         group=mesh.get_group(cp_dim),
         backend=config.backend,
         sinks=sinks,
-        layout=config.layout,
+        layout=r.layout,
     )
     return DTensor.from_local(swap_seq_heads(out), mesh, query.placements, run_check=False)

@@ -13,11 +13,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..._compat import aten_op, require_aten_op
 from ..._compat import dtensor as _dtensor_compat
-from ...layouts import get_layout
+from ...algorithm import Route
 from ...ops.common import call_attention
 from ...resolve import AttentionSpec
-from .function import MODE_OPS, SDPAConfig, chosen_config, resolve_sdpa
-from .gather import gather_backward, gather_forward, is_gather, resolve_gather
+from .function import ALGORITHM_OPS, SDPAConfig, resolve_sdpa, sdpa_route
+from .gather import gather_backward, gather_forward, resolve_gather
 from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
 
 
@@ -92,10 +92,10 @@ def _unused_output(mesh: DeviceMesh, device: torch.device, position: int) -> DTe
 
 def _bind_sdpa_call(
     config: SDPAConfig, op: torch._ops.OpOverload, args: tuple, kwargs: dict
-) -> tuple[dict, tuple[Tensor, Tensor, Tensor], AttentionSpec, SDPAConfig]:
+) -> tuple[dict, tuple[Tensor, Tensor, Tensor], AttentionSpec, Route]:
     """Bind an SDPA aten op's arguments by name, check them, and resolve the call: the bound
-    arguments, the local shards in the op layout ``[B, S, H, D]``, the spec, and the
-    configuration the call runs (``layout="auto"``: the chosen algorithm's)."""
+    arguments, the local shards in the op layout ``[B, S, H, D]``, the spec, and the route
+    (Note [Layouts and algorithms])."""
     a = _dtensor_compat.bind_args(op, args, kwargs)
     query, key, value = a["query"], a["key"], a["value"]
     is_causal = bool(a.get("is_causal", False))
@@ -108,17 +108,14 @@ def _bind_sdpa_call(
         is_causal,
         True,
         config.layout,
-        config.mode,
+        config.algorithm,
     )
     q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
     world = query.device_mesh.size(cp_dim)
-    if get_layout(config.layout).chooses:
-        # below autograd: a backward is counted where the caller wants gradients
-        backward = "backward" in op.name() or torch.is_grad_enabled()
-        config = chosen_config(config, q, k, v, is_causal, group_name, world, backward)
-    resolve = resolve_gather if is_gather(config) else resolve_sdpa
-    spec = resolve(config, q, k, v, is_causal, a.get("scale"), group_name, world)
-    return a, (q, k, v), spec, config
+    r = sdpa_route(config, lambda: (q, k, v), is_causal, group_name, world)
+    resolve = resolve_gather if r.algorithm == "all_gather" else resolve_sdpa
+    spec = resolve(config, r, q, k, v, is_causal, a.get("scale"), group_name, world)
+    return a, (q, k, v), spec, r
 
 
 def aten_sdpa_forward_handler(
@@ -126,12 +123,12 @@ def aten_sdpa_forward_handler(
 ) -> tuple:
     """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
     family = _family_of()[op]
-    a, (q, k, v), spec, config = _bind_sdpa_call(config, op, args, kwargs)
+    a, (q, k, v), spec, r = _bind_sdpa_call(config, op, args, kwargs)
     query, mesh = a["query"], a["query"].device_mesh
-    if is_gather(config):  # Note [All-gather layouts on DTensors]
+    if r.algorithm == "all_gather":  # Note [All-gather layouts on DTensors]
         out, lse = gather_forward(q, k, v, spec)
     else:
-        out, lse = call_attention(MODE_OPS[config.mode][0], q, k, v, *spec.op_args())
+        out, lse = call_attention(ALGORITHM_OPS[r.algorithm][0], q, k, v, *spec.op_args())
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -153,7 +150,7 @@ def aten_sdpa_backward_handler(
 ) -> tuple:
     """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
     family = _family_of()[op]
-    a, (q, k, v), spec, config = _bind_sdpa_call(config, op, args, kwargs)
+    a, (q, k, v), spec, r = _bind_sdpa_call(config, op, args, kwargs)
     mesh, placements = a["query"].device_mesh, a["query"].placements
     dout, out, lse = _first(a, "grad_out", "grad_out_"), a["out"], a["logsumexp"]
     dout, out, lse = (
@@ -165,11 +162,11 @@ def aten_sdpa_backward_handler(
     if family.lse_trailing_one:
         lse_l = lse_l.squeeze(-1)
     lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
-    if is_gather(config):
+    if r.algorithm == "all_gather":
         dq, dk, dv = gather_backward(dout_l, q, k, v, out_l, lse_l, spec)
     else:
         dq, dk, dv = call_attention(
-            MODE_OPS[config.mode][1],
+            ALGORITHM_OPS[r.algorithm][1],
             dout_l.contiguous(),
             q,
             k,

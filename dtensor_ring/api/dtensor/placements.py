@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from ...consistency import relay_errors
 from ...layouts import get_layout
-from ...resolve import check_bool, check_heads, check_unsupported
+from ...resolve import check_algorithm, check_bool, check_heads, check_unsupported, placement
 
 SDPA_SEQ_DIM = 2  # [B, H, S, D]
 OP_SEQ_DIM = 1  # [B, S, H, D]
@@ -31,10 +31,18 @@ def swap_seq_heads(t: Tensor) -> Tensor:
 MODES = ("ring", "ulysses")
 
 
-def check_mode(mode: str) -> None:
-    """``ValueError`` unless ``mode`` is one of :data:`MODES`."""
+def sdpa_algorithm(mode: object, algorithm: object) -> str | None:
+    """The ``algorithm=`` of an SDPA door given its older spelling ``mode=`` (one of
+    :data:`MODES`): "ulysses" is ``algorithm="ulysses"``, "ring" the layout's own algorithm
+    (None: "ring", or an alias's); ``ValueError`` when the two contradict."""
+    algorithm = check_algorithm(algorithm)
+    if mode is None:
+        return algorithm
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+        raise ValueError(f"mode={mode!r}; choose one of {MODES} (or pass algorithm=)")
+    if algorithm is not None and (algorithm == "ulysses") != (mode == "ulysses"):
+        raise ValueError(f"mode={mode!r} and algorithm={algorithm!r} disagree; pass algorithm=")
+    return "ulysses" if mode == "ulysses" else algorithm
 
 
 def to_op_layout(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -157,7 +165,7 @@ def check_sdpa_args(
     is_causal: bool,
     enable_gqa: bool,
     layout: str,
-    mode: str = "ring",
+    algorithm: str | None = None,
 ) -> tuple[int, str]:
     """Validate an SDPA call on DTensors ``[B, H, S, D]`` (errors reach every rank of the
     sequence dim's group in the consistency mode).
@@ -165,7 +173,7 @@ def check_sdpa_args(
     Returns:
         ``(cp_dim, group_name)``: the context-parallel mesh dim and its process group's name.
     """
-    args = (query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, mode)
+    args = (query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, algorithm)
     if torch.compiler.is_compiling():
         return _check_sdpa_args(*args)
     with relay_errors(lambda: _sequence_group(query), "sdpa"):
@@ -196,7 +204,7 @@ def _check_sdpa_args(
     is_causal: bool,
     enable_gqa: bool,
     layout: str,
-    mode: str,
+    algorithm: str | None,
 ) -> tuple[int, str]:
 
     is_causal = check_bool("is_causal", is_causal)
@@ -224,10 +232,10 @@ def _check_sdpa_args(
         float(dropout_p),
         bool(is_causal),
         layout,
-        mode,
+        algorithm,
     )
     _check_sdpa_shapes(
-        query.shape, key.shape, value.shape, bool(enable_gqa), layout, mode, world, batch_ways
+        query.shape, key.shape, value.shape, bool(enable_gqa), layout, algorithm, world, batch_ways
     )
     return cp_dim, group_name
 
@@ -239,7 +247,7 @@ def _check_sdpa_metadata(
     dropout_p: float,
     is_causal: bool,
     layout: str,
-    mode: str = "ring",
+    algorithm: str | None = None,
 ) -> tuple[int, str, int, int]:
     """The checks of :func:`check_sdpa_args` that need no sizes.
 
@@ -254,7 +262,7 @@ def _check_sdpa_metadata(
         ``(cp_dim, group_name, world, batch_ways)``.
     """
     get_layout(layout, "dense")
-    check_mode(mode)
+    lay, algorithm = placement(layout, algorithm)
     if has_mask:
         raise ValueError(
             "attn_mask is not supported by ring attention (SDPA on sequence-sharded DTensors); "
@@ -271,8 +279,8 @@ def _check_sdpa_metadata(
                 f"{name} is a {meta}, not a DTensor, while other SDPA inputs are DTensors; "
                 "make q, k and v DTensors on one mesh (DTensor.from_local for local shards)"
             )
-    if mode == "ring":
-        get_layout(layout).check_mask(is_causal, ring_func="ring_sdpa(layout='ring')")
+    if algorithm == "ring":
+        lay.check_mask(is_causal, ring_func="ring_sdpa(layout='ring')")
     xs = [Sharded(n, *meta) for n, meta in zip(names, metadata, strict=True)]
     cp_dim, batch_ways = cp_mesh_dim(xs, seq_dim=SDPA_SEQ_DIM, layout_names="[B, H, S, D]")
     mesh = xs[0].mesh
@@ -280,7 +288,14 @@ def _check_sdpa_metadata(
 
 
 def _check_sdpa_shapes(
-    q_shape, k_shape, v_shape, enable_gqa: bool, layout: str, mode: str, world: int, batch_ways: int
+    q_shape,
+    k_shape,
+    v_shape,
+    enable_gqa: bool,
+    layout: str,
+    algorithm: str | None,
+    world: int,
+    batch_ways: int,
 ) -> None:
     """The size checks of :func:`check_sdpa_args` (plain Python: sizes may be symbolic)."""
     check_even_shards(
@@ -306,5 +321,5 @@ def _check_sdpa_shapes(
         )
     if H % H_kv != 0:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv}")
-    if mode == "ulysses":
-        check_heads(H, world, "ring_sdpa(mode='ulysses')")
+    if placement(layout, algorithm)[1] == "ulysses":
+        check_heads(H, world, "ring_sdpa(algorithm='ulysses')")

@@ -16,11 +16,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from ..._compat import dtensor as _dtensor_compat
+from ...algorithm import Algorithm
 from ...layouts import LayoutName, get_layout
-from ...resolve import check_window_size
+from ...resolve import check_window_size, placement
 from .function import Mode, SDPAConfig
 from .handlers import aten_handlers
-from .placements import check_mode, check_sdpa_args
+from .placements import check_sdpa_args, sdpa_algorithm
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,8 +91,8 @@ def _require_scope(config: SDPAConfig, grad: torch.Tensor) -> None:
     if _OPEN_SCOPES[config] == 0:
         raise ValueError(
             "the backward of SDPA on DTensors ran outside dtensor_ring.ring_sdpa("
-            f"layout={config.layout!r}, mode={config.mode!r}, ...): enter the scope around "
-            "the forward *and* the backward (e.g. the whole training step)"
+            f"layout={config.layout!r}, algorithm={config.algorithm!r}, ...): enter the scope "
+            "around the forward *and* the backward (e.g. the whole training step)"
         )
 
 
@@ -110,7 +111,15 @@ def _check_dtensor_sdpa_call(
     if not any(isinstance(t, DTensor) for t in (query, key, value)):
         return False
     check_sdpa_args(
-        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, config.layout, config.mode
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        enable_gqa,
+        config.layout,
+        config.algorithm,
     )
     return True
 
@@ -119,8 +128,9 @@ def _check_dtensor_sdpa_call(
 def ring_sdpa(
     layout: LayoutName = "ring",
     backend: str | None = None,
-    mode: Mode = "ring",
+    mode: Mode | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    algorithm: Algorithm | None = None,
 ) -> Iterator[None]:
     """Scope in which SDPA on sequence-sharded DTensors runs ring attention.
 
@@ -138,23 +148,25 @@ def ring_sdpa(
 
     Args:
         layout: "ring", "zigzag", "stripe" or "llama3_zigzag": how the DTensors' sequence
-            shards are laid out (Note [Sequence layouts]); zigzag and stripe need
-            ``is_causal=True`` (except with ``mode="ulysses"``). "llama3_zigzag" holds
-            zigzag's tokens and all-gathers K/V (``dtensor_ring::llama3_attention``) for every
-            mask instead of passing them around the ring (Note [All-gather layouts on
-            DTensors]); with ``mode="ulysses"`` it is zigzag's token order. The default,
+            shards are laid out (Note [Sequence layouts]); the ring algorithm needs
+            ``is_causal=True`` for zigzag and stripe. "llama3_zigzag" holds zigzag's tokens
+            and all-gathers K/V (``dtensor_ring::llama3_attention``) for every mask instead of
+            passing them around the ring (Note [All-gather layouts on DTensors]); with another
+            ``algorithm`` it is zigzag's token order. The default,
             "ring", is the contiguous shards that ``distribute_tensor(x, mesh, [Shard(2)])``
             makes; a load-balanced order is asked for here, and :func:`shard_sequence` inside
             the scope shards in it by default. "auto" holds zigzag's tokens and chooses the
             ring, the all-gather or Ulysses per call (Note [Choosing ring, all-gather or
             Ulysses]).
         backend: block-kernel backend name, or None for automatic choice.
-        mode: "ring" (ring attention) or "ulysses" (all-to-all attention; needs ``H``
-            divisible by the context-parallel size, else ``ValueError`` on every rank before
-            any communication). Note [Ulysses in the DTensor path].
+        mode: the older spelling of ``algorithm``: "ring" or "ulysses".
         window_size: flash-attn sliding window ``(left, right)`` over global positions for
             every SDPA call in the scope (-1: unbounded; ``is_causal`` sets ``right = 0``);
             docs/window.md. SDPA has no window argument, hence this option.
+        algorithm: how K/V move (Note [Layouts and algorithms]): "ring", "all_gather",
+            "ulysses" (needs ``H`` divisible by the context-parallel size, else ``ValueError``
+            on every rank before any communication; Note [Ulysses in the DTensor path]) or
+            "auto"; None: the layout alias's, else "ring".
 
     Raises:
         ValueError: on a malformed ``window_size``.
@@ -162,14 +174,15 @@ def ring_sdpa(
             when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
     """
     get_layout(layout, "dense")
-    check_mode(mode)
+    algorithm = sdpa_algorithm(mode, algorithm)
+    placement(layout, algorithm)
     if torch.compiler.is_compiling():
         raise RuntimeError(
             "enter dtensor_ring.ring_sdpa outside the torch.compile'd function (e.g. around "
             "the training step): its SDPA handlers act while AOTAutograd traces, after Dynamo; "
             "inside compiled code call dtensor_ring.scaled_dot_product_ring_attention instead"
         )
-    config = SDPAConfig(layout, backend, mode, check_window_size(window_size))
+    config = SDPAConfig(layout, backend, algorithm, check_window_size(window_size))
     token = _SCOPE_LAYOUT.set(layout)
     _OPEN_SCOPES[config] += 1
     try:

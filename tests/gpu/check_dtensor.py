@@ -2,8 +2,8 @@
 
 Not a test (CI has no GPU): run it on a CUDA machine, alone (world size 1) or under torchrun,
 
-    python -m dtensor_ring.testing.gpu_check_dtensor
-    torchrun --nproc-per-node 2 -m dtensor_ring.testing.gpu_check_dtensor
+    python tests/gpu/check_dtensor.py
+    torchrun --nproc-per-node 2 tests/gpu/check_dtensor.py
 
 For each SDPA backend (forced with ``sdpa_kernel``: flash, efficient, cuDNN) it runs
 ``F.scaled_dot_product_attention`` on zigzag-sharded DTensors inside ``ring_sdpa`` (forward and
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import dtensor_ring
-from dtensor_ring.testing import TinyConfig, TinyTransformer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import dtensor_ring  # noqa: E402
+from dtensor_ring.testing import TinyConfig, TinyTransformer  # noqa: E402
 
 BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
 

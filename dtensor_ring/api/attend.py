@@ -1,0 +1,257 @@
+"""The one dispatch of every front door that takes ``layout=`` / ``algorithm=``: route the
+call (Note [Layouts and algorithms] in ``algorithm.py``), resolve it for the chosen algorithm,
+run that algorithm's op. Dense and packed (varlen) calls; nothing here climbs back to a door.
+
+    dense_attention / varlen_attention
+        route()          -> Route(algorithm, layout, heads_k_stride)
+        resolve_call()   -> AttentionSpec (every argument checked on every rank)
+        ring             dtensor_ring::ring_attention / ring_attention_varlen
+        all_gather       dtensor_ring::llama3_attention (dense rows folded: one document each)
+        ulysses          the all-to-alls around dtensor_ring::ulysses_local_attention
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..algorithm import DENSE_ALGORITHMS, VARLEN_ALGORITHMS, route
+from ..layouts import get_layout
+from ..layouts.varlen import host_values
+from ..ops.common import call_attention
+from ..ops.ring import ring_attention
+from ..ops.varlen import llama3_attention, ring_attention_varlen
+from ..resolve import (
+    check_cu_seqlens_arg,
+    check_heads_k_stride,
+    check_qkv_tensors,
+    group_arg,
+    max_seqlen_value,
+    resolve_call,
+)
+from .ulysses import ulysses_run
+
+
+def dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layout: str,
+    algorithm: str | None,
+    causal: bool,
+    softmax_scale: float | None,
+    window_size: tuple[int, int],
+    dropout_p: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    sinks: Tensor | None = None,
+    heads_k_stride: int | None = None,
+    allowed: tuple[str, ...] = DENSE_ALGORITHMS,
+    return_lse: bool = True,
+    backward: bool = True,
+    order_free: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention of local ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` ->
+    ``(out [B, S_local, H, D], lse [B, H, S_local])`` by the routed algorithm (``allowed``:
+    the door's; ``backward``/``order_free``: :func:`~dtensor_ring.algorithm.route`'s). lse is
+    None when not ``return_lse`` and the algorithm would spend communication on it."""
+    name, world_size = group_arg(group)
+    r = route(
+        q,
+        k,
+        v,
+        layout=layout,
+        algorithm=algorithm,
+        causal=causal,
+        window_size=window_size,
+        group_name=name,
+        world_size=world_size,
+        door="ring_attention",
+        backend=backend,
+        allowed=allowed,
+        backward=backward,
+        order_free=order_free,
+        heads_k_stride=heads_k_stride,
+    )
+    common = dict(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        backend=backend,
+        sinks=sinks,
+        group_name=name,
+        world_size=world_size,
+    )
+    if r.algorithm == "all_gather":
+        check_qkv_tensors(q, k, v)
+        B, S, H, D = q.shape
+        get_layout(r.layout, "dense").check_local_length(S, world_size)
+        cu = rows_cu_seqlens(B, S)
+        out, lse = _gather(
+            *(rows_as_documents(t) for t in (q, k, v)), cu, S, r.layout, r.heads_k_stride, common
+        )
+        return out.view(B, S, H, D), rows_lse(lse, B, S).contiguous() if return_lse else None
+    if r.algorithm == "ulysses":
+        spec = resolve_call(
+            q, k, v, op="ulysses", layout=r.layout, algorithm="ulysses", head_split=world_size,
+            **common,
+        )  # fmt: skip
+        return ulysses_run(q, k, v, spec, sinks, group, return_lse)
+    spec = resolve_call(q, k, v, op="ring_attention", layout=r.layout, **common)
+    return call_attention(ring_attention, q, k, v, *spec.op_args(), sinks)
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    *,
+    layout: str,
+    algorithm: str | None,
+    causal: bool,
+    softmax_scale: float | None,
+    window_size: tuple[int, int],
+    dropout_p: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    sinks: Tensor | None = None,
+    heads_k_stride: int | None = None,
+    allowed: tuple[str, ...] = VARLEN_ALGORITHMS,
+    order_free: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Attention of packed documents in a per-document layout: local ``q [T_local, H, D]``,
+    ``k, v [T_local, H_kv, D]``, ``cu_seqlens`` the local boundaries (global ``// W``) ->
+    ``(out [T_local, H, D], lse [H, T_local])`` by the routed algorithm (ring or all-gather)."""
+    name, world_size = group_arg(group)
+    r = route(
+        q,
+        k,
+        v,
+        layout=layout,
+        algorithm=algorithm,
+        causal=causal,
+        window_size=window_size,
+        group_name=name,
+        world_size=world_size,
+        door="ring_attention_varlen",
+        backend=backend,
+        varlen=True,
+        allowed=allowed,
+        order_free=order_free,
+        heads_k_stride=heads_k_stride,
+    )
+    common = dict(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        backend=backend,
+        sinks=sinks,
+        group_name=name,
+        world_size=world_size,
+    )
+    if r.algorithm == "all_gather":
+        return _gather(q, k, v, cu_seqlens, max_seqlen, r.layout, r.heads_k_stride, common)
+
+    def checks() -> None:
+        check_cu_seqlens_arg(cu_seqlens, q)
+        max_seqlen_value(max_seqlen, "max_seqlen")
+
+    spec = resolve_call(
+        q,
+        k,
+        v,
+        op="ring_attention_varlen",
+        layout=r.layout,
+        form="documents",
+        ring_func="ring_flash_attn_varlen_func",
+        checks=checks,
+        metadata=lambda: {"cu_seqlens": host_values(cu_seqlens), "max_seqlen": max_seqlen},
+        **common,
+    )
+    max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
+    return call_attention(
+        ring_attention_varlen, q, k, v, cu_seqlens, max_seqlen, *spec.op_args(), sinks
+    )
+
+
+def _gather(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    layout: str,
+    heads_k_stride: int,
+    common: dict,
+) -> tuple[Tensor, Tensor]:
+    """All-gather attention (Note [Balanced all-gather attention]) of packed documents in a
+    per-document ``layout`` -> ``(out [T_local, H, D], lse [H, T_local])``."""
+
+    def checks() -> None:
+        check_heads_k_stride(heads_k_stride, k.shape[1])
+        check_cu_seqlens_arg(cu_seqlens, q)
+        max_seqlen_value(max_seqlen, "max_seqlen")
+
+    spec = resolve_call(
+        q,
+        k,
+        v,
+        op="llama3_attention",
+        layout=layout,
+        algorithm="all_gather",
+        form="documents",
+        checks=checks,
+        metadata=lambda: {
+            "cu_seqlens": host_values(cu_seqlens),
+            "max_seqlen": max_seqlen,
+            "heads_k_stride": heads_k_stride,
+        },
+        **common,
+    )
+    max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
+    return call_attention(
+        llama3_attention,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        heads_k_stride,
+        0,
+        0,
+        *spec.op_args(),
+        common["sinks"],
+    )
+
+
+def rows_as_documents(t: Tensor) -> Tensor:
+    """A dense ``[B, S_local, H, D]`` as the packed ``[B * S_local, H, D]`` of B documents,
+    one a row (a view where possible): the form the all-gather's varlen op takes."""
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def rows_cu_seqlens(batch: int, seq_local: int) -> Tensor:
+    """The local ``cu_seqlens`` (int32 ``[B + 1]``, CPU) of :func:`rows_as_documents`."""
+    return torch.arange(0, (batch + 1) * seq_local, seq_local, dtype=torch.int32)
+
+
+def rows_lse(lse_HT: Tensor, batch: int, seq_local: int) -> Tensor:
+    """The packed lse ``[H, B * S_local]`` of :func:`rows_as_documents` back as the dense
+    ``[B, H, S_local]`` (a view)."""
+    return lse_HT.view(lse_HT.shape[0], batch, seq_local).transpose(0, 1)
