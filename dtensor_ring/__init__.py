@@ -40,18 +40,7 @@ from .api.dtensor import (
     shard_sequence,
     unshard_sequence,
 )
-from .api.functional import (
-    ring_attention_func,
-    ring_flash_attn_func,
-    ring_flash_attn_kvpacked_func,
-    ring_flash_attn_qkvpacked_func,
-    stripe_flash_attn_func,
-    stripe_flash_attn_kvpacked_func,
-    stripe_flash_attn_qkvpacked_func,
-    zigzag_ring_flash_attn_func,
-    zigzag_ring_flash_attn_kvpacked_func,
-    zigzag_ring_flash_attn_qkvpacked_func,
-)
+from .api.functional import ring_attention_func
 from .api.kv_cache import KVCacheShard, decode_step_attention, prefill_attention, split_prompt
 from .api.ulysses import (
     hybrid_flash_attn_func,
@@ -62,15 +51,26 @@ from .api.ulysses import (
     ulysses_flash_attn_qkvpacked_func,
 )
 from .api.varlen import (
+    llama3_zigzag_flash_attn_func,
+    llama3_zigzag_flash_attn_varlen_func,
+    ring_varlen_attention_func,
+)
+from .compat.ring_flash_attn import (
     llama3_flash_attn_varlen_func,
     llama3_flash_attn_varlen_kvpacked_func,
     llama3_flash_attn_varlen_qkvpacked_func,
-    llama3_zigzag_flash_attn_func,
-    llama3_zigzag_flash_attn_varlen_func,
+    ring_flash_attn_func,
+    ring_flash_attn_kvpacked_func,
+    ring_flash_attn_qkvpacked_func,
     ring_flash_attn_varlen_func,
     ring_flash_attn_varlen_kvpacked_func,
     ring_flash_attn_varlen_qkvpacked_func,
-    ring_varlen_attention_func,
+    stripe_flash_attn_func,
+    stripe_flash_attn_kvpacked_func,
+    stripe_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_func,
+    zigzag_ring_flash_attn_kvpacked_func,
+    zigzag_ring_flash_attn_qkvpacked_func,
     zigzag_ring_flash_attn_varlen_func,
     zigzag_ring_flash_attn_varlen_kvpacked_func,
     zigzag_ring_flash_attn_varlen_qkvpacked_func,

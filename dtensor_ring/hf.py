@@ -2,9 +2,9 @@
 and ring-flash-attention's adapter entry points (``substitute_hf_flash_attn``,
 ``update_ring_flash_attn_params``).
 
-The code lives in :mod:`dtensor_ring.api.hf` and :mod:`dtensor_ring.api.rfa_hf_adapter` with
-the other front doors; this module keeps the public import path. ``import dtensor_ring``
-never imports it (nor transformers).
+The code lives in :mod:`dtensor_ring.api.hf` (with the other front doors) and
+:mod:`dtensor_ring.compat.rfa_hf_adapter`; this module keeps the public import path.
+``import dtensor_ring`` never imports it (nor transformers).
 """
 
 from .api.generate import GENERATE_ATTN_IMPLEMENTATION, generate  # noqa: F401
@@ -19,7 +19,7 @@ from .api.hf import (  # noqa: F401
     shard_batch,
 )
 from .api.hf import __all__ as _hf_all
-from .api.rfa_hf_adapter import (
+from .compat.rfa_hf_adapter import (
     RFA_ATTN_IMPLEMENTATION,
     substitute_hf_flash_attn,
     update_ring_flash_attn_params,

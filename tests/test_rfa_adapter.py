@@ -186,7 +186,7 @@ def _adapter_vs_one_process(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import dtensor_ring.hf as drhf
-    from dtensor_ring.api.rfa_hf_adapter import ring_flash_attention_forward
+    from dtensor_ring.compat.rfa_hf_adapter import ring_flash_attention_forward
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     gen = torch.Generator().manual_seed(2)

@@ -46,12 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..api.hf import _summary, _window, check_model_keywords
 from ..consistency import relay_errors
 from ..layouts.varlen import host_values
 from ..resolve import group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
-from .hf import _summary, _window, check_model_keywords
-from .varlen import llama3_flash_attn_varlen_func
+from .ring_flash_attn import llama3_flash_attn_varlen_func
 
 __all__ = [
     "DATA_PARAMS",
