@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 import dtensor_ring as dr
 from dtensor_ring import consistency
 from dtensor_ring._compat import group_name as _group_name
-from dtensor_ring.resolve import resolve_call
+from dtensor_ring.resolve import Call, Door, resolve_call
 
 SHAPES = {  # name -> (B, S_local, H, D)
     "small": (1, 256, 4, 64),
@@ -112,34 +112,12 @@ def measure(shape: tuple[int, int, int, int], reps: int, warmup: int) -> dict:
         out = dr.ring_flash_attn_func(q, k, v, causal=True)
         out.backward(dout)
 
-    def resolve():
-        resolve_call(
-            q,
-            k,
-            v,
-            op="ring_attention",
-            layout="ring",
-            causal=True,
-            softmax_scale=None,
-            window_size=(-1, -1),
-            backend=None,
-            group_name=name,
-            world_size=world,
-        )
+    call, door = Call(q, k, v, name, world, "ring", causal=True), Door("ring_attention")
 
-    spec = resolve_call(
-        q,
-        k,
-        v,
-        op="ring_attention",
-        layout="ring",
-        causal=True,
-        softmax_scale=None,
-        window_size=(-1, -1),
-        backend=None,
-        group_name=name,
-        world_size=world,
-    )
+    def resolve():
+        resolve_call(call, door)
+
+    spec = resolve_call(call, door)
     fingerprint = {  # what resolve_call gathers for this call
         "op": "ring_attention",
         **spec._asdict(),

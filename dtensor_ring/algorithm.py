@@ -43,12 +43,12 @@ import logging
 from typing import Literal, NamedTuple
 
 import torch
-from torch import Tensor
 
 from .consistency import relay_errors
 from .kernels import get_kernel
 from .layouts import Layout, alias_algorithm, get_layout, home_layout, order_layout
 from .resolve import (
+    Call,
     check_backend_arg,
     check_bool,
     check_qkv_tensors,
@@ -98,32 +98,24 @@ def check_pair(lay: Layout, algorithm: str) -> None:
 
 
 def route(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    layout: str | Layout,
+    call: Call,
     algorithm: str | None,
-    causal: bool,
-    window_size: tuple[int, int],
-    group_name: str,
-    world_size: int,
+    *,
     door: str,
-    backend: object = None,
     varlen: bool = False,
     allowed: tuple[str, ...] = DENSE_ALGORITHMS,
     backward: bool = True,
     order_free: bool = False,
     heads_k_stride: int | None = None,
 ) -> Route:
-    """The algorithm and layout one call runs (Note [Layouts and algorithms]); every door
+    """The algorithm and layout ``call`` runs (Note [Layouts and algorithms]); every door
     that takes ``layout=`` calls it once, before :func:`~dtensor_ring.resolve.resolve_call`.
 
     Args:
-        q, k, v: this rank's ``[B, S_local, H(_kv), D]`` (``varlen``: packed
-            ``[T_local, H(_kv), D]``, priced as one row of ``T_local * W`` tokens).
-        layout, algorithm: the caller's settings (an alias or "auto" resolved here).
-        causal, window_size, backend: as the call's; checked here where "auto" needs them.
+        call: the call (its layout, mask, group and ``backend``; q, k, v ``[B, S_local,
+            H(_kv), D]``, or packed for ``varlen``, are read only for "auto", which prices
+            packed documents as one row of ``T_local * W`` tokens).
+        algorithm: the caller's ``algorithm=`` (None: the layout alias's, else "ring").
         door: the front door's name (errors in the consistency mode).
         allowed: the algorithms the door can run ("auto" is allowed where more than one is).
         backward: "auto" counts a backward (False: an inference door).
@@ -133,20 +125,13 @@ def route(
         heads_k_stride: the all-gather's K/V heads per step (None: 1, or the policy's).
     """
     choosing = allowed + ("auto",) if len(allowed) > 1 else allowed
-    with relay_errors((group_name,), door):
-        lay, algorithm = placement(layout, algorithm, allowed=choosing)
+    with relay_errors((call.group_name,), door):
+        lay, algorithm = placement(call.layout, algorithm, allowed=choosing)
         check_pair(lay, algorithm)
         stride = 0
         if algorithm == "auto":
             choice = auto_choice(
-                q,
-                k,
-                v,
-                layout=lay,
-                causal=causal,
-                window_size=window_size,
-                world_size=world_size,
-                backend=backend,
+                call.replace(layout=lay),
                 varlen=varlen,
                 candidates=allowed,
                 backward=backward,
@@ -159,20 +144,14 @@ def route(
         # an alias names the caller's tokens in messages; "auto" with an algorithm is zigzag's
         name = home_layout(lay) if alias_algorithm(lay.name) == "auto" else lay.name
         if algorithm == "ring" and order_free:
-            name = order_layout(name, check_bool("causal", causal), check_window_size(window_size))
+            causal, window = check_bool("causal", call.causal), call.window_size
+            name = order_layout(name, causal, check_window_size(window))
     return Route(algorithm, name, stride)
 
 
 def auto_choice(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    call: Call,
     *,
-    layout: str | Layout,
-    causal: bool,
-    window_size: tuple[int, int],
-    world_size: int,
-    backend: object = None,
     varlen: bool = False,
     candidates: tuple[str, ...] = DENSE_ALGORITHMS,
     backward: bool = True,
@@ -181,16 +160,17 @@ def auto_choice(
     ``candidates`` whose kernel can run it (the all-gather needs a varlen kernel), remembered
     per shape and machine and logged once (``dtensor_ring.policy``, INFO); the arguments it
     reads checked as the call resolution checks them (which runs next, on the chosen
-    algorithm). ``q, k, v`` as :func:`route`'s; ``backward``: price a backward too."""
-    lay = get_layout(layout)
+    algorithm). ``call`` as :func:`route`'s; ``backward``: price a backward too."""
+    q, k, v, world_size = call.q, call.k, call.v, call.world_size
+    lay = get_layout(call.layout)
     check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
     tokens = q.shape[0] if varlen else q.shape[1]
     if not varlen:  # the divisibility error names the caller's layout, not the chosen one
         lay.check_local_length(tokens, world_size)
     causal, window = normalize_window(
-        check_window_size(window_size), check_bool("causal", causal), tokens * world_size
+        check_window_size(call.window_size), check_bool("causal", call.causal), tokens * world_size
     )
-    backend = check_backend_arg(backend)
+    backend = check_backend_arg(call.backend)
     kernels, unable = {}, None
     for name in candidates:  # the kernel each would run (deterministic or not: a rank-local
         try:  # flag must not change the choice); those with none are dropped

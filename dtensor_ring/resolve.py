@@ -27,8 +27,10 @@ graph, and the kernel choice is a Dynamo constant (:func:`select_backend`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -423,99 +425,88 @@ def select_backend(
 # --- the resolution -----------------------------------------------------------------------
 
 
-def resolve_call(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    op: str,
-    layout: str | Layout,
-    algorithm: str = "ring",
-    form: Form = "dense",
-    causal: bool,
-    softmax_scale: float | None,
-    window_size: tuple[int, int],
-    dropout_p: float = 0.0,
-    alibi_slopes: object = None,
-    deterministic: bool = False,
-    sinks: object = None,
-    backend: str | None,
-    group_name: str,
-    world_size: int,
-    ring_func: str = "ring_flash_attn_func",
-    layout_world: int | None = None,
-    head_split: int = 1,
-    global_len: int | None = None,
-    checks: Callable[[], object] | None = None,
-    metadata: Callable[[], Mapping[str, object]] | None = None,
-    local: Callable[[], object] | None = None,
-    check_locals: PerRankCheck | None = None,
-    check_groups: tuple[str, ...] = (),
-) -> AttentionSpec:
-    """Check and normalise one attention call (Note [Call resolution]).
+@dataclass(frozen=True)
+class Call:
+    """One attention call as its front door received it: this rank's ``q [B, S_local, H, D]``,
+    ``k, v [B, S_local, H_kv, D]`` (packed forms: ``[T_local, H(_kv), D]``), the process group
+    it runs over (its name and size W), and flash-attn's arguments. Doors build it once and
+    :meth:`replace` what an algorithm changes (the layout it runs, folded tensors)."""
 
-    Args:
-        q, k, v: this rank's ``[B, S_local, H(_kv), D]`` (``form`` "varlen"/"documents":
-            packed ``[T_local, H(_kv), D]``).
-        layout, form: the layout name and the form the front door needs of it
-            (:func:`dtensor_ring.layouts.get_layout`).
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    group_name: str
+    world_size: int
+    layout: str | Layout = "ring"
+    causal: bool = False
+    softmax_scale: float | None = None
+    window_size: tuple[int, int] = (-1, -1)
+    dropout_p: float = 0.0
+    alibi_slopes: object = None
+    deterministic: bool = False
+    backend: str | None = None
+    sinks: object = None
+
+    def replace(self, **changes: object) -> Call:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Door:
+    """What the front door (or algorithm) resolving a :class:`Call` adds to its checks.
+
+    Attributes:
+        op: its name (errors, the consistency mode's fingerprint).
         algorithm: the algorithm the call runs ("ring", "all_gather", "ulysses":
-            :func:`dtensor_ring.algorithm.route`'s); an alias layout name gives its tokens'
-            layout ("auto" raises: it is resolved by ``route``).
-        causal, softmax_scale, window_size, dropout_p, alibi_slopes, deterministic, backend:
-            flash-attn's arguments.
-        sinks: None or the sink logits ``[H]`` (:func:`check_sinks`; values compared across
-            ranks in the consistency mode).
-        group_name, world_size: the process group the call runs over (its size W); the global
-            length is ``tokens_local * W``.
+            :func:`dtensor_ring.algorithm.route`'s); a layout alias gives its tokens' layout,
+            and "auto" raises (it is resolved by ``route``).
+        form: what the door needs of the layout ("dense", "varlen", "documents") and of the
+            tensors (packed for "varlen" / "documents").
         ring_func: the function a ring call's mask error suggests for non-causal attention.
         layout_world, head_split: the layout's ring has ``layout_world`` ranks (default W;
-            hybrid: the ring group) and the kernel sees the heads of a ``head_split``-way
-            head all-to-all (Ulysses, hybrid).
+            hybrid: the ring group) and the kernel sees the heads of a ``head_split``-way head
+            all-to-all (Ulysses, hybrid).
         global_len: q, k, v are DTensors of ``global_len`` tokens (the scope-free DTensor
             function: their shards were checked by the caller) rather than local tensors.
-        checks: the front door's own further checks (e.g. of ``cu_seqlens``), run after
-            these, so that the consistency mode reports their errors on every rank too.
-        op, metadata, local, check_locals: for the consistency mode (Note [Consistency
-            mode]): the front door's name, its further fields that every rank must agree on
-            (e.g. ``cu_seqlens`` values), and per-rank data with its cross-rank check; the
-            callables run only when the mode is on.
-        check_groups: further groups the call spans, compared after ``group_name`` (hybrid:
-            the Ulysses group).
+        groups: further groups the call spans, compared after the call's (hybrid: Ulysses').
+        checks: the door's own further checks (e.g. of ``cu_seqlens``), run after these, so
+            that the consistency mode reports their errors on every rank too.
+        metadata, local, check_locals: for the consistency mode (Note [Consistency mode]):
+            the door's further fields every rank must agree on (e.g. ``cu_seqlens`` values),
+            and per-rank data with its cross-rank check; called only when the mode is on.
+    """
+
+    op: str
+    algorithm: str = "ring"
+    form: Form = "dense"
+    ring_func: str = "ring_flash_attn_func"
+    layout_world: int | None = None
+    head_split: int = 1
+    global_len: int | None = None
+    groups: tuple[str, ...] = ()
+    checks: Callable[[], object] | None = None
+    metadata: Callable[[], Mapping[str, object]] | None = None
+    local: Callable[[], object] | None = None
+    check_locals: PerRankCheck | None = None
+
+
+def resolve_call(call: Call, door: Door) -> AttentionSpec:
+    """Check and normalise one attention ``call`` for ``door`` (Note [Call resolution]).
 
     Raises:
-        ValueError: naming the argument and how to fix it, on every rank, before any
-            communication.
+        ValueError / TypeError: naming the argument and how to fix it, on every rank, before
+            any communication.
     """
-    groups = (group_name, *check_groups)
-    with relay_errors(groups, op):
-        spec = _resolve(
-            q,
-            k,
-            v,
-            layout=layout,
-            algorithm=algorithm,
-            form=form,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            window_size=window_size,
-            dropout_p=dropout_p,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            sinks=sinks,
-            backend=backend,
-            group_name=group_name,
-            world_size=world_size,
-            ring_func=ring_func,
-            layout_world=layout_world,
-            head_split=head_split,
-            global_len=global_len,
-        )
-        if checks is not None:
-            checks()
+    groups = (call.group_name, *door.groups)
+    with relay_errors(groups, door.op):
+        spec = _resolve(call, door)
+        if door.checks is not None:
+            door.checks()
     if not torch.compiler.is_compiling() and consistency_checks_enabled():
+        q, k, v, sinks = call.q, call.k, call.v, call.sinks
         fingerprint = {
-            "op": op,
+            "op": door.op,
             # the group's own name is not compared: ranks that meet in its gather passed it,
             # and the hybrid's Ulysses gather joins ranks of different ring groups
             **{f: value for f, value in spec._asdict().items() if f != "group_name"},
@@ -523,50 +514,33 @@ def resolve_call(
             "dtype": str(q.dtype),
             "device type": q.device.type,
             "sinks": None if sinks is None else sinks.detach().double().cpu().tolist(),
-            **(metadata() if metadata else {}),
+            **(door.metadata() if door.metadata else {}),
         }
-        check_consistent(groups, fingerprint, local() if local else None, check_locals)
+        check_consistent(
+            groups, fingerprint, door.local() if door.local else None, door.check_locals
+        )
     return spec
 
 
-def _resolve(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    layout: str | Layout,
-    algorithm: str,
-    form: Form,
-    causal: bool,
-    softmax_scale: float | None,
-    window_size: tuple[int, int],
-    dropout_p: float,
-    alibi_slopes: object,
-    deterministic: bool,
-    sinks: object,
-    backend: str | None,
-    group_name: str,
-    world_size: int,
-    ring_func: str,
-    layout_world: int | None,
-    head_split: int,
-    global_len: int | None,
-) -> AttentionSpec:
-    check_unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
-    causal = check_bool("causal", causal)
-    deterministic = check_bool("deterministic", deterministic)
-    softmax_scale = check_softmax_scale(softmax_scale)
-    backend = check_backend_arg(backend)
+def _resolve(call: Call, door: Door) -> AttentionSpec:
+    q, k, v = call.q, call.k, call.v
+    layout, form, algorithm, world_size = call.layout, door.form, door.algorithm, call.world_size
+    ring_func, layout_world, head_split = door.ring_func, door.layout_world, door.head_split
+    check_unsupported(dropout_p=call.dropout_p, alibi_slopes=call.alibi_slopes)
+    causal = check_bool("causal", call.causal)
+    deterministic = check_bool("deterministic", call.deterministic)
+    softmax_scale = check_softmax_scale(call.softmax_scale)
+    backend = check_backend_arg(call.backend)
     lay = get_layout(layout, form)
     placement(layout, None, allowed=(algorithm,))  # "auto" where the algorithm is fixed: raise
     varlen = form in ("varlen", "documents")
     if algorithm == "ring":
         lay.check_mask(causal, ring_func=ring_func)
     check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
-    check_sinks(sinks, q)
+    check_sinks(call.sinks, q)
     tokens = q.shape[0] if varlen else q.shape[1]
-    if global_len is not None:
-        tokens = global_len // world_size
+    if door.global_len is not None:
+        tokens = door.global_len // world_size
     if head_split > 1:
         check_heads(
             q.shape[-2],
@@ -579,7 +553,7 @@ def _resolve(
             lay.check_local_length(tokens * (world_size // ring_world), ring_world)
         elif not lay.identity_order:
             lay.check_length(tokens * world_size, world_size)
-    causal, window = normalize_window(window_size, causal, tokens * world_size)
+    causal, window = normalize_window(call.window_size, causal, tokens * world_size)
     backend = select_backend(
         q,
         k,
@@ -590,4 +564,4 @@ def _resolve(
         head_split=head_split,
     )
     scale = default_scale(q, softmax_scale)
-    return AttentionSpec(lay.name, causal, window, scale, backend, group_name, world_size)
+    return AttentionSpec(lay.name, causal, window, scale, backend, call.group_name, world_size)

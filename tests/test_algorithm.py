@@ -23,7 +23,7 @@ from reference import reference_attention, reference_attention_varlen
 
 import dtensor_ring as dr
 from dtensor_ring.algorithm import route
-from dtensor_ring.resolve import placement
+from dtensor_ring.resolve import Call, placement
 
 ENGINE = {"ring": "ring", "all_gather": "llama3", "ulysses": "ulysses"}
 
@@ -58,21 +58,9 @@ def test_aliases_and_overrides():
 )
 def test_pairs_that_cannot_run(layout, algorithm, varlen, text):
     q = torch.randn(*((16,) if varlen else (1, 16)), 4, 8)
+    allowed = ("ring", "all_gather") if varlen else ("ring", "all_gather", "ulysses")
     with pytest.raises(ValueError, match=text):
-        route(
-            q,
-            q,
-            q,
-            layout=layout,
-            algorithm=algorithm,
-            causal=True,
-            window_size=(-1, -1),
-            group_name="g",
-            world_size=2,
-            door="t",
-            varlen=varlen,
-            allowed=("ring", "all_gather") if varlen else ("ring", "all_gather", "ulysses"),
-        )
+        route(Call(q, q, q, "g", 2, layout, True), algorithm, door="t", allowed=allowed)
 
 
 # --- every pair against the fp64 reference ----------------------------------------------------

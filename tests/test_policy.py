@@ -26,6 +26,7 @@ from reference import reference_attention, reference_attention_varlen
 
 import dtensor_ring as dr
 from dtensor_ring.algorithm import auto_choice, route
+from dtensor_ring.resolve import Call
 
 H200 = dict(heads=32, kv_heads=8, head_dim=128)
 
@@ -141,21 +142,13 @@ def test_choice_is_reported(caplog):
     have alone) do not change it; an inference door (``backward=False``) prices a forward."""
     q = torch.randn(1, 64, 4, 8, requires_grad=True)
     k = torch.randn(1, 64, 2, 8)
-    args = dict(
-        layout="auto",
-        algorithm=None,
-        causal=True,
-        window_size=(-1, -1),
-        group_name="g",
-        world_size=4,
-        door="t",
-    )
+    call = Call(q, k, k, "g", 4, "auto", causal=True)
     with caplog.at_level(logging.INFO, logger="dtensor_ring.policy"):
-        first = route(q, k, k, **args)
-        again = route(q, k, k, **args)
+        first = route(call, None, door="t")
+        again = route(call, None, door="t")
         with torch.no_grad():
-            no_grad = route(q.detach(), k, k, **args)
-        route(q, k, k, backward=False, **args)
+            no_grad = route(call.replace(q=q.detach()), None, door="t")
+        route(call, None, door="t", backward=False)
     assert first == again == no_grad
     lines = [r.getMessage() for r in caplog.records if r.name == "dtensor_ring.policy"]
     assert len(lines) == 2, lines
@@ -167,16 +160,16 @@ def test_candidates_follow_the_kernels():
     """A candidate whose kernel cannot run the call is not chosen (the all-gather needs a
     varlen kernel; cpu_flash has none), and the length is checked for "auto" itself."""
     q, k = torch.randn(1, 64, 4, 8), torch.randn(1, 64, 2, 8)
-    args = dict(layout="auto", causal=True, window_size=(-1, -1), world_size=4)
-    assert set(auto_choice(q, k, k, **args).predicted_ms) == {"ring", "all_gather", "ulysses"}
-    assert set(auto_choice(q, k, k, backend="cpu_flash", **args).predicted_ms) == {
+    call = Call(q, k, k, "g", 4, "auto", causal=True)
+    assert set(auto_choice(call).predicted_ms) == {"ring", "all_gather", "ulysses"}
+    assert set(auto_choice(call.replace(backend="cpu_flash")).predicted_ms) == {
         "ring",
         "ulysses",
     }
     with pytest.raises(ValueError, match="holds 2 chunks per rank"):
-        auto_choice(q[:, :3], k[:, :3], k[:, :3], **args)
+        auto_choice(call.replace(q=q[:, :3], k=k[:, :3], v=k[:, :3]))
     with pytest.raises(ValueError, match="backend"):
-        auto_choice(q, k, k, backend="no_such_kernel", **args)
+        auto_choice(call.replace(backend="no_such_kernel"))
 
 
 # --- numerics on the pool ---------------------------------------------------------------------

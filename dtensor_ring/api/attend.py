@@ -23,6 +23,8 @@ from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..ops.varlen import llama3_attention, ring_attention_varlen
 from ..resolve import (
+    Call,
+    Door,
     check_cu_seqlens_arg,
     check_heads_k_stride,
     check_qkv_tensors,
@@ -60,51 +62,31 @@ def dense_attention(
     the door's; ``backward``/``order_free``: :func:`~dtensor_ring.algorithm.route`'s). lse is
     None when not ``return_lse`` and the algorithm would spend communication on it."""
     name, world_size = group_arg(group)
+    call = Call(
+        q, k, v, name, world_size, layout, causal, softmax_scale, window_size, dropout_p,
+        alibi_slopes, deterministic, backend, sinks,
+    )  # fmt: skip
     r = route(
-        q,
-        k,
-        v,
-        layout=layout,
-        algorithm=algorithm,
-        causal=causal,
-        window_size=window_size,
-        group_name=name,
-        world_size=world_size,
+        call,
+        algorithm,
         door="ring_attention",
-        backend=backend,
         allowed=allowed,
         backward=backward,
         order_free=order_free,
         heads_k_stride=heads_k_stride,
     )
-    common = dict(
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        dropout_p=dropout_p,
-        alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
-        backend=backend,
-        sinks=sinks,
-        group_name=name,
-        world_size=world_size,
-    )
+    call = call.replace(layout=r.layout)
     if r.algorithm == "all_gather":
         check_qkv_tensors(q, k, v)
         B, S, H, D = q.shape
         get_layout(r.layout, "dense").check_local_length(S, world_size)
-        cu = rows_cu_seqlens(B, S)
-        out, lse = _gather(
-            *(rows_as_documents(t) for t in (q, k, v)), cu, S, r.layout, r.heads_k_stride, common
-        )
+        rows = call.replace(q=rows_as_documents(q), k=rows_as_documents(k), v=rows_as_documents(v))
+        out, lse = _gather(rows, rows_cu_seqlens(B, S), S, r.heads_k_stride)
         return out.view(B, S, H, D), rows_lse(lse, B, S).contiguous() if return_lse else None
     if r.algorithm == "ulysses":
-        spec = resolve_call(
-            q, k, v, op="ulysses", layout=r.layout, algorithm="ulysses", head_split=world_size,
-            **common,
-        )  # fmt: skip
+        spec = resolve_call(call, Door("ulysses", "ulysses", head_split=world_size))
         return ulysses_run(q, k, v, spec, sinks, group, return_lse)
-    spec = resolve_call(q, k, v, op="ring_attention", layout=r.layout, **common)
+    spec = resolve_call(call, Door("ring_attention"))
     return call_attention(ring_attention, q, k, v, *spec.op_args(), sinks)
 
 
@@ -134,54 +116,35 @@ def varlen_attention(
     ``k, v [T_local, H_kv, D]``, ``cu_seqlens`` the local boundaries (global ``// W``) ->
     ``(out [T_local, H, D], lse [H, T_local])`` by the routed algorithm (ring or all-gather)."""
     name, world_size = group_arg(group)
+    call = Call(
+        q, k, v, name, world_size, layout, causal, softmax_scale, window_size, dropout_p,
+        alibi_slopes, deterministic, backend, sinks,
+    )  # fmt: skip
     r = route(
-        q,
-        k,
-        v,
-        layout=layout,
-        algorithm=algorithm,
-        causal=causal,
-        window_size=window_size,
-        group_name=name,
-        world_size=world_size,
+        call,
+        algorithm,
         door="ring_attention_varlen",
-        backend=backend,
         varlen=True,
         allowed=allowed,
         order_free=order_free,
         heads_k_stride=heads_k_stride,
     )
-    common = dict(
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        dropout_p=dropout_p,
-        alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
-        backend=backend,
-        sinks=sinks,
-        group_name=name,
-        world_size=world_size,
-    )
+    call = call.replace(layout=r.layout)
     if r.algorithm == "all_gather":
-        return _gather(q, k, v, cu_seqlens, max_seqlen, r.layout, r.heads_k_stride, common)
+        return _gather(call, cu_seqlens, max_seqlen, r.heads_k_stride)
 
     def checks() -> None:
         check_cu_seqlens_arg(cu_seqlens, q)
         max_seqlen_value(max_seqlen, "max_seqlen")
 
-    spec = resolve_call(
-        q,
-        k,
-        v,
-        op="ring_attention_varlen",
-        layout=r.layout,
+    door = Door(
+        "ring_attention_varlen",
         form="documents",
         ring_func="ring_flash_attn_varlen_func",
         checks=checks,
         metadata=lambda: {"cu_seqlens": host_values(cu_seqlens), "max_seqlen": max_seqlen},
-        **common,
     )
+    spec = resolve_call(call, door)
     max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
     return call_attention(
         ring_attention_varlen, q, k, v, cu_seqlens, max_seqlen, *spec.op_args(), sinks
@@ -189,30 +152,21 @@ def varlen_attention(
 
 
 def _gather(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int | None,
-    layout: str,
-    heads_k_stride: int,
-    common: dict,
+    call: Call, cu_seqlens: Tensor, max_seqlen: int | None, heads_k_stride: int
 ) -> tuple[Tensor, Tensor]:
-    """All-gather attention (Note [Balanced all-gather attention]) of packed documents in a
-    per-document ``layout`` -> ``(out [T_local, H, D], lse [H, T_local])``."""
+    """All-gather attention (Note [Balanced all-gather attention]) of the packed documents of
+    ``call`` (``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]``) in a per-document layout ->
+    ``(out [T_local, H, D], lse [H, T_local])``."""
+    q, k, v = call.q, call.k, call.v
 
     def checks() -> None:
         check_heads_k_stride(heads_k_stride, k.shape[1])
         check_cu_seqlens_arg(cu_seqlens, q)
         max_seqlen_value(max_seqlen, "max_seqlen")
 
-    spec = resolve_call(
-        q,
-        k,
-        v,
-        op="llama3_attention",
-        layout=layout,
-        algorithm="all_gather",
+    door = Door(
+        "llama3_attention",
+        "all_gather",
         form="documents",
         checks=checks,
         metadata=lambda: {
@@ -220,8 +174,8 @@ def _gather(
             "max_seqlen": max_seqlen,
             "heads_k_stride": heads_k_stride,
         },
-        **common,
     )
+    spec = resolve_call(call, door)
     max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
     return call_attention(
         llama3_attention,
@@ -236,7 +190,7 @@ def _gather(
         0,
         0,
         *spec.op_args(),
-        common["sinks"],
+        call.sinks,
     )
 
 

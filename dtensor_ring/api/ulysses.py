@@ -40,7 +40,7 @@ from ..layouts import Layout, LayoutName, get_layout, order_layout, token_indice
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..ops.ulysses import to_heads, ulysses_all_to_all, ulysses_local_attention
-from ..resolve import AttentionSpec, group_arg, resolve_call, unpack
+from ..resolve import AttentionSpec, Call, Door, group_arg, resolve_call, unpack
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -88,23 +88,23 @@ def ulysses_flash_attn_func(
     """
     name, W = group_arg(group)
     spec = resolve_call(
-        q,
-        k,
-        v,
-        op="ulysses",
-        layout=layout,
-        algorithm="ulysses",
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        dropout_p=dropout_p,
-        alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
-        backend=backend,
-        sinks=sinks,
-        group_name=name,
-        world_size=W,
-        head_split=W,
+        Call(
+            q,
+            k,
+            v,
+            group_name=name,
+            world_size=W,
+            layout=layout,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            dropout_p=dropout_p,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            backend=backend,
+            sinks=sinks,
+        ),
+        Door(op="ulysses", algorithm="ulysses", head_split=W),
     )
     out, lse = ulysses_run(q, k, v, spec, sinks, group, return_attn_probs)
     return (out, lse, None) if return_attn_probs else out
@@ -317,25 +317,29 @@ def hybrid_flash_attn_func(
                 "needs two orthogonal groups (e.g. the GPUs of a node, and one rank per node)"
             )
     spec = resolve_call(
-        q,
-        k,
-        v,
-        op="hybrid",
-        layout=layout,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        dropout_p=dropout_p,
-        alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
-        backend=backend,
-        sinks=sinks,
-        group_name=r_name,
-        world_size=U * R,
-        check_groups=(u_name,),
-        ring_func='hybrid_flash_attn_func(layout="ring")',
-        layout_world=R,
-        head_split=U,
+        Call(
+            q,
+            k,
+            v,
+            group_name=r_name,
+            world_size=U * R,
+            layout=layout,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            dropout_p=dropout_p,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            backend=backend,
+            sinks=sinks,
+        ),
+        Door(
+            op="hybrid",
+            ring_func='hybrid_flash_attn_func(layout="ring")',
+            layout_world=R,
+            head_split=U,
+            groups=(u_name,),
+        ),
     )
     qh, kh, vh = to_heads(q, k, v, u_name, U, "ring")  # plain concatenation: no reordering
     sinks_h = head_shard(sinks, ulysses_group, U)

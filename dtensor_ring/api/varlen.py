@@ -64,6 +64,8 @@ from ..layouts.varlen import host_values
 from ..ops.common import call_attention
 from ..ops.varlen import llama3_attention
 from ..resolve import (
+    Call,
+    Door,
     check_cu_seqlens_arg,
     check_heads_k_stride,
     group_arg,
@@ -310,27 +312,31 @@ def llama3_attention_func(
         return bq, bk, (local_k_slice.start, local_k_slice.stop), q.shape[0]
 
     spec = resolve_call(
-        q,
-        k,
-        v,
-        op="llama3_attention",
-        layout=layout,
-        algorithm="all_gather",
-        form="varlen",
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        dropout_p=dropout_p,
-        alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
-        backend=backend,
-        sinks=sinks,
-        group_name=name,
-        world_size=world_size,
-        checks=checks,
-        metadata=lambda: {"heads_k_stride": heads_k_stride},
-        local=local,
-        check_locals=functools.partial(llama3_locals_disagree, causal=bool(causal)),
+        Call(
+            q,
+            k,
+            v,
+            group_name=name,
+            world_size=world_size,
+            layout=layout,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            dropout_p=dropout_p,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            backend=backend,
+            sinks=sinks,
+        ),
+        Door(
+            op="llama3_attention",
+            algorithm="all_gather",
+            form="varlen",
+            checks=checks,
+            metadata=lambda: {"heads_k_stride": heads_k_stride},
+            local=local,
+            check_locals=functools.partial(llama3_locals_disagree, causal=bool(causal)),
+        ),
     )
     k_start, k_stop = local_k_slice_bounds(local_k_slice)
     max_q = max_seqlen_value(max_seqlen_q, "max_seqlen_q")

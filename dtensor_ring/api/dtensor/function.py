@@ -15,7 +15,7 @@ from ...algorithm import Algorithm, Route, route
 from ...layouts import LayoutName
 from ...ops.ring import ring_attention, ring_attention_backward
 from ...ops.ulysses import ulysses_attention, ulysses_attention_backward
-from ...resolve import AttentionSpec, placement, resolve_call
+from ...resolve import AttentionSpec, Call, Door, placement, resolve_call
 from .gather import gather_sdpa
 from .placements import check_sdpa_args, sdpa_algorithm, swap_seq_heads, to_op_layout
 
@@ -136,19 +136,11 @@ def sdpa_route(
     alike: the choice prices both, whatever this rank's grad mode."""
     choosing = placement(config.layout, config.algorithm)[1] == "auto"
     q, k, v = local() if choosing else (None, None, None)
-    return route(
-        q,
-        k,
-        v,
-        layout=config.layout,
-        algorithm=config.algorithm,
-        causal=is_causal,
-        window_size=config.window_size,
-        group_name=group_name,
-        world_size=world_size,
-        door="sdpa",
-        backend=config.backend,
-    )
+    call = Call(
+        q, k, v, group_name, world_size, config.layout, is_causal,
+        window_size=config.window_size, backend=config.backend,
+    )  # fmt: skip
+    return route(call, config.algorithm, door="sdpa")
 
 
 def replicated(sinks: Tensor | None, like: DTensor) -> DTensor | None:
@@ -184,21 +176,25 @@ def resolve_sdpa(
     Ulysses; Note [Call resolution]); Ulysses runs the kernel on ``H / W`` query heads."""
     ulysses = r.algorithm == "ulysses"
     return resolve_call(
-        q,
-        k,
-        v,
-        op=f"sdpa[{r.algorithm}]",
-        layout=r.layout,
-        algorithm=r.algorithm,
-        causal=is_causal,
-        softmax_scale=scale,
-        window_size=config.window_size,
-        deterministic=torch.are_deterministic_algorithms_enabled(),
-        backend=config.backend,
-        group_name=group_name,
-        world_size=world_size,
-        ring_func="ring_sdpa(layout='ring')",
-        head_split=world_size if ulysses else 1,
-        global_len=global_len,
-        sinks=sinks,
+        Call(
+            q,
+            k,
+            v,
+            group_name=group_name,
+            world_size=world_size,
+            layout=r.layout,
+            causal=is_causal,
+            softmax_scale=scale,
+            window_size=config.window_size,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            backend=config.backend,
+            sinks=sinks,
+        ),
+        Door(
+            op=f"sdpa[{r.algorithm}]",
+            algorithm=r.algorithm,
+            ring_func="ring_sdpa(layout='ring')",
+            head_split=world_size if ulysses else 1,
+            global_len=global_len,
+        ),
     )

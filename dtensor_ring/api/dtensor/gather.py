@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Partial
 from ...algorithm import Route
 from ...ops.common import call_attention
 from ...ops.varlen import llama3_attention, llama3_attention_backward
-from ...resolve import AttentionSpec, resolve_call
+from ...resolve import AttentionSpec, Call, Door, resolve_call
 from ..attend import rows_as_documents, rows_cu_seqlens, rows_lse
 from ..varlen import llama3_zigzag_flash_attn_func
 from .placements import swap_seq_heads, to_op_layout
@@ -58,20 +58,20 @@ def resolve_gather(
     ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]``: the folded packed form (a varlen
     kernel)."""
     return resolve_call(
-        rows_as_documents(q),
-        rows_as_documents(k),
-        rows_as_documents(v),
-        op="sdpa[all_gather]",
-        layout=r.layout,
-        algorithm="all_gather",
-        form="documents",
-        causal=is_causal,
-        softmax_scale=scale,
-        window_size=config.window_size,
-        deterministic=torch.are_deterministic_algorithms_enabled(),
-        backend=config.backend,
-        group_name=group_name,
-        world_size=world_size,
+        Call(
+            rows_as_documents(q),
+            rows_as_documents(k),
+            rows_as_documents(v),
+            group_name=group_name,
+            world_size=world_size,
+            layout=r.layout,
+            causal=is_causal,
+            softmax_scale=scale,
+            window_size=config.window_size,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            backend=config.backend,
+        ),
+        Door(op="sdpa[all_gather]", algorithm="all_gather", form="documents"),
     )
 
 
