@@ -33,7 +33,6 @@ Public names:
 
 from . import ops  # noqa: F401  (registers the dtensor_ring:: ops)
 from .api.context_parallel import context_parallel, context_parallel_unshard
-from .api.decode import decode_attention_func
 from .api.dtensor import (
     ring_sdpa,
     scaled_dot_product_ring_attention,
@@ -41,7 +40,6 @@ from .api.dtensor import (
     unshard_sequence,
 )
 from .api.functional import ring_attention_func
-from .api.kv_cache import KVCacheShard, decode_step_attention, prefill_attention, split_prompt
 from .api.ulysses import (
     hybrid_flash_attn_func,
     hybrid_shard_local,
@@ -76,6 +74,8 @@ from .compat.ring_flash_attn import (
     zigzag_ring_flash_attn_varlen_qkvpacked_func,
 )
 from .consistency import consistency_checks_enabled, set_consistency_checks
+from .inference.decode import decode_attention_func
+from .inference.kv_cache import KVCacheShard, decode_step_attention, prefill_attention, split_prompt
 from .kernels import BACKEND_NAMES
 from .layouts import (
     LAYOUTS,

@@ -2,13 +2,17 @@
 and ring-flash-attention's adapter entry points (``substitute_hf_flash_attn``,
 ``update_ring_flash_attn_params``).
 
-The code lives in :mod:`dtensor_ring.api.hf` (with the other front doors) and
+The code lives in :mod:`dtensor_ring.integrations.transformers` and
 :mod:`dtensor_ring.compat.rfa_hf_adapter`; this module keeps the public import path.
 ``import dtensor_ring`` never imports it (nor transformers).
 """
 
-from .api.generate import GENERATE_ATTN_IMPLEMENTATION, generate  # noqa: F401
-from .api.hf import (  # noqa: F401
+from .compat.rfa_hf_adapter import (
+    RFA_ATTN_IMPLEMENTATION,
+    substitute_hf_flash_attn,
+    update_ring_flash_attn_params,
+)
+from .integrations.transformers.attention import (  # noqa: F401
     ATTN_IMPLEMENTATION,
     HF_LAYOUTS,
     IGNORE_INDEX,
@@ -18,12 +22,8 @@ from .api.hf import (  # noqa: F401
     setup,
     shard_batch,
 )
-from .api.hf import __all__ as _hf_all
-from .compat.rfa_hf_adapter import (
-    RFA_ATTN_IMPLEMENTATION,
-    substitute_hf_flash_attn,
-    update_ring_flash_attn_params,
-)
+from .integrations.transformers.attention import __all__ as _hf_all
+from .integrations.transformers.generate import GENERATE_ATTN_IMPLEMENTATION, generate  # noqa: F401
 
 __all__ = [
     *_hf_all,
@@ -40,7 +40,7 @@ def __getattr__(name: str):
     """``ShardedCache`` (a ``transformers.cache_utils.Cache`` subclass) imports transformers:
     it is loaded on first access only."""
     if name == "ShardedCache":
-        from .api.hf_cache import ShardedCache
+        from .integrations.transformers.cache import ShardedCache
 
         return ShardedCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,8 +49,8 @@ def _generate_vs_one_process(
     """For each prompt length, greedy and sampled: ``(length, do_sample, tokens equal, ring
     attention calls, decoding steps)`` of ``dtensor_ring.hf.generate`` (prefill in
     ``layout``) vs ``model.generate``."""
-    import dtensor_ring.api.generate as gen_api
     import dtensor_ring.hf as drhf
+    import dtensor_ring.integrations.transformers.generate as gen_api
 
     calls = {"ring": 0, "decode": 0}
     ring, decode = gen_api.dense_attention, gen_api.decode_attention_func
@@ -165,7 +165,7 @@ def test_generate_rejects_what_it_cannot_serve(dist_pool, what, text):
 
 
 def test_generation_attention_outside_generate():
-    from dtensor_ring.api.generate import generation_attention_forward
+    from dtensor_ring.integrations.transformers.generate import generation_attention_forward
 
     q = torch.zeros(1, 4, 1, 8)
     with pytest.raises(RuntimeError, match="only inside dtensor_ring.hf.generate"):

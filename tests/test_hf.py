@@ -412,7 +412,7 @@ REJECTED = {
 def _call_attention(module_is_causal: bool = True, keys: int = S_LOCAL, **kwargs):
     """``ring_attention_forward`` on one process, no process group: what it rejects must raise
     before any communication."""
-    import dtensor_ring.api.hf as hf
+    import dtensor_ring.integrations.transformers.attention as hf
 
     module = torch.nn.Module()
     module.is_causal = module_is_causal
@@ -423,7 +423,7 @@ def _call_attention(module_is_causal: bool = True, keys: int = S_LOCAL, **kwargs
 @pytest.fixture
 def zigzag_setup(monkeypatch):
     """``setup(layout="zigzag")`` in this process, undone afterwards."""
-    import dtensor_ring.api.hf as hf
+    import dtensor_ring.integrations.transformers.attention as hf
 
     monkeypatch.setattr(hf, "_config", None)
     hf.setup(layout="zigzag")
@@ -475,7 +475,7 @@ def test_model_features_raise(zigzag_setup, arch, keyword):
         model(input_ids=torch.randint(0, VOCAB, (1, 8)))
 
 
-# --- padding (Note [Padding] in dtensor_ring/api/hf.py) and llama3 with B > 1 -------------
+# --- padding (Note [Padding], integrations/transformers/attention.py) and llama3 with B > 1 ---
 
 PAD_SEQ = 24  # divides as zigzag needs on 2, 3 and 4 ranks
 
@@ -590,7 +590,7 @@ def _llama3_fold_vs_reference(group, batch: int) -> tuple[float, ...]:
     """The llama3 attention of a dense batch (batch folded into the heads, Note [llama3 with a
     batch]), with attention sinks, vs causal GQA attention of each row in one process (fp64):
     max errors of out, dq, dk, dv of this rank's tokens and of the sinks' gradient."""
-    import dtensor_ring.api.hf as hf
+    import dtensor_ring.integrations.transformers.attention as hf
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     heads, heads_kv, seq, dim = 4, 2, 12, 8

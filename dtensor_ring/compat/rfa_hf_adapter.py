@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..api.hf import _summary, _window, check_model_keywords
 from ..consistency import relay_errors
+from ..integrations.transformers.attention import _summary, _window, check_model_keywords
 from ..layouts.varlen import host_values
 from ..resolve import group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens

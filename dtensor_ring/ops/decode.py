@@ -27,8 +27,9 @@ position order: the window's keys are a suffix), else gathered. A rank with no v
 (``lse = -inf``); a query that sees no key at all is NaN, as in attention over the whole
 cache, or, with sinks, softmax over the sink alone: ``out = 0`` (Note [Attention sinks]).
 
-Positions are read on the host; keep them in a CPU tensor (as the caches of ``api/kv_cache.py``
-do) so that a CUDA decode step does not wait for the device to read them.
+Positions are read on the host; keep them in a CPU tensor (as the caches of
+``inference/kv_cache.py`` do) so that a CUDA decode step does not wait for the device to read
+them.
 """
 
 from __future__ import annotations

@@ -61,24 +61,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..algorithm import Algorithm
-from ..consistency import relay_errors
-from ..layouts import (
+from ...algorithm import Algorithm
+from ...api.attend import dense_attention, varlen_attention
+from ...api.varlen import llama3_attention_func
+from ...consistency import relay_errors
+from ...layouts import (
     LAYOUTS,
     Layout,
     get_layout,
     layout_names,
 )
-from ..layouts.varlen import (
+from ...layouts.varlen import (
     host_values,
     unshard_varlen,
     varlen_local_cu_seqlens,
     varlen_token_indices,
 )
-from ..resolve import ALGORITHMS, check_bool, group_arg, placement
-from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
-from .attend import dense_attention, varlen_attention
-from .varlen import llama3_attention_func
+from ...resolve import ALGORITHMS, check_bool, group_arg, placement
+from ...schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -1,7 +1,7 @@
 """The transformers cache of context-parallel generation: :class:`ShardedCache`, a
 ``transformers.cache_utils.Cache`` whose layers keep this rank's shard of the KV cache (Note
-[Context-parallel inference] in ``api/kv_cache.py``, Note [Generation through transformers]
-in ``api/generate.py``).
+[Context-parallel inference] in ``inference/kv_cache.py``, Note [Generation through transformers]
+in ``integrations/transformers/generate.py``).
 
 This module imports transformers: only ``dtensor_ring.hf.ShardedCache`` and
 ``dtensor_ring.hf.generate`` import it, on first use.
@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
-from ..resolve import group_arg
-from .hf import _summary
-from .kv_cache import ShardPositions
+from ...inference.kv_cache import ShardPositions
+from ...resolve import group_arg
+from .attention import _summary
 
 #: Layer types of a transformers config that the sharded cache serves.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -28,7 +28,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class ShardedLayer(DynamicLayer):
     """One decoder layer's cache shard: ``DynamicLayer``'s storage (``keys, values
     [B, H_kv, S_local, D]``; batch reordering, offloading and reset are its own) plus the
-    positions bookkeeping of :class:`~dtensor_ring.api.kv_cache.ShardPositions`.
+    positions bookkeeping of :class:`~dtensor_ring.inference.kv_cache.ShardPositions`.
 
     ``update`` stores a prefill shard (when :meth:`ShardedCache.prefilling`) or one new token,
     the latter only on its owner rank, and returns this rank's shard; ``last_update`` says

@@ -1,5 +1,5 @@
 """Context-parallel generation with transformers: ``dtensor_ring.hf.generate`` and the
-sharded cache it fills (Note [Context-parallel inference] in ``api/kv_cache.py``).
+sharded cache it fills (Note [Context-parallel inference] in ``inference/kv_cache.py``).
 
 Note [Generation through transformers]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..consistency import relay_errors
-from ..layouts import get_layout, shard_local
-from ..resolve import check_bool, group_arg
-from .attend import dense_attention
-from .decode import decode_attention_func
-from .hf import _sinks, _summary, _window, check_model_keywords
-from .kv_cache import split_prompt
+from ...api.attend import dense_attention
+from ...consistency import relay_errors
+from ...inference.decode import decode_attention_func
+from ...inference.kv_cache import split_prompt
+from ...layouts import get_layout, shard_local
+from ...resolve import check_bool, group_arg
+from .attention import _sinks, _summary, _window, check_model_keywords
 
 __all__ = ["GENERATE_ATTN_IMPLEMENTATION", "generate", "generation_attention_forward"]
 
@@ -248,7 +248,7 @@ def generate(
             layout, model features the attention cannot honour (dropout, softcap, ...).
         RuntimeError: the ranks produced different tokens (e.g. sampling with different seeds).
     """
-    from . import hf as hf_api
+    from . import attention as hf_api
 
     global _active
     if group is None and hf_api._config is not None:
@@ -260,7 +260,7 @@ def generate(
         get_layout(layout, "dense")
         if _active is not None:
             raise RuntimeError("dtensor_ring.hf.generate is already running")
-    from .hf_cache import ShardedCache
+    from .cache import ShardedCache
 
     _register()
     rank = dist.get_rank(group)

@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..api.attend import dense_attention
 from ..consistency import relay_errors
 from ..layouts import get_layout, token_indices
 from ..resolve import check_qkv_tensors, check_sinks, check_window_size, group_arg
-from .attend import dense_attention
 from .decode import decode_attention_func
 
 
