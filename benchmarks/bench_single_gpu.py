@@ -168,7 +168,7 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
                 )
             except Exception as e:  # not capturable with this backend: say why in the JSON
                 graphs = dict(graph_error=f"{type(e).__name__}: {e}")
-        # what the real exchangers add to the simulated rank (comm.py): two K/V receive sets,
+        # what the real exchangers add to the simulated rank (comm/p2p.py): two K/V receive sets,
         # and one fp32 dK/dV receive set (the step-0 accumulator, measured, is the other)
         exchanger_bytes = 2 * kv_bytes + kv_bytes * 4 // dtype.itemsize
         rank_peak = peak_bytes(sim_fwd_bwd) + exchanger_bytes

@@ -12,21 +12,29 @@ from .compat.rfa_hf_adapter import (
     substitute_hf_flash_attn,
     update_ring_flash_attn_params,
 )
-from .integrations.transformers.attention import (  # noqa: F401
+from .integrations.transformers.attention import (
     ATTN_IMPLEMENTATION,
+    ring_attention_forward,
+    setup,
+)
+from .integrations.transformers.batch import (
     HF_LAYOUTS,
     IGNORE_INDEX,
     PADDING_MASK,
     gather_outputs,
-    ring_attention_forward,
-    setup,
     shard_batch,
 )
-from .integrations.transformers.attention import __all__ as _hf_all
 from .integrations.transformers.generate import GENERATE_ATTN_IMPLEMENTATION, generate  # noqa: F401
 
 __all__ = [
-    *_hf_all,
+    "ATTN_IMPLEMENTATION",
+    "HF_LAYOUTS",
+    "IGNORE_INDEX",
+    "PADDING_MASK",
+    "gather_outputs",
+    "ring_attention_forward",
+    "setup",
+    "shard_batch",
     "RFA_ATTN_IMPLEMENTATION",
     "substitute_hf_flash_attn",
     "update_ring_flash_attn_params",

@@ -475,7 +475,7 @@ def test_model_features_raise(zigzag_setup, arch, keyword):
         model(input_ids=torch.randint(0, VOCAB, (1, 8)))
 
 
-# --- padding (Note [Padding], integrations/transformers/attention.py) and llama3 with B > 1 ---
+# --- padding (Note [Padding], integrations/transformers/batch.py) and llama3 with B > 1 ---
 
 PAD_SEQ = 24  # divides as zigzag needs on 2, 3 and 4 ranks
 

@@ -1,4 +1,6 @@
-"""Front doors: the flash-attn style functions (``functional.py``, ``varlen.py``), Ulysses and
-2-D hybrid (``ulysses.py``), SDPA on DTensors (``dtensor.py``) and the transformers
-integration (``hf.py``, imported only on demand). Each resolves its call once
-(``dtensor_ring.resolve``) and calls an op."""
+"""The core front doors: the one dispatch of every door that takes ``layout=`` /
+``algorithm=`` (``attend.py``), the dense and packed doors (``functional.py``, ``varlen.py``),
+Ulysses and 2-D hybrid (``ulysses.py``), SDPA on DTensors (``dtensor/``) and PyTorch's
+``context_parallel`` (``context_parallel.py``). Compatibility names live in
+:mod:`dtensor_ring.compat`, framework integrations in :mod:`dtensor_ring.integrations`,
+inference over a sharded KV cache in :mod:`dtensor_ring.inference`."""

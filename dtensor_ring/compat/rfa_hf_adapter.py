@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..consistency import relay_errors
-from ..integrations.transformers.attention import _summary, _window, check_model_keywords
+from ..integrations.transformers.keywords import check_model_keywords, summary, window_kwarg
 from ..layouts.varlen import host_values
 from ..resolve import group_arg
 from ..schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
@@ -119,7 +119,7 @@ def substitute_hf_flash_attn(process_group: dist.ProcessGroup | None, heads_k_st
 
     global _substitute
     if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
-        raise TypeError(f"heads_k_stride must be an int, got {_summary(heads_k_stride)}")
+        raise TypeError(f"heads_k_stride must be an int, got {summary(heads_k_stride)}")
     if heads_k_stride < 1:
         raise ValueError(f"heads_k_stride={heads_k_stride} must be positive")
     group_arg(process_group, "process_group")
@@ -209,7 +209,7 @@ def _check_call(
     if attention_mask is not None:
         raise ValueError(
             f"ring flash attention adapter cannot honour attention_mask="
-            f"{_summary(attention_mask)} (padding): pack the documents without padding and "
+            f"{summary(attention_mask)} (padding): pack the documents without padding and "
             "pass their boundaries to update_ring_flash_attn_params"
         )
     is_causal = kwargs.get("is_causal")
@@ -227,4 +227,4 @@ def _check_call(
             f"but update_ring_flash_attn_params gave this rank {local} tokens (T / world_size); "
             "feed the rank's contiguous slice of the packed row, without a KV cache"
         )
-    return _window(sliding_window)
+    return window_kwarg(sliding_window)

@@ -204,7 +204,7 @@ def ring_backward(
     exchangers (:func:`~dtensor_ring.comm.backward_exchangers`) must use different tags (K/V
     and dK/dV transfers are in flight together); with ``dkv_exchanger.direct`` each step's
     dK/dV go back to their owner instead of travelling on (Note [Direct exchange] in
-    ``comm.py``). ``blocks`` as in :func:`ring_forward`.
+    ``comm/p2p.py``). ``blocks`` as in :func:`ring_forward`.
     """
     blocks = DenseBlocks(q_BSHD.shape[1]) if blocks is None else blocks
     whole = _whole_block(steps)

@@ -9,7 +9,7 @@ never imports ``flash_attn``.
 Targets flash-attn 2.6.x, 2.7.x and 2.8.x. Written against the signatures in the released
 sources (``flash_attn/flash_attn_interface.py`` and ``csrc/flash_attn/flash_api.cpp`` of the
 PyPI sdists 2.6.0.post1, 2.6.3, 2.7.4.post1, 2.8.3) and tested on CPU against stand-ins with
-exactly those signatures (``tests/test_flash_attn_adapter.py``). Not run on a GPU here: there
+exactly those signatures (``tests/test_kernel_adapters.py``). Not run on a GPU here: there
 is no flash-attn wheel for our torch builds.
 
 The signatures changed at 2.7; we tell the generations apart by the function's parameters,

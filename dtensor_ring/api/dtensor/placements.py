@@ -229,7 +229,6 @@ def _check_sdpa_args(
     cp_dim, group_name, world, batch_ways = _check_sdpa_metadata(
         tuple(describe(t) for t in (query, key, value)),
         attn_mask is not None,
-        float(dropout_p),
         bool(is_causal),
         layout,
         algorithm,
@@ -244,7 +243,6 @@ def _check_sdpa_args(
 def _check_sdpa_metadata(
     metadata: tuple,
     has_mask: bool,
-    dropout_p: float,
     is_causal: bool,
     layout: str,
     algorithm: str | None = None,
@@ -267,10 +265,6 @@ def _check_sdpa_metadata(
         raise ValueError(
             "attn_mask is not supported by ring attention (SDPA on sequence-sharded DTensors); "
             "pass attn_mask=None and is_causal=True for a causal mask"
-        )
-    if dropout_p != 0.0:
-        raise ValueError(
-            f"dropout_p={dropout_p} is not supported by ring attention; pass dropout_p=0.0"
         )
     names = ("query", "key", "value")
     for name, meta in zip(names, metadata, strict=True):

@@ -171,7 +171,7 @@ def ring_sdpa(
     Raises:
         ValueError: on a malformed ``window_size``.
         RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
-            when this torch's DTensor lacks the handler table (``_dtensor_compat.py``).
+            when this torch's DTensor lacks the handler table (``_compat/dtensor.py``).
     """
     get_layout(layout, "dense")
     algorithm = sdpa_algorithm(mode, algorithm)

@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kw
 
 from ...inference.kv_cache import ShardPositions
 from ...resolve import group_arg
-from .attention import _summary
+from .keywords import summary
 
 #: Layer types of a transformers config that the sharded cache serves.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -182,6 +182,6 @@ def _check_decode_positions(position_ids: Tensor | None, layer: ShardedLayer) ->
     if position_ids is not None and not bool((position_ids[..., -1:] == expected).all()):
         raise ValueError(
             f"the dtensor_ring sharded cache expected position_ids {expected} (its global "
-            f"length) for the next token, got {_summary(position_ids)} ending "
+            f"length) for the next token, got {summary(position_ids)} ending "
             f"{position_ids[..., -1:].flatten().tolist()}: padded batches are not supported"
         )

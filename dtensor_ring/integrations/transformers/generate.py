@@ -41,7 +41,8 @@ from ...inference.decode import decode_attention_func
 from ...inference.kv_cache import split_prompt
 from ...layouts import get_layout, shard_local
 from ...resolve import check_bool, group_arg
-from .attention import _sinks, _summary, _window, check_model_keywords
+from .attention import current_setup
+from .keywords import check_model_keywords, sinks_kwarg, summary, window_kwarg
 
 __all__ = ["GENERATE_ATTN_IMPLEMENTATION", "generate", "generation_attention_forward"]
 
@@ -100,11 +101,11 @@ def generation_attention_forward(
     layer = state.cache.layers[module.layer_idx]
     with relay_errors(state.group_name, "generate"):
         check_model_keywords("dtensor_ring generation attention", kwargs, _USED, dropout)
-        sinks = _sinks(kwargs)
+        sinks = sinks_kwarg(kwargs)
         if attention_mask is not None:
             raise ValueError(
                 f"dtensor_ring generation attention cannot honour attention_mask="
-                f"{_summary(attention_mask)}; it computes causality and windows itself"
+                f"{summary(attention_mask)}; it computes causality and windows itself"
             )
         is_causal = kwargs.get("is_causal")
         causal = check_bool(
@@ -149,7 +150,7 @@ def generation_attention_forward(
 def _layer_window(sliding_window: object, layer) -> tuple[int, int]:
     """flash-attn's window of the model's ``sliding_window`` keyword, checked against what
     the cache layer keeps."""
-    left, right = _window(sliding_window)
+    left, right = window_kwarg(sliding_window)
     right = 0  # causal
     kept = layer.index.sliding_window
     if kept is not None and (left < 0 or left != kept - 1):
@@ -176,9 +177,9 @@ _UNSUPPORTED = {
 def _check_generate_args(model, input_ids: object, kwargs: dict) -> None:
     """Reject, before any communication, what :func:`generate` cannot serve exactly."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(f"input_ids must be an integer tensor [B, S], got {_summary(input_ids)}")
+        raise ValueError(f"input_ids must be an integer tensor [B, S], got {summary(input_ids)}")
     if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must hold at least one token, got {_summary(input_ids)}")
+        raise ValueError(f"input_ids must hold at least one token, got {summary(input_ids)}")
     for name, why in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"dtensor_ring.hf.generate does not take {name}: {why}")
@@ -194,7 +195,7 @@ def _check_generate_args(model, input_ids: object, kwargs: dict) -> None:
     mask = kwargs.get("attention_mask")
     if mask is not None:
         if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(input_ids.shape):
-            raise ValueError(f"attention_mask must be [B, S] like input_ids, got {_summary(mask)}")
+            raise ValueError(f"attention_mask must be [B, S] like input_ids, got {summary(mask)}")
         if not bool(mask.all()):
             raise ValueError(
                 "dtensor_ring.hf.generate does not support padded batches (an attention_mask "
@@ -248,12 +249,11 @@ def generate(
             layout, model features the attention cannot honour (dropout, softcap, ...).
         RuntimeError: the ranks produced different tokens (e.g. sampling with different seeds).
     """
-    from . import attention as hf_api
-
     global _active
-    if group is None and hf_api._config is not None:
-        group = hf_api._config.group
-    backend = hf_api._config.backend if hf_api._config is not None else None
+    configured = current_setup()
+    if group is None and configured is not None:
+        group = configured.group
+    backend = configured.backend if configured is not None else None
     name, world = group_arg(group)
     with relay_errors(name, "generate"):
         _check_generate_args(model, input_ids, generate_kwargs)
