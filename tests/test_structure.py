@@ -59,9 +59,7 @@ def test_no_package_cycle():
 
 
 def test_module_sizes():
-    sizes = {
-        str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")
-    }
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     assert sizes["algorithm.py"] > 50  # the count sees the modules
     over = {name: n for name, n in sizes.items() if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines: {over}"
