@@ -122,7 +122,7 @@ def _cp_vs_full(
         ("mistral", "stripe"),
         ("gemma3_bidirectional", "zigzag"),
         ("gemma3_bidirectional", "stripe"),
-        ("llama", "llama3"),  # B = 2 folded into the heads (Note [llama3 with a batch])
+        ("llama", "llama3"),  # B = 2, a row per document (Note [llama3 with a batch])
         ("gemma3_bidirectional", "llama3"),
         ("gpt_oss", "zigzag"),  # attention sinks (s_aux) and their gradient
         ("gpt_oss", "llama3"),
@@ -587,9 +587,10 @@ def test_padding_matches_one_process(dist_pool, world, arch, cases, hole):
 
 
 def _llama3_fold_vs_reference(group, batch: int) -> tuple[float, ...]:
-    """The llama3 attention of a dense batch (batch folded into the heads, Note [llama3 with a
-    batch]), with attention sinks, vs causal GQA attention of each row in one process (fp64):
-    max errors of out, dq, dk, dv of this rank's tokens and of the sinks' gradient."""
+    """The transformers attention function on a dense "llama3" batch (a row per document, Note
+    [llama3 with a batch]), with attention sinks, vs causal GQA attention of each row in one
+    process (fp64): max errors of out, dq, dk, dv of this rank's tokens and of the sinks'
+    gradient."""
     import dtensor_ring.integrations.transformers.attention as hf
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -609,7 +610,10 @@ def _llama3_fold_vs_reference(group, batch: int) -> tuple[float, ...]:
     local = [t[:, :, piece].clone().requires_grad_() for t in (q, k, v)]
     local_sinks = sinks.clone().requires_grad_()
     hf.setup(group=group, layout="llama3")
-    out = hf._llama3_rows(*local, None, (-1, -1), True, local_sinks)  # [B, L, H, D]
+    positions = torch.arange(seq)[piece].expand(batch, -1)
+    out, _ = hf.ring_attention_forward(
+        torch.nn.Module(), *local, None, position_ids=positions, s_aux=local_sinks
+    )  # [B, L, H, D]
     out.backward(dout[:, :, piece].transpose(1, 2))
     dist.all_reduce(local_sinks.grad, group=group)  # each rank's rows' share
     return (
@@ -623,8 +627,8 @@ def _llama3_fold_vs_reference(group, batch: int) -> tuple[float, ...]:
 
 
 @pytest.mark.parametrize("world, batch", [(2, 3), (3, 2)])
-def test_llama3_batch_folded_into_heads(dist_pool, world, batch):
-    """Query head b*H + h meets KV head b*H_kv + h // G of its own row only, forward and
+def test_llama3_batch_rows_as_documents(dist_pool, world, batch):
+    """Every row's queries meet that row's keys only, with the model's GQA mapping, forward and
     backward."""
     for errors in dist_pool.run(_llama3_fold_vs_reference, world, batch=batch):
         assert max(errors) < 1e-12, errors

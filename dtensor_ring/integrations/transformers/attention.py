@@ -101,15 +101,12 @@ def current_setup() -> Setup | None:
 
 # Note [llama3 with a batch]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The llama3 attention op is varlen (``q [T, H, D]``, no batch dim). A dense batch of B rows,
-# every row one sequence cut into W contiguous slices (what :func:`shard_batch` gives for
-# "llama3" when the rows are not packed, padded or not), is folded into the heads: ``query
-# [B, H, L, D] -> [L, B*H, D]`` (head ``b*H + h``), key/value ``[L, B*H_kv, D]`` (head
-# ``b*H_kv + j``), one document ``cu_seqlens = [0, L * W]``. flash-attn's GQA maps query head i
-# to KV head ``i // G`` (G = H / H_kv), and ``(b*H + h) // G = b*H_kv + h // G``: every row's
-# queries meet that row's keys only, with the model's GQA mapping. The output
-# ``[L, B*H, D]`` unfolds to ``[B, L, H, D]``. Packed rows stay B == 1 (transformers packs
-# into one row).
+# A dense batch of B rows in the "llama3" layout (what :func:`shard_batch` gives when the rows
+# are not packed, padded or not) holds slice r of W contiguous slices of every row on rank r:
+# the "ring" layout's tokens, row by row. So it runs the all-gather over the ring layout's
+# tokens (``algorithm="all_gather"``, all KV heads gathered at once, as the stream does), every
+# row one document of the packed form (``api/attend.py``: rows as documents, a view): any B.
+# Packed rows stay B == 1 (transformers packs into one row).
 
 
 def setup(
@@ -251,8 +248,8 @@ def ring_attention_forward(
         padding = padding_of(kwargs.get(PADDING_MASK), batch, seq_local * world, causal, window)
         expected, real = (index, None) if padding is None else padding.local(index)
         _check_positions(kwargs.get("position_ids"), expected)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if lay.dense:
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         out, _ = dense_attention(
             q,
             k,
@@ -268,45 +265,25 @@ def ring_attention_forward(
             return_lse=False,
             order_free=True,  # a bidirectional model on zigzag shards: the order-free plan
         )
-    else:
-        out = _llama3_rows(query, key, value, scaling, window, causal, sinks)
+    else:  # the packed stream's dense rows: Note [llama3 with a batch]
+        out, _ = dense_attention(
+            q,
+            k,
+            v,
+            layout="ring",
+            algorithm="all_gather",
+            causal=causal,
+            softmax_scale=scaling,
+            window_size=window,
+            group=group,
+            backend=_config.backend,
+            sinks=sinks,
+            heads_k_stride=k.shape[2],
+            return_lse=False,
+        )
     if real is not None:  # pad rows: 0, as for pads before any real token in one process
         out = out.masked_fill(~real.to(out.device)[:, :, None, None], 0.0)
     return out, None
-
-
-def _llama3_rows(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    scaling: float | None,
-    window: tuple[int, int],
-    causal: bool,
-    sinks: Tensor | None,
-) -> Tensor:
-    """llama3 all-gather attention of a dense batch, every row one sequence cut into W
-    contiguous slices, its batch folded into the heads (Note [llama3 with a batch]): ``query
-    [B, H, L, D]``, key/value ``[B, H_kv, L, D]`` -> ``out [B, L, H, D]``; ``sinks [H]``
-    repeated for every row's heads."""
-    assert _config is not None
-    world = dist.get_world_size(_config.group)
-    batch, heads, length, _ = query.shape
-
-    def fold(t: Tensor) -> Tensor:  # [B, H, L, D] -> [L, B*H, D], head b*H + h
-        return t.permute(2, 0, 1, 3).reshape(length, batch * t.shape[1], t.shape[3])
-
-    out = _llama3_stream(
-        fold(query),
-        fold(key),
-        fold(value),
-        torch.tensor([0, length * world], dtype=torch.int32),  # one document per row
-        scaling,
-        window,
-        causal,
-        None if sinks is None else sinks.repeat(batch),  # head b*H + h: sinks[h]
-        "llama3",
-    )
-    return out.reshape(length, batch, heads, out.shape[-1]).permute(1, 0, 2, 3)
 
 
 def _llama3_stream(
