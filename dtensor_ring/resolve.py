@@ -54,7 +54,9 @@ class AttentionSpec(NamedTuple):
 
     ``causal`` and ``window`` are normalised (:func:`normalize_window`: ``window`` is None when
     nothing is masked beyond ``causal``); ``scale`` is the softmax scale; ``backend`` the block
-    kernel's name; ``world_size`` the size of the group called ``group_name``.
+    kernel's name; ``world_size`` the size of the group called ``group_name``; ``door`` the
+    door's own arguments as its :attr:`Door.checks` normalised them (e.g. ``(max_seqlen,)``),
+    so nothing is normalised twice.
     """
 
     layout: str
@@ -64,6 +66,7 @@ class AttentionSpec(NamedTuple):
     backend: str
     group_name: str
     world_size: int
+    door: tuple = ()
 
     def op_args(self) -> tuple[str, str, bool, float, str, int, int]:
         """``(group_name, layout, causal, scale, backend, window_left, window_right)``: the
@@ -471,7 +474,8 @@ class Door:
             function: their shards were checked by the caller) rather than local tensors.
         groups: further groups the call spans, compared after the call's (hybrid: Ulysses').
         checks: the door's own further checks (e.g. of ``cu_seqlens``), run after these, so
-            that the consistency mode reports their errors on every rank too.
+            that the consistency mode reports their errors on every rank too; what it returns
+            (the door's arguments normalised, a tuple) becomes the spec's ``door``.
         metadata, local, check_locals: for the consistency mode (Note [Consistency mode]):
             the door's further fields every rank must agree on (e.g. ``cu_seqlens`` values),
             and per-rank data with its cross-rank check; called only when the mode is on.
@@ -485,7 +489,7 @@ class Door:
     head_split: int = 1
     global_len: int | None = None
     groups: tuple[str, ...] = ()
-    checks: Callable[[], object] | None = None
+    checks: Callable[[], tuple] | None = None
     metadata: Callable[[], Mapping[str, object]] | None = None
     local: Callable[[], object] | None = None
     check_locals: PerRankCheck | None = None
@@ -502,14 +506,15 @@ def resolve_call(call: Call, door: Door) -> AttentionSpec:
     with relay_errors(groups, door.op):
         spec = _resolve(call, door)
         if door.checks is not None:
-            door.checks()
+            spec = spec._replace(door=door.checks())
     if not torch.compiler.is_compiling() and consistency_checks_enabled():
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         fingerprint = {
             "op": door.op,
             # the group's own name is not compared: ranks that meet in its gather passed it,
-            # and the hybrid's Ulysses gather joins ranks of different ring groups
-            **{f: value for f, value in spec._asdict().items() if f != "group_name"},
+            # and the hybrid's Ulysses gather joins ranks of different ring groups; the door's
+            # own values may be per rank (its metadata() says what must agree)
+            **{f: v for f, v in spec._asdict().items() if f not in ("group_name", "door")},
             "shapes": [tuple(t.shape) for t in (q, k, v)],
             "dtype": str(q.dtype),
             "device type": q.device.type,

@@ -133,9 +133,9 @@ def varlen_attention(
     if r.algorithm == "all_gather":
         return _gather(call, cu_seqlens, max_seqlen, r.heads_k_stride)
 
-    def checks() -> None:
+    def checks() -> tuple[int | None]:
         check_cu_seqlens_arg(cu_seqlens, q)
-        max_seqlen_value(max_seqlen, "max_seqlen")
+        return (max_seqlen_value(max_seqlen, "max_seqlen"),)
 
     door = Door(
         "ring_attention_varlen",
@@ -145,9 +145,8 @@ def varlen_attention(
         metadata=lambda: {"cu_seqlens": host_values(cu_seqlens), "max_seqlen": max_seqlen},
     )
     spec = resolve_call(call, door)
-    max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
     return call_attention(
-        ring_attention_varlen, q, k, v, cu_seqlens, max_seqlen, *spec.op_args(), sinks
+        ring_attention_varlen, q, k, v, cu_seqlens, *spec.door, *spec.op_args(), sinks
     )
 
 
@@ -159,10 +158,10 @@ def _gather(
     ``(out [T_local, H, D], lse [H, T_local])``."""
     q, k, v = call.q, call.k, call.v
 
-    def checks() -> None:
+    def checks() -> tuple[int | None]:
         check_heads_k_stride(heads_k_stride, k.shape[1])
         check_cu_seqlens_arg(cu_seqlens, q)
-        max_seqlen_value(max_seqlen, "max_seqlen")
+        return (max_seqlen_value(max_seqlen, "max_seqlen"),)
 
     door = Door(
         "llama3_attention",
@@ -176,7 +175,7 @@ def _gather(
         },
     )
     spec = resolve_call(call, door)
-    max_seqlen = max_seqlen_value(max_seqlen, "max_seqlen")
+    (max_seqlen,) = spec.door
     return call_attention(
         llama3_attention,
         q,

@@ -292,7 +292,7 @@ def llama3_attention_func(
     ``k, v [L, H_kv, D]`` -> ``out [L, H, D]`` (Note [llama3 all-gather attention])."""
     name, world_size = group_arg(group)
 
-    def checks() -> None:
+    def checks() -> tuple[int | None, int | None, int, int]:
         if get_layout(layout).varlen != "stream":  # its metadata would be misread
             raise ValueError(
                 f"layout={layout!r} shards every document; llama3_attention_func takes the "
@@ -301,11 +301,11 @@ def llama3_attention_func(
                 "local cu_seqlens instead"
             )
         check_heads_k_stride(heads_k_stride, k.shape[1])
-        local_k_slice_bounds(local_k_slice)
+        k_bounds = local_k_slice_bounds(local_k_slice)
         check_cu_seqlens_arg(cu_seqlens_q, q, "cu_seqlens_q")
         check_cu_seqlens_arg(cu_seqlens_k, q, "cu_seqlens_k")
-        max_seqlen_value(max_seqlen_q, "max_seqlen_q")
-        max_seqlen_value(max_seqlen_k, "max_seqlen_k")
+        max_q = max_seqlen_value(max_seqlen_q, "max_seqlen_q")
+        return max_q, max_seqlen_value(max_seqlen_k, "max_seqlen_k"), *k_bounds
 
     def local() -> tuple:
         bq, bk = host_values(cu_seqlens_q), host_values(cu_seqlens_k)
@@ -338,9 +338,7 @@ def llama3_attention_func(
             check_locals=functools.partial(llama3_locals_disagree, causal=bool(causal)),
         ),
     )
-    k_start, k_stop = local_k_slice_bounds(local_k_slice)
-    max_q = max_seqlen_value(max_seqlen_q, "max_seqlen_q")
-    max_k = max_seqlen_value(max_seqlen_k, "max_seqlen_k")
+    max_q, max_k, k_start, k_stop = spec.door
     out, lse = call_attention(
         llama3_attention,
         q,
