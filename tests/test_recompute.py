@@ -11,8 +11,9 @@ backward inside the scope and after it:
   also a second backward through the graph (``retain_graph``), the graphs of two scopes of
   different layouts backwarded together after both exited, and a ``torch.compile``'d
   checkpointed block (its graph recomputes the ring op itself);
-* ``ring_sdpa``: exact inside; after the scope, the ``ValueError`` of a backward outside it on
-  every rank, before any attention (or communication) ran;
+* ``ring_sdpa``: exact inside (also with the backward on another thread, where the
+  recomputation sees the scope's layout); after the scope, the ``ValueError`` of a backward
+  outside it on every rank, before any attention (or communication) ran;
 * the transformers attention function (no scope): exact with transformers' activation
   checkpointing, reentrant and not; a ``setup`` of another layout between the forward and the
   backward raises on every rank.
@@ -24,6 +25,7 @@ scopes (SDPA and torch's checkpoint internals are the originals again).
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -319,6 +321,47 @@ def test_ring_sdpa_recomputes_exactly_inside_and_refuses_after(dist_pool, world_
                 f"layout={layout!r}"
             ), (rank, name, raised)
             assert used == [] and calls == 1, (rank, name, used, calls)  # nothing ran
+
+
+def _dt_backward_on_a_thread(group) -> tuple[list[str], float]:
+    """The backward inside the scope but on another thread (as CUDA's autograd threads run
+    it, without the scope's thread-local state): the recomputation sees the scope's layout
+    (``shard_sequence``'s default) there too."""
+    from dtensor_ring.api.dtensor.scope import scope_layout
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    ref, ref_loss = _reference(8 * W)
+    layouts: list[str] = []
+
+    def attention(q, k, v):
+        layouts.append(scope_layout(None))
+        return _sdpa_on_dtensors(mesh, [], q, k, v)
+
+    model = _copy(ref, "reentrant", attention)
+    ids, labels = (dr.shard_local(t, "zigzag", rank, W, 1) for t in _batch(8 * W))
+    errors: list[BaseException] = []
+
+    def backward():
+        try:
+            loss.backward()
+        except BaseException as e:  # noqa: BLE001  (re-raised on the test's thread)
+            errors.append(e)
+
+    with dr.ring_sdpa(layout="zigzag"):
+        loss = _loss(model, ids, labels)
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+    if errors:
+        raise errors[0]
+    return layouts, _errors(group, loss, model, ref, ref_loss)
+
+
+def test_ring_sdpa_recomputation_on_another_thread(dist_pool):
+    for rank, (layouts, err) in enumerate(dist_pool.run(_dt_backward_on_a_thread, 2)):
+        assert layouts == ["zigzag", "zigzag"], (rank, layouts)
+        assert err < TOL, (rank, err)
 
 
 # --- transformers ------------------------------------------------------------------------------

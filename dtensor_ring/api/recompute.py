@@ -46,8 +46,8 @@ follows checkpoints nested in it too. Each door's context (:func:`recompute_cont
   SDPA on DTensors reaches ring attention]), so the recomputation requires an open scope of
   the same configuration and raises the ``ValueError`` of a backward outside it otherwise, on
   every rank, before any communication; inside, it re-enters the mode (off while
-  ``Tensor.backward`` runs), so the recomputed SDPA is checked and kept on the fused ops as in
-  the forward;
+  ``Tensor.backward`` runs) and sets the scope's layout (``shard_sequence``'s default; both are
+  thread-local, absent on autograd's threads), so the recomputation runs as the forward did;
 * the transformers attention function (``dtensor_ring.hf``) has no scope: it reads
   ``setup``'s configuration whenever it runs, first pass and recomputation alike.
 

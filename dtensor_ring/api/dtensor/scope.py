@@ -107,10 +107,15 @@ def _backward_hook(config: SDPAConfig, grad: torch.Tensor) -> None:
 def _recomputation(config: SDPAConfig) -> Iterator[None]:
     """A checkpoint's recomputation of a forward in a scope (Note [Recomputation outside the
     scope]): in a scope of the same configuration, with the mode back on (the backward runs
-    without it); outside one, ``ValueError`` before anything runs."""
+    without it) and the scope's layout for the sharding helpers (also on autograd's threads);
+    outside one, ``ValueError`` before anything runs."""
     _require_scope(config, "recomputation")
-    with _RingSDPAMode(config):
-        yield
+    token = _SCOPE_LAYOUT.set(config.layout)
+    try:
+        with _RingSDPAMode(config):
+            yield
+    finally:
+        _SCOPE_LAYOUT.reset(token)
 
 
 def _check_dtensor_sdpa_call(
