@@ -243,7 +243,7 @@ def _plain_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
 
 
-def _cp_compiled(group) -> float:
+def _cp_compiled(group, reentrant: bool) -> float:
     """The checkpointed block compiled (``aot_eager``, fullgraph), backward after the scope:
     the compiled graph recomputes the ring op it holds."""
     W = dist.get_world_size(group)
@@ -253,7 +253,7 @@ def _cp_compiled(group) -> float:
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def block(x: Tensor) -> Tensor:
-        return torch_checkpoint.checkpoint(model.block, x, use_reentrant=False)
+        return torch_checkpoint.checkpoint(model.block, x, use_reentrant=reentrant)
 
     ids, labels = _batch(8 * W)
     with dr.context_parallel(
@@ -265,8 +265,9 @@ def _cp_compiled(group) -> float:
     return _errors(group, loss, model, ref, ref_loss)
 
 
-def test_context_parallel_compiled_checkpoint_recomputes_exactly(dist_pool):
-    for rank, err in enumerate(dist_pool.run(_cp_compiled, 2)):
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_context_parallel_compiled_checkpoint_recomputes_exactly(dist_pool, reentrant):
+    for rank, err in enumerate(dist_pool.run(_cp_compiled, 2, reentrant=reentrant)):
         assert err < TOL, (rank, err)
 
 
