@@ -26,10 +26,6 @@ op for every mask, dense (a row per document) and packed (documents multiples of
 (zigzag's tokens) chooses the ring, the all-gather or (dense) Ulysses per call (Note [Choosing
 ring, all-gather or Ulysses] in ``schedule/policy.py``).
 
-Activation checkpointing (transformers', reentrant or not) recomputes the attention with
-:func:`setup`'s configuration when the backward runs: the forward's, unless ``setup`` is called
-in between (Note [Recomputation outside the scope] in ``api/recompute.py``).
-
 Padding (a 2-D ``attention_mask`` with zeros, left, right or inside rows) in causal models:
 :func:`shard_batch` moves each row's padding after its real tokens, carrying positions and
 labels along, and passes the mask to the attention function, which zeroes the pad rows; loss
