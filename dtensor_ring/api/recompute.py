@@ -14,7 +14,7 @@ SDPA there::
       block(x): F.sdpa -> ring attention        block(x): F.sdpa -> torch's: each rank's
                                                           plain local attention on its shard
 
-With ``context_parallel`` that was a silent error with reentrant checkpointing (the loss
+With ``context_parallel`` that is a silent error with reentrant checkpointing (the loss
 exact, since the forward was ring attention; the gradients of everything at or before
 attention 50-97 % off), a ``CheckpointError`` with non-reentrant checkpointing (its check of
 the recomputed tensors' metadata; silent again when the check is turned off); with
