@@ -6,7 +6,10 @@
    skipped by kernel selection, with the missing op as the reason (run in a subprocess that
    hides the op from ``torch.ops.aten`` before the import).
 3. ``_resolve_process_group`` is looked up at call time, with a clear error when missing.
-4. No module outside ``dtensor_ring/_compat/`` names a private PyTorch API directly.
+4. ``torch.utils.checkpoint``'s internals have the form ``_compat/checkpoint.py`` knows: the
+   recomputation (reentrant and not) runs the wrapped function, the first pass the original;
+   everything is restored on exit; a torch without them gets a ``RuntimeError`` naming them.
+5. No module outside ``dtensor_ring/_compat/`` names a private PyTorch API directly.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch.distributed import distributed_c10d
 
 import dtensor_ring._compat as compat
+from dtensor_ring._compat import checkpoint as compat_checkpoint
 from dtensor_ring.api.dtensor import ATEN_SDPA_OPS
 from dtensor_ring.kernels import BACKENDS
 
@@ -147,7 +151,63 @@ def test_resolve_group_is_looked_up_lazily(monkeypatch):
         compat.resolve_group("0")
 
 
-_PRIVATE = ("torch.ops.aten._", "getattr(torch.ops.aten", "torch._dynamo", "_resolve_process_group")
+def _checkpoint_internals() -> tuple:
+    ckpt = torch.utils.checkpoint
+    return ckpt.CheckpointFunction.__dict__["forward"], ckpt._CheckpointFrame.__dict__["__init__"]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_recomputation_runs_the_wrapped_function(reentrant):
+    assert compat_checkpoint.missing_checkpoint_api() is None
+    originals = _checkpoint_internals()
+    runs = []
+
+    def wrap(function):
+        def recompute(*args):
+            runs.append("recompute")
+            return function(*args)
+
+        return recompute
+
+    def block(x):
+        runs.append("block")
+        return x.sin() * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with compat_checkpoint.wrapped_recomputations(wrap):
+        with compat_checkpoint.wrapped_recomputations(wrap):  # nests
+            y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+        assert _checkpoint_internals() != originals
+    assert _checkpoint_internals() == originals  # restored: the backward runs after
+    y.sum().backward()
+    assert runs == ["block", "recompute", "block"], runs
+    torch.testing.assert_close(x.grad, 2 * x.cos())
+    with pytest.raises(KeyError), compat_checkpoint.wrapped_recomputations(wrap):
+        raise KeyError
+    assert _checkpoint_internals() == originals
+
+
+def test_missing_checkpoint_internals_raise(monkeypatch):
+    monkeypatch.delattr(torch.utils.checkpoint, "_CheckpointFrame")
+    compat_checkpoint.missing_checkpoint_api.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"lacks torch\.utils\.checkpoint\.Checkpoint"):
+            with compat_checkpoint.wrapped_recomputations(lambda f: f):
+                pass
+    finally:
+        monkeypatch.undo()
+        compat_checkpoint.missing_checkpoint_api.cache_clear()
+    assert compat_checkpoint.missing_checkpoint_api() is None
+
+
+_PRIVATE = (
+    "torch.ops.aten._",
+    "getattr(torch.ops.aten",
+    "torch._dynamo",
+    "_resolve_process_group",
+    "CheckpointFunction",
+    "_CheckpointFrame",
+)
 
 
 def test_private_apis_only_in_compat():

@@ -18,6 +18,10 @@ version), and ``import dtensor_ring`` keeps working.
   calls] in ``ops/common.py``).
 * DTensor's custom op handler table and ``OpOverload._schema``: :mod:`._compat.dtensor`
   (probed with ``getattr`` defaults, never raising at import; ``ring_sdpa`` raises without it).
+* Where ``torch.utils.checkpoint`` keeps the function it recomputes (reentrant and not):
+  :mod:`._compat.checkpoint` (checked on first use; ``context_parallel`` and ``ring_sdpa``
+  raise without it, as they could not follow a recomputation: Note [Recomputation outside
+  the scope]).
 
 Every private aten op the library uses (:data:`PRIVATE_ATEN_OPS`; ``tests/test_compat.py``
 asserts that each resolves, and that no module outside ``_compat/`` names one directly).

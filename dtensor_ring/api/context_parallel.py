@@ -32,9 +32,10 @@ recompute plain local attention. The attribute stays replaced through a backward
 context. As with PyTorch, code that bound ``scaled_dot_product_attention`` before entering
 (``from torch.nn.functional import scaled_dot_product_attention``) is not redirected, and the
 replacement is process-wide. A backward after the context is fine too (the graph holds ring
-attention), provided the buffers autograd saved (embedding indices, labels) are left sharded
-(``no_restore_buffers``): restoring them in place fails autograd's version check, as in
-PyTorch.
+attention; an activation checkpoint's recomputation replaces SDPA again for itself: Note
+[Recomputation outside the scope] in ``api/recompute.py``), provided the buffers autograd saved
+(embedding indices, labels) are left sharded (``no_restore_buffers``): restoring them in place
+fails autograd's version check, as in PyTorch.
 
 Non-causal attention does not depend on token order, so it runs with the "ring" schedule
 whatever the layout (as PyTorch's, which computes every block in full then), except with
@@ -63,6 +64,7 @@ from ..layouts import gather_sequence, get_layout, shard_local
 from ..resolve import check_bool, check_unsupported, placement
 from .attend import dense_attention
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
+from .recompute import recompute_context
 
 
 def _cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -200,7 +202,8 @@ def context_parallel(
     Shards every buffer in place along its sequence dim (this rank's ``S // W`` tokens in
     ``layout``'s order); inside, ``F.scaled_dot_product_attention(q, k, v, is_causal=...,
     scale=..., enable_gqa=...)`` on plain ``q [B, H, S_local, D]``, ``k, v [B, H_kv, S_local,
-    D]`` runs ring attention over ``mesh`` (differentiable; backward may run inside or after);
+    D]`` runs ring attention over ``mesh`` (differentiable; backward may run inside or after,
+    also with activation checkpointing: Note [Recomputation outside the scope]);
     on exit the buffers get their full data back (except ``no_restore_buffers``). Note
     [context_parallel: SDPA on plain shards].
 
@@ -221,6 +224,8 @@ def context_parallel(
     Raises:
         ValueError: on a malformed argument, a sequence length the layout cannot split, and
             inside, on SDPA with ``attn_mask`` or ``dropout_p > 0``.
+        RuntimeError: when this torch's checkpoint internals lack the known form
+            (``_compat/checkpoint.py``: activation checkpointing could not be followed).
     """
     group = _cp_group(mesh)
     buffers = [] if buffers is None else buffers
@@ -244,7 +249,9 @@ def context_parallel(
             buffer.resize_(shard.shape)
             buffer.copy_(shard)
     try:
-        with _sdpa_patched(group, layout, algorithm):
+        # a checkpoint's recomputation replaces SDPA again: Note [Recomputation outside the scope]
+        recomputed = recompute_context(functools.partial(_sdpa_patched, group, layout, algorithm))
+        with _sdpa_patched(group, layout, algorithm), recomputed:
             yield
     finally:
         with torch.no_grad():

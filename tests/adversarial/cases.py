@@ -47,7 +47,13 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   base, mask, memory layouts, debug_on (the primary doors also nonfinite, disagree, shapes),
   two tiny transformers models via ``shard_batch(layout="auto")``; and the doors that must
   reject it (Ulysses, SDPA on DTensors) through base: a clean ``ValueError`` on every rank;
-* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache.
+* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache;
+* ``recompute``: activation checkpointing (torch's reentrant and non-reentrant checkpoints,
+  FSDP's ``checkpoint_wrapper``, the composable one, nested ones) of a model's attention
+  block through the doors that serve attention for a scope (``context_parallel``,
+  ``ring_sdpa``), the backward inside the scope, after it (once, twice) or in another scope,
+  and transformers' activation checkpointing: exact, or a clean ``ValueError`` on every rank
+  (``ring_sdpa`` outside its scope) (:mod:`tests.adversarial.recompute`).
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
@@ -1489,6 +1495,7 @@ def context_parallel_cases() -> list[Case]:
 
 
 from .inference import decode_cases, kv_cache_cases  # noqa: E402  (it imports this module)
+from .recompute import recompute_cases  # noqa: E402  (it imports this module)
 
 KINDS = {
     "base": base_cases,
@@ -1510,6 +1517,7 @@ KINDS = {
     "auto": auto_cases,
     "decode": decode_cases,
     "kv_cache": kv_cache_cases,
+    "recompute": recompute_cases,
 }
 FAST_PER_KIND = 5  # the CI subset: about 90 cases
 

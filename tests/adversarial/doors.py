@@ -588,3 +588,66 @@ def _auto_doors() -> dict[str, Door]:
 
 AUTO_DOORS: dict[str, Door] = _auto_doors()
 ALL_DOORS: dict[str, Door] = {**DOORS, **NEW_DOORS, **AUTO_DOORS}
+
+
+# --- the doors of the recompute kind ------------------------------------------------------------
+
+#: the doors that serve attention for a scope (``context_parallel``, ``ring_sdpa``) and the
+#: transformers attention function (no scope), as the ``recompute`` kind runs them: models
+#: whose attention is checkpointed, the backward inside the scope or after it
+RECOMPUTE_DOORS: dict[str, Door] = {
+    name: ALL_DOORS[name]
+    for name in (
+        "context_parallel+F.sdpa[default]",
+        "context_parallel+F.sdpa[stripe]",
+        "context_parallel+F.sdpa[llama3_zigzag]",
+        "context_parallel+F.sdpa[auto]",
+        "ring_sdpa+F.sdpa[ring,ring]",
+        "ring_sdpa+F.sdpa[zigzag,ring]",
+        "ring_sdpa+F.sdpa[llama3_zigzag,ring]",
+        "ring_sdpa+F.sdpa[auto,ring]",
+        "ring_sdpa+F.sdpa[zigzag,ulysses]",
+        "hf.ring_attention_forward[zigzag]",
+        "hf.ring_attention_forward[llama3_zigzag]",
+        "hf.ring_attention_forward[auto]",
+    )
+}
+
+
+def scope_attention(door: Door, ctx: Ctx, scale: float):
+    """The causal attention a model calls inside ``door``'s scope: plain local ``q [B, H,
+    S_local, D]``, ``k, v [B, H_kv, S_local, D]`` -> out, through
+    ``F.scaled_dot_product_attention`` (SDPA on DTensors: the shards wrapped ``Shard(2)``)."""
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    if door.family == "cp":
+        return sdpa
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = cpu_mesh(ctx.world)
+
+    def on_dtensors(q, k, v):
+        q, k, v = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (q, k, v))
+        return sdpa(q, k, v).to_local()
+
+    return on_dtensors
+
+
+def open_scope(door: Door, ctx: Ctx, buffers: list[Tensor], layout: str | None = None):
+    """``door``'s scope (``layout`` instead of its own if given): ``context_parallel`` sharding
+    ``buffers`` (``[B, S]`` each) in place and leaving them sharded, or ``ring_sdpa`` (the
+    buffers already hold this rank's tokens: :func:`dense_indices`)."""
+    import dtensor_ring as dr
+
+    if door.family == "cp":
+        own = None if door.mode == "default" else door.layout
+        return dr.context_parallel(
+            cpu_mesh(ctx.world),
+            buffers=buffers,
+            buffer_seq_dims=[1] * len(buffers),
+            no_restore_buffers=set(buffers),
+            layout=layout or own,
+        )
+    return dr.ring_sdpa(layout=layout or door.layout, mode=door.mode)

@@ -175,6 +175,18 @@ def strict_attention(
     return Reference(out.detach(), lse.detach(), dq, dk, dv)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Differentiable causal attention of ``q [B, H, S, D]`` over ``k, v [B, H_kv, S, D]`` (KV
+    head j serves query heads ``j*G .. (j+1)*G-1``) in q's dtype: the attention of a model's
+    reference step in one process (the ``recompute`` kind), written out."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    seq = torch.arange(q.shape[2])
+    scores = scores.masked_fill(seq[None, :] > seq[:, None], float("-inf"))
+    return torch.einsum("bhij,bhjd->bhid", torch.softmax(scores, dim=-1), v)
+
+
 def baseline_errors(
     q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, dout: Tensor | None, ref
 ) -> dict[str, float]:

@@ -60,10 +60,11 @@ DTensor's dispatcher, which offers a table of custom op handlers (private; walle
 
 Why the handlers do the work rather than the mode calling our op directly: the same path must
 run however the call arrives. Activation checkpointing recomputes the forward inside
-``backward()``, which a mode does not see (a mode is switched off while it handles
-``Tensor.backward``), and Dynamo traces checkpointed regions (higher-order ops) without the
-ambient mode; both then reach the aten ops, so routing everything through them keeps the saved
-tensors of forward and recompute identical. (The handler table is also process-wide, while
+``backward()``, while the mode is off (a mode is switched off while it handles
+``Tensor.backward``; an eager recomputation enters it again: Note [Recomputation outside the
+scope] in ``api/recompute.py``), and Dynamo traces checkpointed regions (higher-order ops) without
+the ambient mode; both then reach the aten ops, so routing everything through them keeps the
+saved tensors of forward and recompute identical. (The handler table is also process-wide, while
 modes are thread-local: CUDA backward runs on autograd's device threads.) It follows that the
 scope must be entered outside ``torch.compile``'d code (the handlers act while AOTAutograd
 traces, after Dynamo); entering it inside raises ``RuntimeError``.

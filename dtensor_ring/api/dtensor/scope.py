@@ -19,6 +19,7 @@ from ..._compat import dtensor as _dtensor_compat
 from ...algorithm import Algorithm
 from ...layouts import LayoutName, get_layout
 from ...resolve import check_window_size, placement
+from ..recompute import recompute_context
 from .function import Mode, SDPAConfig
 from .handlers import aten_handlers
 from .placements import check_sdpa_args, sdpa_algorithm
@@ -31,8 +32,9 @@ from .placements import check_sdpa_args, sdpa_algorithm
 def _enabled_fused_backends() -> tuple[SDPBackend, ...]:
     """The fused SDPA backends enabled now (FLASH_ATTENTION covers the CPU flash kernel).
 
-    Keeping the user's choice (e.g. ``sdpa_kernel(CUDNN_ATTENTION)``) matters: a recompute
-    under activation checkpointing runs without our mode, so it must pick the same aten op.
+    Keeping the user's choice (e.g. ``sdpa_kernel(CUDNN_ATTENTION)``) matters: a compiled
+    recompute under activation checkpointing runs without our mode, so it must pick the same
+    aten op.
     """
     flags = (
         (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
@@ -72,7 +74,7 @@ class _RingSDPAMode(TorchFunctionMode):
             with sdpa_kernel(list(_enabled_fused_backends())):
                 out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(functools.partial(_require_scope, self.config))
+                out.register_hook(functools.partial(_backward_hook, self.config))
             return out
         return func(*args, **kwargs)
 
@@ -82,18 +84,39 @@ class _RingSDPAMode(TorchFunctionMode):
 _OPEN_SCOPES: collections.Counter[SDPAConfig] = collections.Counter()
 
 
-def _require_scope(config: SDPAConfig, grad: torch.Tensor) -> None:
-    """Gradient hook on the output of SDPA in a scope: its backward must run in a scope of the
+def _require_scope(config: SDPAConfig, what: str) -> None:
+    """The ``what`` ("backward", "recomputation") of SDPA in a scope must run in a scope of the
     same configuration. Outside one, the fused op's backward would run without our handler:
     an error on CPU (no sharding strategy); on CUDA, where DTensor has strategies of its own
     for these ops, a computation that knows nothing of the layout (zigzag and stripe shards
     are not contiguous)."""
     if _OPEN_SCOPES[config] == 0:
         raise ValueError(
-            "the backward of SDPA on DTensors ran outside dtensor_ring.ring_sdpa("
+            f"the {what} of SDPA on DTensors ran outside dtensor_ring.ring_sdpa("
             f"layout={config.layout!r}, algorithm={config.algorithm!r}, ...): enter the scope "
-            "around the forward *and* the backward (e.g. the whole training step)"
+            "around the forward *and* the backward (e.g. the whole training step; activation "
+            "checkpointing recomputes the forward during the backward)"
         )
+
+
+def _backward_hook(config: SDPAConfig, grad: torch.Tensor) -> None:
+    """Gradient hook on the output of SDPA in a scope (:func:`_require_scope`)."""
+    _require_scope(config, "backward")
+
+
+@contextlib.contextmanager
+def _recomputation(config: SDPAConfig) -> Iterator[None]:
+    """A checkpoint's recomputation of a forward in a scope (Note [Recomputation outside the
+    scope]): in a scope of the same configuration, with the mode back on (the backward runs
+    without it) and the scope's layout for the sharding helpers (also on autograd's threads);
+    outside one, ``ValueError`` before anything runs."""
+    _require_scope(config, "recomputation")
+    token = _SCOPE_LAYOUT.set(config.layout)
+    try:
+        with _RingSDPAMode(config):
+            yield
+    finally:
+        _SCOPE_LAYOUT.reset(token)
 
 
 def _check_dtensor_sdpa_call(
@@ -143,8 +166,9 @@ def ring_sdpa(
     tensors is left alone.
 
     Enter it around the whole training step, forward *and* backward (activation checkpointing
-    recomputes attention during backward), outside ``torch.compile``'d functions. Everything
-    installed is removed on exit, also on an exception. Scopes nest (the innermost wins).
+    recomputes attention during backward: outside the scope, ``ValueError``), outside
+    ``torch.compile``'d functions. Everything installed is removed on exit, also on an
+    exception. Scopes nest (the innermost wins).
 
     Args:
         layout: "ring", "zigzag", "stripe" or "llama3_zigzag": how the DTensors' sequence
@@ -171,7 +195,8 @@ def ring_sdpa(
     Raises:
         ValueError: on a malformed ``window_size``.
         RuntimeError: when entered inside a function being compiled by ``torch.compile``, or
-            when this torch's DTensor lacks the handler table (``_compat/dtensor.py``).
+            when this torch's DTensor lacks the handler table (``_compat/dtensor.py``) or its
+            checkpoint internals the known form (``_compat/checkpoint.py``).
     """
     get_layout(layout, "dense")
     algorithm = sdpa_algorithm(mode, algorithm)
@@ -186,7 +211,11 @@ def ring_sdpa(
     token = _SCOPE_LAYOUT.set(layout)
     _OPEN_SCOPES[config] += 1
     try:
-        with _dtensor_compat.custom_op_handlers(aten_handlers(config)), _RingSDPAMode(config):
+        with (
+            _dtensor_compat.custom_op_handlers(aten_handlers(config)),
+            _RingSDPAMode(config),
+            recompute_context(functools.partial(_recomputation, config)),
+        ):
             yield
     finally:
         _OPEN_SCOPES[config] -= 1
