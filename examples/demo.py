@@ -1,10 +1,13 @@
-"""Run every ring-attention variant on the ranks of a process group and check it.
+"""Run every layout with every algorithm that can run it on the ranks of a process group, and
+check it.
 
     torchrun --nproc-per-node 4 examples/demo.py            # 4 CPU ranks (gloo)
     torchrun --nproc-per-node 8 examples/demo.py --cuda     # 8 GPUs (NCCL)
 
-Per variant: the max error of out and of dq/dk/dv against full (single-device, fp64)
-attention on the whole sequence, and the median time of forward+backward.
+Per pair (layout: where the tokens live; algorithm: how K/V move; Note [Layouts and
+algorithms]): the max error of out and of dq/dk/dv against full (single-device, fp64)
+attention on the whole sequence, and the median time of forward+backward. Ulysses needs the
+heads divisible by the number of ranks (it is skipped otherwise).
 """
 
 from __future__ import annotations
@@ -18,11 +21,18 @@ import torch.distributed as dist
 
 import dtensor_ring as dr
 
-VARIANTS = [  # (name, function, layout, causal)
-    ("ring", dr.ring_flash_attn_func, "ring", False),
-    ("ring causal", dr.ring_flash_attn_func, "ring", True),
-    ("zigzag", dr.zigzag_ring_flash_attn_func, "zigzag", True),
-    ("stripe", dr.stripe_flash_attn_func, "stripe", True),
+VARIANTS = [  # (layout, algorithm, causal): every pair that runs (docs/api.md's table)
+    ("ring", "ring", False),
+    ("ring", "ring", True),
+    ("ring", "all_gather", True),
+    ("ring", "ulysses", True),
+    ("zigzag", "ring", True),
+    ("zigzag", "all_gather", True),
+    ("zigzag", "all_gather", False),
+    ("zigzag", "ulysses", True),
+    ("zigzag", "auto", True),
+    ("stripe", "ring", True),
+    ("stripe", "ulysses", True),
 ]
 
 
@@ -61,8 +71,13 @@ def main() -> None:
             f"{world} ranks, S={args.seq}, H={args.heads}, H_kv={args.kv_heads}, "
             f"D={args.head_dim}, {dtype}, {device}"
         )
-        print(f"{'variant':<12} {'max|out err|':>13} {'max|grad err|':>14} {'fwd+bwd ms':>11}")
-    for name, fn, layout, causal in VARIANTS:
+        print(
+            f"{'layout':<7} {'algorithm':<11} {'causal':<7} {'max|out err|':>13} "
+            f"{'max|grad err|':>14} {'fwd+bwd ms':>11}"
+        )
+    for layout, algorithm, causal in VARIANTS:
+        if algorithm == "ulysses" and args.heads % world:
+            continue
         full = [t.double().requires_grad_() for t in (q, k, v)]
         ref_out = full_attention(*full, causal)
         ref_grads = torch.autograd.grad(ref_out, full, dout.double())
@@ -75,7 +90,7 @@ def main() -> None:
         for _ in range(args.reps):
             ql.grad = kl.grad = vl.grad = None
             start = time.perf_counter()
-            out = fn(ql, kl, vl, causal=causal)
+            out = dr.ring_attention_func(layout, ql, kl, vl, causal=causal, algorithm=algorithm)
             out.backward(local(dout))
             if args.cuda:
                 torch.cuda.synchronize()
@@ -89,7 +104,10 @@ def main() -> None:
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
         if rank == 0:
             ms = sorted(times)[len(times) // 2] * 1e3
-            print(f"{name:<12} {errs[0]:>13.2e} {errs[1]:>14.2e} {ms:>11.1f}")
+            print(
+                f"{layout:<7} {algorithm:<11} {causal!s:<7} {errs[0]:>13.2e} {errs[1]:>14.2e} "
+                f"{ms:>11.1f}"
+            )
     dist.destroy_process_group()
 
 
