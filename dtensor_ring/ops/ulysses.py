@@ -55,6 +55,7 @@ from ..kernels.merge import empty_rows_nan_
 from ..layouts import get_layout, order_layout
 from ..schedule.cost import kv_repeat
 from .common import (
+    check_first_order,
     fake_grads,
     fake_out_lse,
     op_window,
@@ -115,6 +116,7 @@ def _a2a_setup_context(ctx, inputs, output):
 
 def _a2a_backward(ctx, grad):
     # The all-to-all is a permutation of entries across ranks: its adjoint is its inverse.
+    check_first_order()  # Note [First-order backward]
     group_name, seq_dim, head_dim, to_heads, layout = ctx.args
     dx = ulysses_all_to_all(grad, group_name, seq_dim, head_dim, not to_heads, layout)
     return dx, None, None, None, None, None

@@ -47,7 +47,10 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   base, mask, memory layouts, debug_on (the primary doors also nonfinite, disagree, shapes),
   two tiny transformers models via ``shard_batch(layout="auto")``; and the doors that must
   reject it (Ulysses, SDPA on DTensors) through base: a clean ``ValueError`` on every rank;
-* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache.
+* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache;
+* ``double_backward``: a backward with ``create_graph=True`` through every door that trains,
+  with sinks that require grad where the door takes them: the same ``RuntimeError`` on every
+  rank (or exact second-order gradients).
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
@@ -353,6 +356,61 @@ def nonmember_case(ctx: Ctx, door: Door, setup: Setup, inner=attention_case) -> 
     except TypeError as e:
         return {"non-member": Flag(False, f"rank 2 raised TypeError, not ValueError: {e}")}
     return {"non-member": Flag(False, "rank 2, outside the group, got a result")}
+
+
+# --- double backward ------------------------------------------------------------------------
+
+
+def double_backward_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """A backward with ``create_graph=True`` through ``door`` (``setup.extra["sinks"]``: with
+    sinks that require grad): a ``RuntimeError`` naming double backward on every rank (Note
+    [First-order backward] in ``ops/common.py``), or, should a door differentiate twice, the
+    reference's second-order gradients (of ``|dq|^2 + |dk|^2 + |dv|^2`` summed over ranks)."""
+    data = make_data(door, setup, ctx.world)
+    idx = door.indices(ctx.rank, ctx.world, data.seq_len, data.bounds)
+    leaves = [x[:, idx].clone().requires_grad_() for x in (data.q, data.k, data.v)]
+    kw = dict(setup.kw)
+    if setup.extra.get("sinks"):
+        kw["sinks"] = _SINKS(leaves[0].shape[2]).double().requires_grad_()
+    try:
+        door.call(
+            ctx,
+            *leaves,
+            kw,
+            VIEWS[setup.view],
+            Tokens(idx, data.bounds),
+            data.dout[:, idx],
+            create_graph=True,
+        )
+    except RuntimeError as e:
+        return {"double_backward": Flag("double backward" in str(e), f"raised {e}")}
+    grads = [leaf.grad for leaf in leaves]
+    got = torch.autograd.grad(sum(g.pow(2).sum() for g in grads), leaves, allow_unused=True)
+    causal, window, scale = reference_semantics(door, setup)
+    visible = door.visible(data.seq_len, data.bounds, causal, window)
+    sinks = kw.get("sinks")
+    want = oracle.second_order(data.q, data.k, data.v, visible, scale, data.dout, sinks)
+    tol = oracle.tolerance(setup.dtype)
+    return {
+        f"d2{name}": Check(g, w[:, idx], setup.dtype, *tol)
+        for name, g, w in zip("qkv", got, want, strict=True)
+    }
+
+
+def double_backward_cases() -> list[Case]:
+    """Every door that trains (not the ones that reject their layout), at two world sizes,
+    with and (where the door takes them) without sinks that require grad."""
+    cases = []
+    doors = [d for d in ALL_DOORS.values() if d not in AUTO_REJECTING]
+    for i, door in enumerate(doors):
+        for j, world in enumerate((_pick(WORLDS, i), _pick(WORLDS, i + 2))):
+            sinks = j == 1 and "sinks" in door.accepts
+            setup = Setup(kw={"causal": True}, extra={"sinks": sinks})
+            detail = "create_graph" + ",sinks" * sinks
+            cases.append(
+                _case("double_backward", door, world, detail, setup, fn=double_backward_case)
+            )
+    return cases
 
 
 # --- DTensor defaults (f) -------------------------------------------------------------------
@@ -1510,6 +1568,7 @@ KINDS = {
     "auto": auto_cases,
     "decode": decode_cases,
     "kv_cache": kv_cache_cases,
+    "double_backward": double_backward_cases,
 }
 FAST_PER_KIND = 5  # the CI subset: about 90 cases
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..._compat import aten_op, require_aten_op
 from ..._compat import dtensor as _dtensor_compat
 from ...layouts import get_layout
-from ...ops.common import call_attention
+from ...ops.common import call_attention, check_first_order
 from ...resolve import AttentionSpec
 from .function import MODE_OPS, SDPAConfig, chosen_config, resolve_sdpa
 from .gather import gather_backward, gather_forward, is_gather, resolve_gather
@@ -152,6 +152,7 @@ def aten_sdpa_backward_handler(
     config: SDPAConfig, op: torch._ops.OpOverload, args: tuple, kwargs: dict
 ) -> tuple:
     """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
+    check_first_order(*args, *kwargs.values())  # Note [First-order backward]
     family = _family_of()[op]
     a, (q, k, v), spec, config = _bind_sdpa_call(config, op, args, kwargs)
     mesh, placements = a["query"].device_mesh, a["query"].placements
