@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from engine_spy import forced_algorithm
 from reference import random_qkv
-from test_ulysses import _hybrid_groups
+from test_ulysses import hybrid_groups
 
 import dtensor_ring as dr
 from dtensor_ring.api.varlen import ring_varlen_attention_func
@@ -60,23 +60,6 @@ def communication_entered() -> Iterator[list[str]]:
     finally:
         for (module, name), fn in zip(targets, originals, strict=True):
             setattr(module, name, fn)
-
-
-_SINGLETONS: dict[int, dist.ProcessGroup] = {}
-
-
-def _hybrid(group) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(Ulysses group, ring group): the pool's 2 x 2 grid on 4 ranks; else Ulysses over the
-    whole group and a ring of one (a group of this rank alone, created locally)."""
-    W = dist.get_world_size(group)
-    if W == 4:
-        return _hybrid_groups()
-    rank = dist.get_rank()
-    if W == 1:
-        return group, group
-    if rank not in _SINGLETONS:
-        _SINGLETONS[rank] = dist.new_group([rank], use_local_synchronization=True)
-    return group, _SINGLETONS[rank]
 
 
 def _leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -209,7 +192,7 @@ def _varlen_doors(group) -> dict[str, Call]:
 
 
 def _hybrid_door(group, q, k, v) -> Call:
-    ulysses_group, ring_group = _hybrid(group)
+    ulysses_group, ring_group = hybrid_groups(group)
     U, R = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
     u, r = dist.get_rank(ulysses_group), dist.get_rank(ring_group)
 

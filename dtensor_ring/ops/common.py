@@ -55,6 +55,7 @@ def fake_grads(dout, q, k, v, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
 #     register_attention_autograd   every attention op pair, eager and custom-op paths
 #     ulysses_all_to_all's backward  (linear, but only ever part of attention: raising there
 #                                    saves an all-to-all before the attention op raises)
+#     _SinksOfRows                   the sinks of Ulysses and hybrid (ops/ulysses.py)
 #     the ring_sdpa scope's SDPA backward handler (below autograd, same grad mode; called
 #                                    directly, it raises only for inputs that require grad)
 #
