@@ -47,7 +47,8 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   base, mask, memory layouts, debug_on (the primary doors also nonfinite, disagree, shapes),
   two tiny transformers models via ``shard_batch(layout="auto")``; and the doors that must
   reject it (Ulysses, SDPA on DTensors) through base: a clean ``ValueError`` on every rank;
-* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache;
+* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache; each rank's
+  gradient of the sinks must be its rows' share;
 * ``double_backward``: a backward with ``create_graph=True`` through every door that trains,
   with sinks that require grad where the door takes them: the same ``RuntimeError`` on every
   rank (or exact second-order gradients).
@@ -264,13 +265,18 @@ def attention_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
         kw[name] = CU_EDITS[setup.cu_edit](_local_cu(door, data, ctx))
     if setup.lse:
         kw["return_attn_probs"] = True
+    sinks = kw.get("sinks")
+    if not (setup.grads and isinstance(sinks, Tensor) and sinks.is_floating_point()):
+        sinks = None
+    elif not setup.expect_error:  # a leaf: its gradient is checked too
+        kw["sinks"] = sinks = sinks.detach().clone().requires_grad_()
     view = VIEWS[setup.view]
     dout = data.dout[:, idx] if setup.grads else None
     with _engine_spy(door) as used:
         out, lse = door.call(ctx, *args, kw, view, Tokens(idx, data.bounds), dout)
     if setup.expect_error:
         return {"returned": Flag(False, f"returned a result although {setup.expect_error}")}
-    checks = _checks(door, setup, data, idx, out, lse, leaves)
+    checks = _checks(door, setup, data, idx, out, lse, leaves, sinks)
     if door.layout == "auto":
         checks["engine"] = _engine_check(door, used)
     return checks
@@ -315,7 +321,9 @@ def reference_semantics(door: Door, setup: Setup) -> tuple[bool, tuple[int, int]
     return bool(causal), window, setup.D**-0.5 if scale is None else float(scale)
 
 
-def _checks(door, setup, data, idx, out, lse, leaves) -> dict:
+def _checks(door, setup, data, idx, out, lse, leaves, sinks_leaf=None) -> dict:
+    """Checks of a door's results; ``sinks_leaf``: the sinks whose gradient must be this
+    rank's rows' share (docs/api.md, Attention sinks), or None."""
     causal, window, scale = reference_semantics(door, setup)
     visible = door.visible(data.seq_len, data.bounds, causal, window)
     dout = data.dout if setup.grads else None
@@ -339,6 +347,9 @@ def _checks(door, setup, data, idx, out, lse, leaves) -> dict:
             checks[name] = check(
                 view_grad(setup.view, leaf.grad), view_grad(setup.view, want), name
             )
+    if sinks_leaf is not None:
+        want = oracle.sinks_share(data.q, data.k, data.v, visible, scale, data.dout, sinks, idx)
+        checks["dsinks"] = check(sinks_leaf.grad, want, "dsinks", sinks_leaf.dtype)
     return checks
 
 
@@ -759,13 +770,15 @@ SINKS = [
 
 def sinks_cases(doors=None) -> list[Case]:
     """``sinks=`` (attention sinks) through every door that takes it: exact or a clean error
-    (also the later doors: the llama3_zigzag doors, decoding and the KV cache)."""
+    (also the later doors: the llama3_zigzag doors, ``layout="auto"`` choosing Ulysses,
+    decoding and the KV cache)."""
     cases = []
     if doors is None:
         from .inference import decode_sinks_cases, kv_cache_sinks_cases
 
+        auto_ulysses = AUTO_DOORS["ring_attention_func[auto:ulysses]"]
         return (
-            sinks_cases([*REPRESENTATIVE, *LLAMA3_ZIGZAG_PRIMARY])
+            sinks_cases([*REPRESENTATIVE, *LLAMA3_ZIGZAG_PRIMARY, auto_ulysses])
             + decode_sinks_cases()
             + kv_cache_sinks_cases()
         )

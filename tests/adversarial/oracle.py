@@ -180,6 +180,24 @@ def _strict(q, k, v, visible, scale, sinks) -> tuple[Tensor, Tensor]:
     return torch.stack(outs, dim=1), torch.stack(lses, dim=-1)
 
 
+def sinks_share(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    visible: Tensor,
+    scale: float,
+    dout: Tensor,
+    sinks: Tensor,
+    rows: Tensor,
+) -> Tensor:
+    """The gradient of ``sinks [H]`` through the rows ``rows`` (one rank's tokens, dim 1)
+    alone: what that rank's gradient must be (docs/api.md, Attention sinks), in float64."""
+    sinks = sinks.detach().to(torch.float64).requires_grad_()
+    q, k, v = (x.detach().to(torch.float64) for x in (q, k, v))
+    out, _ = _strict(q, k, v, visible, scale, sinks)
+    return torch.autograd.grad(out[:, rows], sinks, dout[:, rows].to(torch.float64))[0]
+
+
 def second_order(
     q: Tensor,
     k: Tensor,
