@@ -117,6 +117,21 @@ def _doors(group) -> dict[str, Call]:
         doors[f"ring_attention_func[auto:{algorithm},sinks]"] = _forced(
             algorithm, dense(_auto, "auto", sinks=True)
         )
+
+    def sinks_only(fn, tokens, **kw):  # q, k, v constants: the gradient of the sinks alone
+        def call():
+            leaves = [SINKS.clone().requires_grad_()]
+            local = (dr.shard_local(x, tokens, rank, W) for x in (q, k, v))
+            return fn(*local, causal=True, group=group, sinks=leaves[0], **kw), leaves
+
+        return call
+
+    doors["zigzag_ring_flash_attn_func[sinks only]"] = sinks_only(
+        dr.zigzag_ring_flash_attn_func, "zigzag"
+    )
+    doors["ulysses_flash_attn_func[sinks only]"] = sinks_only(
+        dr.ulysses_flash_attn_func, "zigzag", layout="zigzag"
+    )
     doors.update(_varlen_doors(group))
     doors["hybrid_flash_attn_func[sinks]"] = _hybrid_door(group, q, k, v)
     mesh = DeviceMesh.from_group(group, "cpu")
@@ -272,7 +287,7 @@ def check_every_door(group) -> dict[str, tuple[str, list[str], float]]:
 def test_every_door_raises_on_every_rank(dist_pool, world_size):
     results = dist_pool.run(check_every_door, world_size)
     for rank, doors in enumerate(results):
-        assert len(doors) == 27, sorted(doors)
+        assert len(doors) == 29, sorted(doors)
         for name, (message, entered, diff) in doors.items():
             assert DOUBLE_BACKWARD in message, (rank, name, message)
             assert not entered, (rank, name, entered)  # raised before any communication
