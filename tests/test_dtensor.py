@@ -734,7 +734,10 @@ def _cuda_handlers(group, layout):
             "philox_seed": returned.get("philox_seed", returned.get("rng_state")),
             "philox_offset": returned.get("philox_offset", returned.get("unused")),
         }
-        gs = _call_with_schema(aten_sdpa_backward_handler, family.backward_op, bwd_values, layout)
+        with torch.no_grad():  # as autograd runs a backward (Note [First-order backward])
+            gs = _call_with_schema(
+                aten_sdpa_backward_handler, family.backward_op, bwd_values, layout
+            )
         assert len(gs) == len(family.backward_op._schema.returns), (family, len(gs))
         errs = [_local_err(out, ref, layout, rank, W)]
         errs += [_local_err(g, r, layout, rank, W) for g, r in zip(gs[:3], grads, strict=True)]

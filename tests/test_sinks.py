@@ -1,16 +1,19 @@
 """Attention sinks (Note [Attention sinks]): every functional front door against the fp64
 reference with the sink column, forward and backward (the sinks' gradient summed over the
 ranks is the whole sequence's), world sizes 1-4, layouts, windows, GQA, varlen and llama3,
-Ulysses and hybrid; non-finite sinks; bad ``sinks`` arguments."""
+Ulysses and hybrid; each rank's gradient is its rows' share, through every kind of door;
+non-finite sinks; bad ``sinks`` arguments."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_ulysses import _hybrid_groups
+from engine_spy import forced_algorithm
+from test_ulysses import _hybrid_groups, hybrid_groups
 
 import dtensor_ring as dr
 from tests.reference import (
@@ -275,7 +278,8 @@ def test_bad_sinks_raise_on_every_rank(dist_pool):
 
 
 def check_compile(group) -> None:
-    """fullgraph compile of a call with sinks: same results as eager, gradients included."""
+    """fullgraph compile of a call with sinks, ring and Ulysses (Note [Sinks on head shards]):
+    same results as eager, gradients included."""
     W = dist.get_world_size(group)
     q, k, v = random_qkv(1, 4 * W, 4, 2, 8, dtype=torch.float32)
     sinks = _sinks(4).float()
@@ -286,14 +290,16 @@ def check_compile(group) -> None:
         out.sum().backward()
         return out, [x.grad for x in leaves]
 
-    def call(q, k, v, s):
-        return dr.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group, sinks=s)
+    for fn in (dr.zigzag_ring_flash_attn_func, dr.ulysses_flash_attn_func):
 
-    eager = run(call)
-    compiled = run(torch.compile(call, fullgraph=True, backend="aot_eager"))
-    torch.testing.assert_close(compiled[0], eager[0])
-    for a, b in zip(compiled[1], eager[1], strict=True):
-        torch.testing.assert_close(a, b)
+        def call(q, k, v, s, fn=fn):
+            return fn(q, k, v, causal=True, group=group, sinks=s)
+
+        eager = run(call)
+        compiled = run(torch.compile(call, fullgraph=True, backend="aot_eager"))
+        torch.testing.assert_close(compiled[0], eager[0])
+        for a, b in zip(compiled[1], eager[1], strict=True):
+            torch.testing.assert_close(a, b)
 
 
 def test_compile_fullgraph(dist_pool):
@@ -369,3 +375,140 @@ def test_dtensor(dist_pool, world_size, layout, mode, as_dtensor, mesh_2d):
         as_dtensor=as_dtensor,
         mesh_2d=mesh_2d,
     )
+
+
+# --- each rank's share ----------------------------------------------------------------------
+
+
+def check_rows_share(group) -> dict[str, float]:
+    """Each rank's sinks gradient against the fp64 reference's gradient through that rank's
+    rows alone (docs/api.md, Attention sinks), for every kind of door: ring, all-gather,
+    Ulysses, ``layout="auto"`` with each algorithm forced and with its own choice, hybrid,
+    SDPA on DTensors (ring, all-gather, Ulysses, auto forced), packed documents (ring,
+    all-gather, auto forced, llama3's stream). Returns the max error per door."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    B, H, H_kv, D, S = 2, 12, 6, 8, 4 * W
+    q, k, v = random_qkv(B, S, H, H_kv, D, seed=41)
+    dout = random_qkv(B, S, H, H, D, seed=42)[0]
+    sinks = _sinks(H).requires_grad_()
+    out_ref, _ = reference_attention(q, k, v, causal=True, sinks=sinks)
+    errors = {}
+
+    def compare(name, out, leaf, ref, dout_full, rows, out_grad=None):
+        """Backward of ``out`` with its rows' ``dout`` (or ``out_grad``); the error of
+        ``leaf.grad`` against the reference's sinks gradient through ``ref[rows]`` alone."""
+        out.backward(dout_full[rows] if out_grad is None else out_grad)
+        want = torch.autograd.grad(ref[rows], sinks, dout_full[rows], retain_graph=True)[0]
+        errors[name] = float((leaf.grad - want).abs().max())
+
+    def leaf():
+        return sinks.detach().clone().requires_grad_()
+
+    rows = (slice(None), layout_indices("zigzag", rank, W, S))
+    flash = {
+        "ring": dr.zigzag_ring_flash_attn_func,
+        "all_gather": dr.llama3_zigzag_flash_attn_func,
+        "ulysses": functools.partial(dr.ulysses_flash_attn_func, layout="zigzag"),
+    }
+    for algorithm in ("ring", "all_gather", "ulysses", None):
+        flash[f"auto:{algorithm or 'chosen'}"] = functools.partial(_forced_auto, algorithm)
+    for name, fn in flash.items():
+        s = leaf()
+        out = fn(*(x[rows] for x in (q, k, v)), causal=True, group=group, sinks=s)
+        compare(name, out, s, out_ref, dout, rows)
+
+    ulysses_group, ring_group = hybrid_groups(group)
+    U, R = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
+    u, r = dist.get_rank(ulysses_group), dist.get_rank(ring_group)
+    hybrid_rows = (slice(None), dr.hybrid_token_indices("zigzag", S, r, R, u, U))
+    s = leaf()
+    out = dr.hybrid_flash_attn_func(
+        *(x[hybrid_rows] for x in (q, k, v)),
+        causal=True,
+        ulysses_group=ulysses_group,
+        ring_group=ring_group,
+        layout="zigzag",
+        sinks=s,
+    )
+    compare("hybrid", out, s, out_ref, dout, hybrid_rows)
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layout, mode, algorithm in (
+        ("zigzag", "ring", None),
+        ("llama3_zigzag", "ring", None),
+        ("zigzag", "ulysses", None),
+        ("auto", "ring", "ring"),
+        ("auto", "ring", "all_gather"),
+        ("auto", "ring", "ulysses"),
+    ):
+
+        def dt(x, layout=layout):
+            return dr.shard_sequence(x.transpose(1, 2), mesh, seq_dim=2, layout=layout)
+
+        s = leaf()
+        with forced_algorithm(algorithm):
+            out = dr.scaled_dot_product_ring_attention(
+                *(dt(x).requires_grad_() for x in (q, k, v)),
+                is_causal=True,
+                enable_gqa=True,
+                layout=layout,
+                mode=mode,
+                sinks=s,
+            )
+        compare(f"sdpa[{layout}:{algorithm or mode}]", out, s, out_ref, dout, rows, dt(dout))
+
+    cu = torch.tensor([0, 4 * W, 6 * W, 8 * W], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(43)
+    qv, kv, vv, dout_v = (
+        torch.randn(8 * W, h, D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv, H)
+    )
+    out_v, _ = reference_attention_varlen(qv, kv, vv, cu, causal=True, sinks=sinks)
+    varlen = {
+        "varlen:ring": (dr.zigzag_ring_flash_attn_varlen_func, "zigzag", None),
+        "varlen:all_gather": (dr.llama3_zigzag_flash_attn_varlen_func, "llama3_zigzag", None),
+        "varlen:auto:ring": (_auto_varlen, "auto", "ring"),
+        "varlen:auto:all_gather": (_auto_varlen, "auto", "all_gather"),
+    }
+    for name, (fn, layout, algorithm) in varlen.items():
+        parts = [dr.shard_varlen(x, cu, layout, rank, W) for x in (qv, kv, vv)]
+        s = leaf()
+        with forced_algorithm(algorithm):
+            out = fn(*(x for x, _ in parts), parts[0][1], None, causal=True, group=group, sinks=s)
+        compare(name, out, s, out_v, dout_v, dr.varlen_token_indices(cu, layout, rank, W))
+    stream = slice(8 * rank, 8 * (rank + 1))
+    s = leaf()
+    cu_q, cu_k, max_q, max_k, k_slice = dr.llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
+    out = dr.llama3_flash_attn_varlen_func(
+        *(x[stream] for x in (qv, kv, vv)),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        1,
+        k_slice,
+        causal=True,
+        group=group,
+        sinks=s,
+    )
+    compare("varlen:llama3", out, s, out_v, dout_v, stream)
+    return errors
+
+
+def _forced_auto(algorithm, *args, **kwargs):
+    """``ring_attention_func("auto", ...)`` made to choose ``algorithm`` (None: its own)."""
+    with forced_algorithm(algorithm):
+        return dr.ring_attention_func("auto", *args, **kwargs)
+
+
+def _auto_varlen(*args, **kwargs):
+    return dr.ring_varlen_attention_func("auto", *args, **kwargs)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_each_rank_gets_its_rows_share(dist_pool, world_size):
+    for rank, errors in enumerate(dist_pool.run(check_rows_share, world_size)):
+        assert len(errors) == 19, sorted(errors)
+        bad = {name: err for name, err in errors.items() if not err < 1e-10}
+        assert not bad, (rank, bad)

@@ -159,7 +159,7 @@ def test_ulysses_heads_not_divisible(dist_pool):
 
 # --- hybrid ---------------------------------------------------------------------------------
 
-_GROUPS: dict[str, tuple] = {}
+_GROUPS: dict = {}  # per worker: the 2 x 2 grid, this rank's group of one
 
 
 def _hybrid_groups():
@@ -170,6 +170,21 @@ def _hybrid_groups():
         g = dist.get_rank()
         _GROUPS["2x2"] = (groups[g // 2], groups[2 + g % 2])
     return _GROUPS["2x2"]
+
+
+def hybrid_groups(group) -> tuple:
+    """(Ulysses group, ring group) for hybrid attention over ``group`` (W ranks): the 2 x 2
+    grid on 4 ranks; else Ulysses over ``group`` and a ring of one (this rank alone, a group
+    created by this rank only), or ``group`` twice for W = 1."""
+    W = dist.get_world_size(group)
+    if W == 4:
+        return _hybrid_groups()
+    if W == 1:
+        return group, group
+    rank = dist.get_rank()
+    if rank not in _GROUPS:
+        _GROUPS[rank] = dist.new_group([rank], use_local_synchronization=True)
+    return group, _GROUPS[rank]
 
 
 def check_hybrid(group, layout, causal, H, H_kv, S_local=4, B=1, D=8, window_size=(-1, -1)):

@@ -39,7 +39,12 @@ from ..consistency import relay_errors
 from ..layouts import Layout, LayoutName, get_layout, order_layout, token_indices
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
-from ..ops.ulysses import to_heads, ulysses_all_to_all, ulysses_local_attention
+from ..ops.ulysses import (
+    attention_on_heads,
+    to_heads,
+    ulysses_all_to_all,
+    ulysses_local_attention,
+)
 from ..resolve import AttentionSpec, Call, Door, group_arg, resolve_call, unpack
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
@@ -80,8 +85,8 @@ def ulysses_flash_attn_func(
             (causal or not); the all-to-all undoes the layout's permutation for causal masks.
         backend: block-kernel backend name, or None for automatic choice.
         sinks: per-head attention-sink logits ``[H]``, or None (Note [Attention sinks]); the
-            kernel applies those of the rank's heads, and each rank's gradient holds its heads'
-            whole-sequence share (the sum over the group is the whole gradient).
+            kernel applies those of the rank's heads, and each rank's gradient is its rows'
+            share, as in every front door (Note [Sinks on head shards]).
 
     Returns:
         ``out [B, S_local, H, D]`` (or ``(out, lse, None)``).
@@ -124,27 +129,28 @@ def ulysses_run(
     lse [B, H, S_local])``; lse None unless ``return_lse`` (its all-to-all skipped)."""
     name, _, causal, scale, backend, *window = spec.op_args()
     W = spec.world_size
-    local_sinks = head_shard(sinks, group, W)
     if W == 1:
         return call_attention(
-            ulysses_local_attention, q, k, v, causal, scale, backend, *window, local_sinks
+            ulysses_local_attention, q, k, v, causal, scale, backend, *window, sinks
         )
     order = order_layout(spec.layout, causal, window)
     qh, kh, vh = to_heads(q, k, v, name, W, order)
-    out_h, lse_h = call_attention(
-        ulysses_local_attention, qh, kh, vh, causal, scale, backend, *window, local_sinks
+    out_h, lse_h = attention_on_heads(
+        ulysses_local_attention,
+        qh,
+        kh,
+        vh,
+        causal,
+        scale,
+        backend,
+        *window,
+        sinks=sinks,
+        rank=dist.get_rank(group),
+        group_name=name,
+        layout=order,
     )
     out = ulysses_all_to_all(out_h, name, 1, 2, False, order)
     return out, ulysses_all_to_all(lse_h, name, 2, 1, False, order) if return_lse else None
-
-
-def head_shard(sinks: Tensor | None, group: dist.ProcessGroup | None, W: int) -> Tensor | None:
-    """The sink logits of the query heads this rank holds after the all-to-all over ``group``
-    (W ranks; rank j gets head chunk j, Note [Ulysses attention]): ``[H]`` -> ``[H / W]``.
-    Autograd returns the rank's gradient into its chunk (zeros elsewhere)."""
-    if sinks is None or W == 1:
-        return sinks
-    return sinks.view(W, -1)[dist.get_rank(group)]
 
 
 def ulysses_flash_attn_kvpacked_func(
@@ -342,8 +348,17 @@ def hybrid_flash_attn_func(
         ),
     )
     qh, kh, vh = to_heads(q, k, v, u_name, U, "ring")  # plain concatenation: no reordering
-    sinks_h = head_shard(sinks, ulysses_group, U)
-    out_h, lse_h = call_attention(ring_attention, qh, kh, vh, *spec.op_args(), sinks_h)
+    out_h, lse_h = attention_on_heads(
+        ring_attention,
+        qh,
+        kh,
+        vh,
+        *spec.op_args(),
+        sinks=sinks,
+        rank=dist.get_rank(ulysses_group),
+        group_name=u_name,
+        layout="ring",
+    )
     out = ulysses_all_to_all(out_h, u_name, 1, 2, False, "ring")
     if not return_attn_probs:
         return out

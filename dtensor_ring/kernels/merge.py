@@ -161,7 +161,12 @@ def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks_H: Tensor) -> Tenso
     ``out`` / ``lse`` (sinks folded in; layouts as in :func:`add_sinks`) and ``dout`` like
     ``out``. Returns ``dsinks [H]`` in ``sinks_H``'s dtype. Plain torch ops, so on DTensors
     (the DTensor path's autograd) the sums over sharded rows give a ``Partial`` gradient."""
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(-1, -2)  # like lse
-    p_sink = torch.exp(sinks_H.to(lse.dtype).unsqueeze(-1) - lse)
     rows = [d for d in range(lse.dim()) if d != lse.dim() - 2]  # every dim but the heads
-    return -(p_sink * delta).sum(rows).to(sinks_H.dtype)
+    return sinks_grad_rows(dout, out, lse, sinks_H).sum(rows).to(sinks_H.dtype)
+
+
+def sinks_grad_rows(dout: Tensor, out: Tensor, lse: Tensor, sinks_H: Tensor) -> Tensor:
+    """The terms of :func:`sinks_grad`, one per row and head, like ``lse`` (its dtype):
+    ``-exp(sink_h - lse') * (dout . out')``."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(-1, -2)  # like lse
+    return -torch.exp(sinks_H.to(lse.dtype).unsqueeze(-1) - lse) * delta

@@ -36,6 +36,52 @@ def fake_grads(dout, q, k, v, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+# Note [First-order backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Attention's backward is first-order only. Under ``create_graph=True`` autograd runs backward
+# functions with grad mode on and records what they compute, so that it can differentiate the
+# gradients; ours would leave a graph that is not the derivative: the buffers the collectives
+# fill (the ring's K/V and dK/dV, llama3's all-gather and reduce-scatter, the all-to-alls)
+# carry no history, so every cross-rank term is missing; ``lse`` is a constant (it has no
+# gradient); and the block kernels are either not differentiable (aten's fused backward ops:
+# an error, but only at the second backward) or plain torch ops differentiable only locally
+# (the math kernel, CPU varlen): a second-order gradient silently wrong even at W = 1. Worse,
+# the all-gather would gather K/V that require grad, which gloo can refuse on some ranks only
+# ("a view created in no_grad mode ... modified inplace") while the others wait.
+#
+# So every backward function of attention starts with :func:`check_first_order`, which raises
+# when grad mode is on (in a backward: ``create_graph=True``), before any communication:
+#
+#     register_attention_autograd   every attention op pair, eager and custom-op paths
+#     ulysses_all_to_all's backward  (linear, but only ever part of attention: raising there
+#                                    saves an all-to-all before the attention op raises)
+#     _SinksOfRows                   the sinks of Ulysses and hybrid (ops/ulysses.py)
+#     the ring_sdpa scope's SDPA backward handler (below autograd, same grad mode; called
+#                                    directly, it raises only for inputs that require grad)
+#
+# Every rank runs the same graph, so every rank raises the same error at the same node.
+# Compiled code does not run these functions at run time: AOTAutograd runs its traced backward
+# without grad mode and raises its own error at the second backward (on every rank as well).
+
+DOUBLE_BACKWARD = (
+    "dtensor_ring attention does not support double backward (create_graph=True through "
+    "attention): its backward communicates and is first-order only. Differentiate through "
+    "attention once (create_graph=False), or keep attention out of the part of the graph that "
+    "is differentiated twice"
+)
+
+
+def check_first_order(*inputs: object) -> None:
+    """Raise ``RuntimeError`` when a backward of attention runs with grad mode on, i.e. under
+    ``create_graph=True`` (Note [First-order backward]). With ``inputs`` (a backward op's
+    handler, which may also be called directly, outside a backward): only when one of them is
+    a tensor that requires grad, i.e. when autograd would record the call."""
+    if torch.is_grad_enabled() and (
+        not inputs or any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
+    ):
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
 # Note [Eager calls]
 # ~~~~~~~~~~~~~~~~~~
 # The ``dtensor_ring::`` custom ops are what torch.compile, DTensor, FakeTensor and Python
@@ -72,7 +118,7 @@ def register_attention_autograd(
     ``forward_impl`` / ``backward_impl`` are the functions the ops were made from. ``lse`` is
     marked non-differentiable. The backward op sees the final ``(out, lse)``, sinks included,
     which is all the rows' gradients need; the sinks' own gradient is computed here
-    (Note [Attention sinks]).
+    (Note [Attention sinks]). The backward is first-order only (Note [First-order backward]).
     """
 
     def setup_context(ctx, inputs, output):
@@ -84,6 +130,7 @@ def register_attention_autograd(
 
     def backward_with(backward_fn):
         def backward(ctx, dout, _dlse):
+            check_first_order()
             q, k, v, out, lse, sinks, *meta = ctx.saved_tensors
             grads = backward_fn(dout, q, k, v, out, lse, *meta, *ctx.args)
             dsinks = None

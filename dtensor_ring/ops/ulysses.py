@@ -51,10 +51,12 @@ from torch import Tensor
 from .._compat import resolve_group
 from ..comm.all_to_all import all_to_all
 from ..kernels import accumulation_dtype, get_kernel
-from ..kernels.merge import empty_rows_nan_
+from ..kernels.merge import empty_rows_nan_, sinks_grad_rows
 from ..layouts import get_layout, order_layout
 from ..schedule.cost import kv_repeat
 from .common import (
+    call_attention,
+    check_first_order,
     fake_grads,
     fake_out_lse,
     op_window,
@@ -115,6 +117,7 @@ def _a2a_setup_context(ctx, inputs, output):
 
 def _a2a_backward(ctx, grad):
     # The all-to-all is a permutation of entries across ranks: its adjoint is its inverse.
+    check_first_order()  # Note [First-order backward]
     group_name, seq_dim, head_dim, to_heads, layout = ctx.args
     dx = ulysses_all_to_all(grad, group_name, seq_dim, head_dim, not to_heads, layout)
     return dx, None, None, None, None, None
@@ -199,6 +202,55 @@ def to_heads(q: Tensor, k: Tensor, v: Tensor, name: str, W: int, layout: str):
     if f > 1:
         k, v = k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)
     return tuple(ulysses_all_to_all(x, name, 1, 2, True, layout) for x in (q, k, v))
+
+
+# Note [Sinks on head shards]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each rank's gradient of the sinks is its own rows' (tokens') share, for all H heads (Note
+# [Attention sinks]). After the all-to-all a rank holds all S tokens of H/W heads, so the
+# attention op's own sinks gradient would be its heads' share over the whole sequence: the same
+# sum over the ranks, other values on each. So the op gets this rank's sinks as constants (they
+# shape its rows), and the backward sends each (head, row) term of the gradient to the row's
+# owner with the all-to-all that brings lse back (W = 2, H = 4, rank 0):
+#
+#     head shard:  terms [B, h0 h1, t0..t7] --a2a--> [B, h0..h3, t0..t3] --sum over B, tokens-->
+#                  dsinks [H] of rank 0's tokens
+#
+# one more all-to-all in the backward, of B * H * S_local values (1/D of dout's). The DTensor
+# path's Ulysses op folds the sinks in on sequence shards (after its return all-to-all), so its
+# autograd (Note [First-order backward]'s register_attention_autograd) already gives the rows.
+
+
+class _SinksOfRows(torch.autograd.Function):
+    """``out_h`` unchanged; backward: the sinks' gradient of this rank's rows (Note [Sinks on
+    head shards])."""
+
+    @staticmethod
+    def forward(ctx, out_h, lse_h, sinks_h, sinks, group_name, layout):
+        ctx.save_for_backward(out_h, lse_h, sinks_h)
+        ctx.args = group_name, layout
+        return out_h.view_as(out_h)
+
+    @staticmethod
+    def backward(ctx, dout_h):
+        check_first_order()
+        out_h, lse_h, sinks_h = ctx.saved_tensors
+        group_name, layout = ctx.args
+        terms_h = sinks_grad_rows(dout_h, out_h, lse_h, sinks_h)  # [B, h, S]
+        terms = ulysses_all_to_all(terms_h, group_name, 2, 1, False, layout)  # [B, H, S_local]
+        return dout_h, None, None, terms.sum((0, 2)).to(sinks_h.dtype), None, None
+
+
+def attention_on_heads(op, qh, kh, vh, *args, sinks, rank, group_name, layout):
+    """``call_attention(op, qh, kh, vh, *args, sinks of this rank's heads)`` on the head shards
+    ``qh [B, S, h, D]`` of :func:`to_heads` over ``group_name`` (``rank``: this rank in it;
+    ``layout``: the token order it used) -> ``(out_h, lse_h)``; the gradient of ``sinks [H]``
+    is this rank's rows' share (Note [Sinks on head shards])."""
+    if sinks is None:
+        return call_attention(op, qh, kh, vh, *args, None)
+    sinks_h = sinks.detach().view(-1, qh.shape[2])[rank]
+    out_h, lse_h = call_attention(op, qh, kh, vh, *args, sinks_h)
+    return _SinksOfRows.apply(out_h, lse_h, sinks_h, sinks, group_name, layout), lse_h
 
 
 # --- sequence-sharded attention ops (the DTensor path) ---------------------------------------

@@ -47,7 +47,11 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   base, mask, memory layouts, debug_on (the primary doors also nonfinite, disagree, shapes),
   two tiny transformers models via ``shard_batch(layout="auto")``; and the doors that must
   reject it (Ulysses, SDPA on DTensors) through base: a clean ``ValueError`` on every rank;
-* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache;
+* ``sinks`` also covers the llama3_zigzag doors, decoding and the KV cache; each rank's
+  gradient of the sinks must be its rows' share;
+* ``double_backward``: a backward with ``create_graph=True`` through every door that trains,
+  with sinks that require grad where the door takes them: the same ``RuntimeError`` on every
+  rank (or exact second-order gradients);
 * ``recompute``: activation checkpointing (torch's reentrant and non-reentrant checkpoints,
   FSDP's ``checkpoint_wrapper``, the composable one, nested ones) of a model's attention
   block through the doors that serve attention for a scope (``context_parallel``,
@@ -267,13 +271,18 @@ def attention_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
         kw[name] = CU_EDITS[setup.cu_edit](_local_cu(door, data, ctx))
     if setup.lse:
         kw["return_attn_probs"] = True
+    sinks = kw.get("sinks")
+    if not (setup.grads and isinstance(sinks, Tensor) and sinks.is_floating_point()):
+        sinks = None
+    elif not setup.expect_error:  # a leaf: its gradient is checked too
+        kw["sinks"] = sinks = sinks.detach().clone().requires_grad_()
     view = VIEWS[setup.view]
     dout = data.dout[:, idx] if setup.grads else None
     with _engine_spy(door) as used:
         out, lse = door.call(ctx, *args, kw, view, Tokens(idx, data.bounds), dout)
     if setup.expect_error:
         return {"returned": Flag(False, f"returned a result although {setup.expect_error}")}
-    checks = _checks(door, setup, data, idx, out, lse, leaves)
+    checks = _checks(door, setup, data, idx, out, lse, leaves, sinks)
     if door.layout == "auto":
         checks["engine"] = _engine_check(door, used)
     return checks
@@ -318,7 +327,9 @@ def reference_semantics(door: Door, setup: Setup) -> tuple[bool, tuple[int, int]
     return bool(causal), window, setup.D**-0.5 if scale is None else float(scale)
 
 
-def _checks(door, setup, data, idx, out, lse, leaves) -> dict:
+def _checks(door, setup, data, idx, out, lse, leaves, sinks_leaf=None) -> dict:
+    """Checks of a door's results; ``sinks_leaf``: the sinks whose gradient must be this
+    rank's rows' share (docs/api.md, Attention sinks), or None."""
     causal, window, scale = reference_semantics(door, setup)
     visible = door.visible(data.seq_len, data.bounds, causal, window)
     dout = data.dout if setup.grads else None
@@ -342,6 +353,9 @@ def _checks(door, setup, data, idx, out, lse, leaves) -> dict:
             checks[name] = check(
                 view_grad(setup.view, leaf.grad), view_grad(setup.view, want), name
             )
+    if sinks_leaf is not None:
+        want = oracle.sinks_share(data.q, data.k, data.v, visible, scale, data.dout, sinks, idx)
+        checks["dsinks"] = check(sinks_leaf.grad, want, "dsinks", sinks_leaf.dtype)
     return checks
 
 
@@ -359,6 +373,61 @@ def nonmember_case(ctx: Ctx, door: Door, setup: Setup, inner=attention_case) -> 
     except TypeError as e:
         return {"non-member": Flag(False, f"rank 2 raised TypeError, not ValueError: {e}")}
     return {"non-member": Flag(False, "rank 2, outside the group, got a result")}
+
+
+# --- double backward ------------------------------------------------------------------------
+
+
+def double_backward_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """A backward with ``create_graph=True`` through ``door`` (``setup.extra["sinks"]``: with
+    sinks that require grad): a ``RuntimeError`` naming double backward on every rank (Note
+    [First-order backward] in ``ops/common.py``), or, should a door differentiate twice, the
+    reference's second-order gradients (of ``|dq|^2 + |dk|^2 + |dv|^2`` summed over ranks)."""
+    data = make_data(door, setup, ctx.world)
+    idx = door.indices(ctx.rank, ctx.world, data.seq_len, data.bounds)
+    leaves = [x[:, idx].clone().requires_grad_() for x in (data.q, data.k, data.v)]
+    kw = dict(setup.kw)
+    if setup.extra.get("sinks"):
+        kw["sinks"] = _SINKS(leaves[0].shape[2]).double().requires_grad_()
+    try:
+        door.call(
+            ctx,
+            *leaves,
+            kw,
+            VIEWS[setup.view],
+            Tokens(idx, data.bounds),
+            data.dout[:, idx],
+            create_graph=True,
+        )
+    except RuntimeError as e:
+        return {"double_backward": Flag("double backward" in str(e), f"raised {e}")}
+    grads = [leaf.grad for leaf in leaves]
+    got = torch.autograd.grad(sum(g.pow(2).sum() for g in grads), leaves, allow_unused=True)
+    causal, window, scale = reference_semantics(door, setup)
+    visible = door.visible(data.seq_len, data.bounds, causal, window)
+    sinks = kw.get("sinks")
+    want = oracle.second_order(data.q, data.k, data.v, visible, scale, data.dout, sinks)
+    tol = oracle.tolerance(setup.dtype)
+    return {
+        f"d2{name}": Check(g, w[:, idx], setup.dtype, *tol)
+        for name, g, w in zip("qkv", got, want, strict=True)
+    }
+
+
+def double_backward_cases() -> list[Case]:
+    """Every door that trains (not the ones that reject their layout), at two world sizes,
+    with and (where the door takes them) without sinks that require grad."""
+    cases = []
+    doors = [d for d in ALL_DOORS.values() if d not in AUTO_REJECTING]
+    for i, door in enumerate(doors):
+        for j, world in enumerate((_pick(WORLDS, i), _pick(WORLDS, i + 2))):
+            sinks = j == 1 and "sinks" in door.accepts
+            setup = Setup(kw={"causal": True}, extra={"sinks": sinks})
+            detail = "create_graph" + ",sinks" * sinks
+            cases.append(
+                _case("double_backward", door, world, detail, setup, fn=double_backward_case)
+            )
+    return cases
 
 
 # --- DTensor defaults (f) -------------------------------------------------------------------
@@ -707,13 +776,15 @@ SINKS = [
 
 def sinks_cases(doors=None) -> list[Case]:
     """``sinks=`` (attention sinks) through every door that takes it: exact or a clean error
-    (also the later doors: the llama3_zigzag doors, decoding and the KV cache)."""
+    (also the later doors: the llama3_zigzag doors, ``layout="auto"`` choosing Ulysses,
+    decoding and the KV cache)."""
     cases = []
     if doors is None:
         from .inference import decode_sinks_cases, kv_cache_sinks_cases
 
+        auto_ulysses = AUTO_DOORS["ring_attention_func[auto:ulysses]"]
         return (
-            sinks_cases([*REPRESENTATIVE, *LLAMA3_ZIGZAG_PRIMARY])
+            sinks_cases([*REPRESENTATIVE, *LLAMA3_ZIGZAG_PRIMARY, auto_ulysses])
             + decode_sinks_cases()
             + kv_cache_sinks_cases()
         )
@@ -1518,6 +1589,7 @@ KINDS = {
     "decode": decode_cases,
     "kv_cache": kv_cache_cases,
     "recompute": recompute_cases,
+    "double_backward": double_backward_cases,
 }
 FAST_PER_KIND = 5  # the CI subset: about 90 cases
 

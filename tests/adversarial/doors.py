@@ -246,10 +246,11 @@ class Door:
         view: Callable[[Tensor], Tensor],
         tokens: Tokens,
         dout: Tensor | None = None,
+        create_graph: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Run this door on this rank's tensors; ``(out [B, S, H, D], lse [B, H, S] | None)``.
         With ``dout`` (``[B, S, H, D]``) also run the backward of ``(out * dout).sum()``
-        (inside the door's scope, where it has one)."""
+        (inside the door's scope, where it has one), with ``create_graph``."""
         from tests.engine_spy import forced_algorithm
 
         unknown = set(kw) - self.accepts
@@ -257,16 +258,18 @@ class Door:
         caller = _CALLERS[self.family]
         with forced_algorithm(self.force or None):
             if self.family in ("sdpa_scope", "cp"):
-                return caller(self, ctx, q, k, v, dict(kw), view, tokens, dout)
+                return caller(self, ctx, q, k, v, dict(kw), view, tokens, dout, create_graph)
             out, lse = caller(self, ctx, q, k, v, dict(kw), view, tokens)
             if dout is not None:
-                backward(out, dout, view)
+                backward(out, dout, view, create_graph)
         return out, lse
 
 
-def backward(out: Tensor, dout: Tensor, view: Callable[[Tensor], Tensor]) -> None:
+def backward(
+    out: Tensor, dout: Tensor, view: Callable[[Tensor], Tensor], create_graph: bool = False
+) -> None:
     """Backward of ``(out * dout).sum()``: ``dout`` flows into ``out`` (in ``view``'s layout)."""
-    (out * view(dout)).sum().backward()
+    (out * view(dout)).sum().backward(create_graph=create_graph)
 
 
 def _split_result(result) -> tuple[Tensor, Tensor | None]:
@@ -412,7 +415,7 @@ def _call_sdpa_fn(door, ctx, q, k, v, kw, view, tokens):
     return out.to_local().transpose(1, 2), None
 
 
-def _call_sdpa_scope(door, ctx, q, k, v, kw, view, tokens, dout=None):
+def _call_sdpa_scope(door, ctx, q, k, v, kw, view, tokens, dout=None, create_graph=False):
     """SDPA inside ``ring_sdpa``, forward and (with ``dout``) backward in the scope."""
     import dtensor_ring as dr
 
@@ -420,11 +423,11 @@ def _call_sdpa_scope(door, ctx, q, k, v, kw, view, tokens, dout=None):
     with dr.ring_sdpa(layout=door.layout, mode=door.mode, **kw):
         out = F.scaled_dot_product_attention(q, k, v, **sdpa_kw).to_local().transpose(1, 2)
         if dout is not None:
-            backward(out, dout, view)
+            backward(out, dout, view, create_graph)
     return out, None
 
 
-def _call_cp(door, ctx, q, k, v, kw, view, tokens, dout=None):
+def _call_cp(door, ctx, q, k, v, kw, view, tokens, dout=None, create_graph=False):
     """``F.scaled_dot_product_attention`` on plain ``[B, H, S_local, D]`` shards inside
     ``context_parallel(mesh)`` (no buffers), forward and (with ``dout``) backward inside."""
     import dtensor_ring as dr
@@ -439,7 +442,7 @@ def _call_cp(door, ctx, q, k, v, kw, view, tokens, dout=None):
         args = (view(t).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(*args, **sdpa_kw).transpose(1, 2)
         if dout is not None:
-            backward(out, dout, view)
+            backward(out, dout, view, create_graph)
     return out, None
 
 

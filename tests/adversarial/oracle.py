@@ -156,6 +156,15 @@ def strict_attention(
     one more score per row and head, whose probability is dropped (attention sinks).
     """
     q, k, v = (x.detach().to(torch.float64).requires_grad_(dout is not None) for x in (q, k, v))
+    out, lse = _strict(q, k, v, visible, scale, sinks)
+    if dout is None:
+        return Reference(out.detach(), lse.detach())
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.to(torch.float64))
+    return Reference(out.detach(), lse.detach(), dq, dk, dv)
+
+
+def _strict(q, k, v, visible, scale, sinks) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`strict_attention`, differentiable (float64 inputs)."""
     group = q.shape[2] // k.shape[2]
     k_e, v_e = (x.repeat_interleave(group, dim=2) for x in (k, v))
     outs, lses = [], []
@@ -168,11 +177,42 @@ def strict_attention(
         lses.append(torch.logsumexp(scores, dim=-1))
         probs = torch.softmax(scores, dim=-1)[..., : len(idx)]
         outs.append(torch.einsum("bhj,bjhd->bhd", probs, v_e[:, idx]))
-    out, lse = torch.stack(outs, dim=1), torch.stack(lses, dim=-1)
-    if dout is None:
-        return Reference(out.detach(), lse.detach())
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.to(torch.float64))
-    return Reference(out.detach(), lse.detach(), dq, dk, dv)
+    return torch.stack(outs, dim=1), torch.stack(lses, dim=-1)
+
+
+def sinks_share(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    visible: Tensor,
+    scale: float,
+    dout: Tensor,
+    sinks: Tensor,
+    rows: Tensor,
+) -> Tensor:
+    """The gradient of ``sinks [H]`` through the rows ``rows`` (one rank's tokens, dim 1)
+    alone: what that rank's gradient must be (docs/api.md, Attention sinks), in float64."""
+    sinks = sinks.detach().to(torch.float64).requires_grad_()
+    q, k, v = (x.detach().to(torch.float64) for x in (q, k, v))
+    out, _ = _strict(q, k, v, visible, scale, sinks)
+    return torch.autograd.grad(out[:, rows], sinks, dout[:, rows].to(torch.float64))[0]
+
+
+def second_order(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    visible: Tensor,
+    scale: float,
+    dout: Tensor,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients w.r.t. q, k, v of ``|dq|^2 + |dk|^2 + |dv|^2``, where ``dq, dk, dv`` are
+    :func:`strict_attention`'s gradients for ``dout`` (a double backward), in float64."""
+    q, k, v = (x.detach().to(torch.float64).requires_grad_() for x in (q, k, v))
+    out, _ = _strict(q, k, v, visible, scale, sinks)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(torch.float64), create_graph=True)
+    return torch.autograd.grad(sum(g.pow(2).sum() for g in grads), (q, k, v))
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

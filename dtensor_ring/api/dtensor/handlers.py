@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..._compat import aten_op, require_aten_op
 from ..._compat import dtensor as _dtensor_compat
 from ...algorithm import Route
-from ...ops.common import call_attention
+from ...ops.common import call_attention, check_first_order
 from ...resolve import AttentionSpec
 from .function import ALGORITHM_OPS, SDPAConfig, resolve_sdpa, sdpa_route
 from .gather import gather_backward, gather_forward, resolve_gather
@@ -149,6 +149,7 @@ def aten_sdpa_backward_handler(
     config: SDPAConfig, op: torch._ops.OpOverload, args: tuple, kwargs: dict
 ) -> tuple:
     """DTensor handler of a fused SDPA backward op (any row of :data:`ATEN_SDPA_OPS`)."""
+    check_first_order(*args, *kwargs.values())  # Note [First-order backward]
     family = _family_of()[op]
     a, (q, k, v), spec, r = _bind_sdpa_call(config, op, args, kwargs)
     mesh, placements = a["query"].device_mesh, a["query"].placements
