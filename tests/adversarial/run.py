@@ -1,14 +1,16 @@
 """Command line of the adversarial suite: run cases, print the counts, write JSON.
 
     python -m tests.adversarial.run [--fast] [--kinds base,args] [--match TEXT] [--jobs 2]
-                                    [--json out.json] [--timeout 60] [--list]
+                                    [--json out.json] [--timeout 60] [--list] [--verbose]
 
-Prints a table of counts (kind x class), then every case that did not pass (its class is not
-an expected one: wrong / crash / hang / partial, or an unexpected correct / clean_error), with
-a one-line reason, marked ``known`` when listed in :mod:`tests.adversarial.known`, and the
-known cases that now pass. ``[nodebug]`` cases of the ``disagree`` kind are informational
-(ranks disagreeing without the consistency mode): counted, listed apart, never failures.
-Exit status 1 when a case outside the known list failed or a known case passed.
+Prints progress (a mark per case on a terminal, a line every 50 cases in a log), a table of
+counts (kind x class), a one-line summary of the informational ``[nodebug]`` cases of the
+``disagree`` kind (ranks disagreeing without the consistency mode: never failures; listed with
+``--verbose``), every case that did not pass (its class is not an expected one: wrong / crash /
+hang / partial, or an unexpected correct / clean_error) with a one-line reason, marked
+``known`` when listed in :mod:`tests.adversarial.known`, the known cases that now pass, and
+the verdict last. Exit status 1 when a case outside the known list failed or a known case
+passed.
 """
 
 from __future__ import annotations
@@ -36,22 +38,37 @@ def select(fast: bool = False, kinds: list[str] | None = None, match: str = "") 
 
 
 def run_all(
-    cases: list[Case], jobs: int = 2, timeout_s: float | None = None, progress: bool = False
+    cases: list[Case],
+    jobs: int = 2,
+    timeout_s: float | None = None,
+    progress: str | None = None,
+    every: int = 50,
 ) -> list[Result]:
-    """Run ``cases`` ``jobs`` at a time; results in the order of ``cases``."""
+    """Run ``cases`` ``jobs`` at a time; results in the order of ``cases``. ``progress``:
+    "dots" (a terminal: one mark per case), "lines" (a log: :func:`progress_line` every
+    ``every`` cases and at the end), or None."""
+    start, done, failed = time.monotonic(), [0], [0]
 
     def one(case: Case) -> Result:
         result = run_case(case, timeout_s)
-        if progress:
-            mark = {True: ".", False: "F", None: "i"}[result.passed]
-            print(mark, end="", flush=True)
+        done[0] += 1
+        failed[0] += result.passed is False
+        if progress == "dots":
+            print({True: ".", False: "F", None: "i"}[result.passed], end="", flush=True)
+        elif progress == "lines" and (done[0] % every == 0 or done[0] == len(cases)):
+            print(progress_line(done[0], len(cases), failed[0], time.monotonic() - start))
         return result
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(one, cases))
-    if progress:
+    if progress == "dots":
         print()
     return results
+
+
+def progress_line(done: int, total: int, failed: int, seconds: float) -> str:
+    """One line of progress for a log: cases done, not-passed so far, elapsed time."""
+    return f"[{done}/{total}] {failed} failed so far, {seconds:.0f}s"
 
 
 def counts_table(results: list[Result]) -> str:
@@ -75,23 +92,43 @@ def failures(results: list[Result]) -> tuple[list[Result], list[Result], list[Re
     return new, known, fixed
 
 
-def report(results: list[Result], seconds: float) -> str:
+def report(results: list[Result], seconds: float, verbose: bool = False) -> str:
+    """The counts, the informational cases (summarised; each one with ``verbose``), the cases
+    that did not pass, and the verdict last."""
     new, known, fixed = failures(results)
     info = [r for r in results if r.passed is None]
-    lines = [
-        f"{len(results)} cases in {seconds:.0f}s",
-        counts_table(results),
-        "",
-        f"failed (class not expected): {len(new) + len(known)} ({len(known)} known)",
-    ]
-    lines += [_line(r, "known " if r.name in KNOWN_FAILING else "") for r in new + known]
+    lines = [f"{len(results)} cases in {seconds:.0f}s", counts_table(results)]
+    if info:
+        lines += ["", info_summary(info)]
+        if verbose:
+            lines += [_line(r, "") for r in info]
+    if new or known:
+        lines += ["", "not passed (class not expected):"]
+        lines += [_line(r, "known " if r.name in KNOWN_FAILING else "") for r in new + known]
     if fixed:
         lines += ["", f"known failures that now pass ({len(fixed)}): remove them from known.py"]
         lines += [f"  {r.name}" for r in fixed]
-    if info:
-        lines += ["", "informational ([nodebug]: ranks disagree, consistency mode off):"]
-        lines += [_line(r, "") for r in info]
+    verdict = "FAILED" if new or fixed else "OK"
+    lines += [
+        "",
+        f"{verdict}: {len(new)} unexpected failures, {len(known)} known, {len(fixed)} known "
+        "now passing",
+    ]
     return "\n".join(lines)
+
+
+def info_summary(info: list[Result]) -> str:
+    """The informational cases in a few lines: how many of each class (ranks that disagree
+    with the consistency mode off are not failures: the mode turns each into one error)."""
+    by_class: dict[str, int] = {}
+    for r in info:
+        by_class[r.cls] = by_class.get(r.cls, 0) + 1
+    counts = ", ".join(f"{n} {cls}" for cls, n in sorted(by_class.items()))
+    return (
+        f"informational: {len(info)} [nodebug] cases (ranks that disagree, consistency mode "
+        f"off; each has a debug twin that must raise on every rank): {counts}; --verbose lists "
+        "them"
+    )
 
 
 def _line(r: Result, tag: str) -> str:
@@ -108,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per case")
     parser.add_argument("--json", default="", help="write every result here")
     parser.add_argument("--list", action="store_true", help="list the cases, run nothing")
+    parser.add_argument("--verbose", action="store_true", help="list every informational case")
     parser.add_argument(
         "--update-known",
         action="store_true",
@@ -120,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"{c.name}  expect={sorted(c.expect or [])}" for c in cases))
         return 0
     start = time.monotonic()
-    results = run_all(cases, args.jobs, args.timeout, progress=sys.stdout.isatty())
-    print(report(results, time.monotonic() - start))
+    progress = "dots" if sys.stdout.isatty() else "lines"
+    results = run_all(cases, args.jobs, args.timeout, progress=progress)
+    print(report(results, time.monotonic() - start, args.verbose))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([vars(r) for r in results], f, indent=1)
