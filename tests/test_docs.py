@@ -26,3 +26,34 @@ def test_has_runnable_blocks():
 @pytest.mark.parametrize("block", _runnable_blocks())
 def test_block_runs(block):
     exec(compile(block, DOC, "exec"), {"__name__": "__docs__"})
+
+
+DESIGN = os.path.join(os.path.dirname(DOC), "design.md")
+
+
+@pytest.mark.slow  # collects the whole suite in a subprocess (~10 s)
+def test_stated_test_counts():
+    """The test counts of design.md's "Testing tiers" table (their one home: the other docs
+    link there) are the suite's: pytest's collection of the fast tier and of the whole."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(DESIGN).removesuffix("docs")
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-m", "not slow"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout.splitlines()[-1]
+    fast, total, slow = map(
+        int, re.match(r"(\d+)/(\d+) tests collected \((\d+) deselected", collected).groups()
+    )
+    with open(DESIGN) as f:
+        table = f.read().split("## Testing tiers", 1)[1]
+    stated = {
+        tier: int(n)
+        for tier, n in re.findall(r"^\| (fast|slow|all) [^|]*\| [^|]*\| (\d+) \|", table, re.M)
+    }
+    assert stated == {"fast": fast, "slow": slow, "all": total}, (stated, collected)
