@@ -63,7 +63,14 @@ def main() -> None:
     drhf.setup()  # the default group is the context-parallel group
     ok = True
     for do_sample in (False, True):
-        kwargs = dict(max_new_tokens=a.new_tokens, do_sample=do_sample, pad_token_id=None)
+        # a full attention mask (no padding) tells transformers the batch is not padded, which
+        # it would otherwise warn about for every call
+        kwargs = dict(
+            max_new_tokens=a.new_tokens,
+            do_sample=do_sample,
+            attention_mask=torch.ones_like(prompt),
+            pad_token_id=None,
+        )
         torch.manual_seed(7)  # sampling: every rank alike
         tokens = drhf.generate(model, prompt, layout="zigzag", **kwargs)
         new = tokens[:, a.prompt_len :]

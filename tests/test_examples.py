@@ -109,3 +109,4 @@ def test_generate_cp_verify():
     pytest.importorskip("transformers")
     out = _torchrun("generate_cp.py", "--verify", "--prompt-len", "37", "--window", "8")
     assert "verify: OK" in out, out
+    assert "[transformers]" not in out, out  # quiet: no advisory warnings around the output
