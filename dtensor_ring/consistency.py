@@ -122,11 +122,10 @@ def relay_errors(
     try:
         yield
     except (TypeError, ValueError) as err:
-        if (
-            isinstance(err, ConsistencyError)
-            or torch.compiler.is_compiling()
-            or not consistency_checks_enabled()
-        ):
+        if isinstance(err, ConsistencyError) or torch.compiler.is_compiling():
+            raise
+        if not consistency_checks_enabled():
+            _add_debug_hint(err, group_names)
             raise
         try:
             names = group_names() if callable(group_names) else group_names
@@ -134,6 +133,31 @@ def relay_errors(
             raise err from None
         check_consistent(names, {"op": op, "error": f"{type(err).__name__}: {err}"})
         raise
+
+
+DEBUG_HINT = (
+    f" [raised on this rank before any communication; if other ranks did not raise, they wait "
+    f"for this one: {ENV_VAR}=1 raises the same error on every rank]"
+)
+
+
+def _add_debug_hint(
+    err: Exception, group_names: str | Sequence[str] | Callable[[], str | Sequence[str]]
+) -> None:
+    """Append :data:`DEBUG_HINT` to ``err``'s message (once) when other ranks may be waiting:
+    the call's group(s) have more than one rank (the default group's size when they cannot be
+    told, e.g. this rank is not in the group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        names = group_names() if callable(group_names) else group_names
+        names = (names,) if isinstance(names, str) else names
+        size = max(dist.get_world_size(resolve_group(name)) for name in names)
+    except Exception:  # the error being raised is what matters
+        size = dist.get_world_size()
+    message = err.args[0] if len(err.args) == 1 and isinstance(err.args[0], str) else None
+    if size > 1 and message is not None and DEBUG_HINT not in message:
+        err.args = (message + DEBUG_HINT,)
 
 
 def first_difference(fingerprints: list[Mapping[str, object]]) -> str | None:

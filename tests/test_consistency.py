@@ -591,3 +591,33 @@ def test_mode_off_or_one_rank_is_a_no_op(monkeypatch):
     monkeypatch.setattr(consistency, "resolve_group", fail)
     monkeypatch.delenv(ENV, raising=False)
     consistency.check_consistent("no-such-group", {"op": "x"})
+
+
+# --- the mode off: errors name the mode ----------------------------------------------------
+
+
+def _hint_off(group: dist.ProcessGroup) -> list[tuple[str, str]]:
+    """With the mode off, every rank makes the same bad calls (rejected before any
+    communication); their messages."""
+    q, k, v = _qkv()
+    with _mode(None):
+        return [
+            _outcome(lambda: dr.ring_flash_attn_func(q, k, v, dropout_p=0.5, group=group)),
+            _outcome(lambda: dr.ring_attention_func("zigzag", q, k, v, group=group)),
+            _outcome(
+                lambda: dr.ring_attention_func(
+                    "stripe", q, k, v, group=group, algorithm="all_gather"
+                )
+            ),
+        ]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_errors_name_the_mode(dist_pool, world_size):
+    """Every error raised before communication on a group of more than one rank names
+    DTENSOR_RING_DEBUG=1 (other ranks may be waiting); on one rank it does not."""
+    for outcomes in dist_pool.run(_hint_off, world_size):
+        for kind, message in outcomes:
+            assert kind == "ValueError", (kind, message)
+            assert (consistency.DEBUG_HINT in message) == (world_size > 1), message
+            assert message.count(f"{ENV}=1") <= 1, message  # once
