@@ -45,7 +45,8 @@ from ..ops.ulysses import (
     ulysses_all_to_all,
     ulysses_local_attention,
 )
-from ..resolve import AttentionSpec, Call, Door, group_arg, resolve_call, unpack
+from ..resolve import AttentionSpec, Call, Door, group_arg, resolve_call
+from .packed import packed_form
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -153,76 +154,8 @@ def ulysses_run(
     return out, ulysses_all_to_all(lse_h, name, 2, 1, False, order) if return_lse else None
 
 
-def ulysses_flash_attn_kvpacked_func(
-    q: Tensor,
-    kv: Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    group: dist.ProcessGroup | None = None,
-    *,
-    layout: LayoutName = "ring",
-    backend: str | None = None,
-    sinks: Tensor | None = None,
-) -> Result:
-    """:func:`ulysses_flash_attn_func` with ``q [B, S_local, H, D]``,
-    ``kv [B, S_local, 2, H_kv, D]``."""
-    k, v = unpack("kv", kv, 2, group)
-    return ulysses_flash_attn_func(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        layout=layout,
-        backend=backend,
-        sinks=sinks,
-    )
-
-
-def ulysses_flash_attn_qkvpacked_func(
-    qkv: Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    group: dist.ProcessGroup | None = None,
-    *,
-    layout: LayoutName = "ring",
-    backend: str | None = None,
-    sinks: Tensor | None = None,
-) -> Result:
-    """:func:`ulysses_flash_attn_func` with ``qkv [B, S_local, 3, H, D]``."""
-    q, k, v = unpack("qkv", qkv, 3, group)
-    return ulysses_flash_attn_func(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        layout=layout,
-        backend=backend,
-        sinks=sinks,
-    )
+ulysses_flash_attn_kvpacked_func = packed_form(ulysses_flash_attn_func, 2, False)
+ulysses_flash_attn_qkvpacked_func = packed_form(ulysses_flash_attn_func, 3, False)
 
 
 # --- 2-D hybrid ----------------------------------------------------------------------------

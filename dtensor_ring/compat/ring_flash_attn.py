@@ -36,12 +36,9 @@ import functools
 import inspect
 from collections.abc import Callable
 
-import torch.distributed as dist
-from torch import Tensor
-
 from ..api.functional import Result, ring_attention_func
+from ..api.packed import named, packed_form
 from ..api.varlen import llama3_attention_func, ring_varlen_attention_func
-from ..resolve import unpack
 
 _DENSE_TOKENS = "q ``[B, S_local, H, D]``, k, v ``[B, S_local, H_kv, D]``"
 _VARLEN_TOKENS = "q ``[T_local, H, D]``, k, v ``[T_local, H_kv, D]``"
@@ -61,45 +58,7 @@ def _door_form(
 
     params = list(inspect.signature(door).parameters.values())[layout is not None :]
     fn.__signature__ = inspect.Signature([p for p in params if p.name != hidden])
-    return _named(fn, name, doc)
-
-
-def _packed(base: Callable, n: int, varlen: bool) -> Callable:
-    """``base``'s kv-packed (``n`` = 2: ``q, kv``) or qkv-packed (``n`` = 3: ``qkv``) form;
-    the packed tensor is unpacked into views (:func:`~dtensor_ring.resolve.unpack`)."""
-    params = list(inspect.signature(base).parameters.values())
-    group_pos = [p.name for p in params].index("group") - 3  # among the arguments after q, k, v
-    lead = "T_local" if varlen else "B, S_local"
-
-    def group_of(args: tuple, kwargs: dict) -> dist.ProcessGroup | None:
-        return kwargs.get("group", args[group_pos] if len(args) > group_pos else None)
-
-    if n == 2:
-
-        def fn(q: Tensor, kv: Tensor, *args, **kwargs) -> Result:
-            k, v = unpack("kv", kv, 2, group_of(args, kwargs), varlen=varlen)
-            return base(q, k, v, *args, **kwargs)
-
-        first = [params[0], params[1].replace(name="kv")]
-        shapes = f"q ``[{lead}, H, D]``, kv ``[{lead}, 2, H_kv, D]``"
-    else:
-
-        def fn(qkv: Tensor, *args, **kwargs) -> Result:
-            q, k, v = unpack("qkv", qkv, 3, group_of(args, kwargs), varlen=varlen)
-            return base(q, k, v, *args, **kwargs)
-
-        first = [params[0].replace(name="qkv")]
-        shapes = f"qkv ``[{lead}, 3, H, D]``"
-    fn.__signature__ = inspect.Signature(first + params[3:])
-    name = base.__name__.replace("_func", "_kvpacked_func" if n == 2 else "_qkvpacked_func")
-    return _named(fn, name, f":func:`{base.__name__}` with {shapes}.")
-
-
-def _named(fn: Callable, name: str, doc: str) -> Callable:
-    fn.__name__ = fn.__qualname__ = name
-    fn.__module__ = __name__
-    fn.__doc__ = doc + " (Arguments: :mod:`dtensor_ring.compat.ring_flash_attn`.)"
-    return fn
+    return named(fn, name, doc, __name__)
 
 
 def _dense(layout: str, name: str, what: str) -> Callable:
@@ -113,25 +72,29 @@ def _varlen(layout: str, name: str, what: str) -> Callable:
 
 
 ring_flash_attn_func = _dense("ring", "ring_flash_attn_func", "ring layout (contiguous)")
-ring_flash_attn_kvpacked_func = _packed(ring_flash_attn_func, 2, False)
-ring_flash_attn_qkvpacked_func = _packed(ring_flash_attn_func, 3, False)
+ring_flash_attn_kvpacked_func = packed_form(ring_flash_attn_func, 2, False)
+ring_flash_attn_qkvpacked_func = packed_form(ring_flash_attn_func, 3, False)
 zigzag_ring_flash_attn_func = _dense("zigzag", "zigzag_ring_flash_attn_func", "zigzag; causal")
-zigzag_ring_flash_attn_kvpacked_func = _packed(zigzag_ring_flash_attn_func, 2, False)
-zigzag_ring_flash_attn_qkvpacked_func = _packed(zigzag_ring_flash_attn_func, 3, False)
+zigzag_ring_flash_attn_kvpacked_func = packed_form(zigzag_ring_flash_attn_func, 2, False)
+zigzag_ring_flash_attn_qkvpacked_func = packed_form(zigzag_ring_flash_attn_func, 3, False)
 stripe_flash_attn_func = _dense("stripe", "stripe_flash_attn_func", "stripe layout; causal")
-stripe_flash_attn_kvpacked_func = _packed(stripe_flash_attn_func, 2, False)
-stripe_flash_attn_qkvpacked_func = _packed(stripe_flash_attn_func, 3, False)
+stripe_flash_attn_kvpacked_func = packed_form(stripe_flash_attn_func, 2, False)
+stripe_flash_attn_qkvpacked_func = packed_form(stripe_flash_attn_func, 3, False)
 
 ring_flash_attn_varlen_func = _varlen(
     "ring", "ring_flash_attn_varlen_func", "every document cut into W pieces"
 )
-ring_flash_attn_varlen_kvpacked_func = _packed(ring_flash_attn_varlen_func, 2, True)
-ring_flash_attn_varlen_qkvpacked_func = _packed(ring_flash_attn_varlen_func, 3, True)
+ring_flash_attn_varlen_kvpacked_func = packed_form(ring_flash_attn_varlen_func, 2, True)
+ring_flash_attn_varlen_qkvpacked_func = packed_form(ring_flash_attn_varlen_func, 3, True)
 zigzag_ring_flash_attn_varlen_func = _varlen(
     "zigzag", "zigzag_ring_flash_attn_varlen_func", "zigzag varlen; causal"
 )
-zigzag_ring_flash_attn_varlen_kvpacked_func = _packed(zigzag_ring_flash_attn_varlen_func, 2, True)
-zigzag_ring_flash_attn_varlen_qkvpacked_func = _packed(zigzag_ring_flash_attn_varlen_func, 3, True)
+zigzag_ring_flash_attn_varlen_kvpacked_func = packed_form(
+    zigzag_ring_flash_attn_varlen_func, 2, True
+)
+zigzag_ring_flash_attn_varlen_qkvpacked_func = packed_form(
+    zigzag_ring_flash_attn_varlen_func, 3, True
+)
 
 llama3_flash_attn_varlen_func = _door_form(
     llama3_attention_func,
@@ -141,5 +104,5 @@ llama3_flash_attn_varlen_func = _door_form(
     " -> out.",
     hidden="layout",
 )
-llama3_flash_attn_varlen_kvpacked_func = _packed(llama3_flash_attn_varlen_func, 2, True)
-llama3_flash_attn_varlen_qkvpacked_func = _packed(llama3_flash_attn_varlen_func, 3, True)
+llama3_flash_attn_varlen_kvpacked_func = packed_form(llama3_flash_attn_varlen_func, 2, True)
+llama3_flash_attn_varlen_qkvpacked_func = packed_form(llama3_flash_attn_varlen_func, 3, True)
