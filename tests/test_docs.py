@@ -133,3 +133,20 @@ def test_adversarial_case_count():
         assert _close(len(cases), n), (
             f"design.md: about {n}, {len(cases)} cases (about {_rounded(len(cases))})"
         )
+
+
+def test_checkpoint_folders_are_ignored():
+    """``train_llama_cp.py --checkpoint-dir DIR`` leaves nothing untracked, for DIR = ckpt
+    (docs/examples.md) or any folder in the tree: its ``step-NNNNNN`` folders are ignored."""
+    import subprocess
+
+    paths = ["ckpt/step-000004/.metadata", "runs/a/step-000012/__0_0.distcp"]
+    try:
+        proc = subprocess.run(
+            ["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True
+        )
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if proc.returncode == 128:
+        pytest.skip(f"not a git checkout: {proc.stderr.strip()}")
+    assert proc.stdout.split() == paths, proc.stdout + proc.stderr
