@@ -19,8 +19,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
 
 
-def _torchrun(script: str, *args: str) -> str:
-    """Run ``script`` on 4 local ranks; fail with its output unless it exits 0."""
+#: What transformers and Python print as warnings (to stderr: logging and warnings do; the
+#: tests set OMP_NUM_THREADS, so torchrun prints no notice of its own).
+WARNING_LINE = re.compile(r"^\[transformers\]|Warning: ", flags=re.M)
+
+
+def _torchrun(script: str, *args: str, quiet: bool = False) -> str:
+    """Run ``script`` on 4 local ranks; fail with its output unless it exits 0 (and, if
+    ``quiet``, unless its stderr is free of warnings); return its stdout."""
     cmd = [
         sys.executable,
         "-m",
@@ -41,11 +47,13 @@ def _torchrun(script: str, *args: str) -> str:
     )
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    if quiet and WARNING_LINE.search(proc.stderr):
+        pytest.fail(f"{' '.join(cmd)} printed warnings:\n{proc.stderr}")
     return proc.stdout
 
 
 def test_train_llama_cp_verify():
-    out = _torchrun("train_llama_cp.py", "--verify")
+    out = _torchrun("train_llama_cp.py", "--verify", quiet=True)
     assert "verify:" in out and "OK" in out, out
 
 
@@ -93,7 +101,7 @@ def test_demo():
     )
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)  # its table of pairs (H = 8 on 4 ranks: all of them run)
-    out = _torchrun("demo.py")
+    out = _torchrun("demo.py", quiet=True)
     assert re.search(r"^4 ranks, S=2048, .*torch\.float32, cpu$", out, flags=re.M), out
     rows = {" ".join(m[1].split()): m for m in map(DEMO_ROW.match, out.splitlines()) if m}
     assert sorted(rows) == sorted(f"{a} {b} {c}" for a, b, c in demo.VARIANTS), out
@@ -107,6 +115,6 @@ def test_demo():
 def test_generate_cp_verify():
     """Context-parallel generation (sharded KV cache) against one-process model.generate."""
     pytest.importorskip("transformers")
-    out = _torchrun("generate_cp.py", "--verify", "--prompt-len", "37", "--window", "8")
+    args = ["--verify", "--prompt-len", "37", "--window", "8"]
+    out = _torchrun("generate_cp.py", *args, quiet=True)  # no advice from transformers
     assert "verify: OK" in out, out
-    assert "[transformers]" not in out, out  # quiet: no advisory warnings around the output

@@ -117,6 +117,34 @@ def test_generate_auto_layout(dist_pool):
             assert equal and ring_calls == 2, (S, do_sample, equal, ring_calls)
 
 
+def _generate_warnings(group) -> list[str]:
+    """What transformers logs at warning level during ``dtensor_ring.hf.generate`` of a batch
+    without an ``attention_mask`` (as a user calls it)."""
+    import logging
+
+    import dtensor_ring.hf as drhf
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        drhf.setup(group=group)
+        ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+        drhf.generate(_model("llama"), ids, max_new_tokens=2)
+    finally:
+        logger.removeHandler(handler)
+    return [r.getMessage() for r in records]
+
+
+def test_generate_is_quiet(dist_pool):
+    """No advice from transformers to pass an attention mask: generate passes the all-ones
+    mask of its unpadded batch (examples/generate_cp.py printed about 20 such lines)."""
+    for messages in dist_pool.run(_generate_warnings, 2):
+        assert messages == [], messages
+
+
 def _rejects(group, what: str) -> str:
     import dtensor_ring.hf as drhf
 

@@ -235,8 +235,9 @@ def generate(
         layout: the dense layout of the prefill ("zigzag", "ring", "stripe", or "auto":
             zigzag's tokens, the prefill's algorithm chosen per call).
         generate_kwargs: ``model.generate``'s (``max_new_tokens``, ``do_sample``, ``top_k``,
-            ``attention_mask`` all ones, ``return_dict_in_generate`` ...). Sampling: seed every
-            rank alike (``torch.manual_seed``).
+            ``attention_mask`` all ones (the default: the batch has no padding),
+            ``return_dict_in_generate`` ...). Sampling: seed every rank alike
+            (``torch.manual_seed``).
 
     Returns:
         What ``model.generate`` returns, the same on every rank.
@@ -260,6 +261,9 @@ def generate(
         get_layout(layout, "dense")
         if _active is not None:
             raise RuntimeError("dtensor_ring.hf.generate is already running")
+    if generate_kwargs.get("attention_mask") is None:  # no padding (checked): say so, as
+        # transformers asks of a batch (else it warns at every call that the mask is unset)
+        generate_kwargs["attention_mask"] = torch.ones_like(input_ids)
     from .cache import ShardedCache
 
     _register()
