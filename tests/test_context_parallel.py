@@ -228,6 +228,33 @@ def test_unsupported_arguments_raise(dist_pool):
         assert "1-D DeviceMesh" in messages["2-D mesh"]
 
 
+def _unsharded_query(group) -> str:
+    """A query computed from a tensor that is not among the buffers: as long as the buffers'
+    whole sequence on every rank. The ValueError's message ("" when W = 1: then it is a
+    shard)."""
+    mesh = DeviceMesh.from_group(group, "cpu")
+    ids = torch.arange(24).view(1, 24)
+    x = torch.randn(1, 4, 24, 8, dtype=torch.float64)  # [B, H, S, D], not in buffers
+    with dtensor_ring.context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1]):
+        assert ids.shape[1] == 24 // dist.get_world_size(group)  # sharded in place
+        try:
+            F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        except ValueError as e:
+            return str(e)
+    return ""
+
+
+def test_unsharded_query_raises(dist_pool):
+    """Every rank passing the whole sequence (a tensor left out of buffers=) is caught: the
+    buffers give the global length."""
+    for messages, world in ((dist_pool.run(_unsharded_query, w), w) for w in (1, 2, 3)):
+        for message in messages:
+            if world == 1:
+                assert message == "", message
+            else:
+                assert "query of 24 tokens on each of" in message and "buffers=" in message
+
+
 def _dtensor_sdpa_untouched(group) -> bool:
     """SDPA on DTensors inside the context goes to torch's (here: ``ring_sdpa``'s) path."""
     mesh = DeviceMesh.from_group(group, "cpu")

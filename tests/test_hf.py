@@ -694,3 +694,42 @@ def test_padding_rejects(dist_pool, what, text):
     for message in messages:
         assert "dtensor_ring" in message or "shard_batch" in message, message
         assert text in message, message
+
+
+# --- every rank passing the whole sequence (Note [Whole sequence on every rank]) ------------
+
+
+def _whole_sequence(group, what: str) -> str:
+    """Every rank calls the model on the whole batch instead of ``shard_batch``'s output: the
+    ValueError's message (returned), raised on every rank."""
+    import dtensor_ring.hf as drhf
+
+    layout = "llama3" if what == "packed" else "zigzag"
+    drhf.setup(group=group, layout=layout)
+    model = _model("llama", "dtensor_ring")
+    batch = {k: v[:2] for k, v in _padded_batch(hole=False).items()}
+    ids = batch["input_ids"]
+    if what == "padded":  # shard_batch's padding mask, next to the whole sequence
+        inputs = {"input_ids": ids, drhf.PADDING_MASK: batch["attention_mask"].bool()}
+    elif what == "packed":  # a packed row with its global boundaries, as flash-attention-2 takes
+        bounds = torch.tensor([0, 10, PAD_SEQ], dtype=torch.int32)
+        positions = torch.cat([torch.arange(10), torch.arange(PAD_SEQ - 10)])[None]
+        inputs = {"input_ids": ids[:1], "position_ids": positions}
+        inputs |= {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds}
+    else:  # dense, the model's default positions
+        inputs = {"input_ids": ids}
+    with pytest.raises(ValueError) as info:
+        model(**inputs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("what", ["padded", "packed", "dense"])
+def test_whole_sequence_on_every_rank_raises(dist_pool, what):
+    """Where the call carries the global length (the padding mask, the packed boundaries) a
+    shard as long as it raises; a dense batch fails the positions check, whose message names
+    the mistake. W = 1 holds the whole sequence legitimately (tested above)."""
+    for message in dist_pool.run(_whole_sequence, 2, what=what):
+        assert "every rank passed the whole sequence" in message, message
+        assert "shard_batch" in message, message
+        if what != "dense":
+            assert f"got {PAD_SEQ} tokens on this rank of 2" in message, message

@@ -114,12 +114,16 @@ def _ring_sdpa_local(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
+    *,
+    seq_len: int | None = None,
 ) -> Tensor:
     """SDPA's arguments on plain local shards -> ring attention over ``group`` in ``layout``
     (None: PyTorch's default for the call's global length ``S_local * W``; "llama3_zigzag":
     all-gather attention).
 
     ``query [B, H, S_local, D]``, ``key, value [B, H_kv, S_local, D]`` -> ``[B, H, S_local, D]``.
+    ``seq_len``: the buffers' whole length, if any; a query that long on several ranks is not
+    a shard (ValueError).
     """
     if attn_mask is not None:
         raise ValueError(
@@ -141,6 +145,14 @@ def _ring_sdpa_local(
             "for grouped-query attention (as SDPA requires)"
         )
     world_size = dist.get_world_size(group)
+    if world_size > 1 and query.shape[SDPA_SEQ_DIM] == seq_len:
+        raise ValueError(
+            f"F.scaled_dot_product_attention inside dtensor_ring.context_parallel got a query "
+            f"of {seq_len} tokens on each of {world_size} ranks: the whole length of the buffers "
+            "it sharded, not this rank's shard (S / W). Compute q, k, v from sharded tensors: "
+            "pass every tensor with the sequence dim that feeds attention (input ids, "
+            "positions, ...) in buffers="
+        )
     layout = _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
     out, _ = dense_attention(
         *to_op_layout(query, key, value),
@@ -158,10 +170,14 @@ def _ring_sdpa_local(
 
 @contextlib.contextmanager
 def _sdpa_patched(
-    group: dist.ProcessGroup, layout: str | None, algorithm: str | None
+    group: dist.ProcessGroup,
+    layout: str | None,
+    algorithm: str | None,
+    seq_len: int | None = None,
 ) -> Iterator[None]:
     """``F.scaled_dot_product_attention`` replaced by :func:`_ring_sdpa_local` for plain
-    tensors (DTensors go to the original), restored on exit."""
+    tensors (DTensors go to the original), restored on exit; ``seq_len``: the buffers' whole
+    length (None: no buffers)."""
     original = F.scaled_dot_product_attention
 
     @functools.wraps(original)
@@ -178,7 +194,7 @@ def _sdpa_patched(
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if any(isinstance(t, DTensor) for t in (query, key, value)):
             return original(*args[:6], scale=scale, enable_gqa=enable_gqa)
-        return _ring_sdpa_local(group, layout, algorithm, *args)
+        return _ring_sdpa_local(group, layout, algorithm, *args, seq_len=seq_len)
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:
@@ -223,7 +239,8 @@ def context_parallel(
 
     Raises:
         ValueError: on a malformed argument, a sequence length the layout cannot split, and
-            inside, on SDPA with ``attn_mask`` or ``dropout_p > 0``.
+            inside, on SDPA with ``attn_mask`` or ``dropout_p > 0``, or (W > 1) with a query
+            as long as the first buffer: not a shard (computed from an unsharded tensor).
         RuntimeError: when this torch's checkpoint internals lack the known form
             (``_compat/checkpoint.py``: activation checkpointing could not be followed).
     """
@@ -233,8 +250,9 @@ def context_parallel(
     no_restore = set() if no_restore_buffers is None else no_restore_buffers
     _check_buffer_args(buffers, buffer_seq_dims, no_restore)
     world_size, rank = mesh.size(), mesh.get_local_rank()
-    if buffers:
-        layout = _layout_for(layout, buffers[0].shape[buffer_seq_dims[0]], world_size)
+    seq_len = buffers[0].shape[buffer_seq_dims[0]] if buffers else None
+    if seq_len is not None:
+        layout = _layout_for(layout, seq_len, world_size)
     elif layout is not None:
         get_layout(layout, "dense")
     if layout is not None:
@@ -250,8 +268,8 @@ def context_parallel(
             buffer.copy_(shard)
     try:
         # a checkpoint's recomputation replaces SDPA again: Note [Recomputation outside the scope]
-        recomputed = recompute_context(functools.partial(_sdpa_patched, group, layout, algorithm))
-        with _sdpa_patched(group, layout, algorithm), recomputed:
+        patched = functools.partial(_sdpa_patched, group, layout, algorithm, seq_len)
+        with patched(), recompute_context(patched):
             yield
     finally:
         with torch.no_grad():

@@ -244,6 +244,9 @@ def ring_attention_forward(
                 "metadata that dtensor_ring.hf.shard_batch returns"
             )
         batch, seq_local = query.shape[0], query.shape[2]
+        mask = kwargs.get(PADDING_MASK)
+        if isinstance(mask, Tensor) and mask.dim() == 2:  # the full mask: the global length
+            _check_shard_length(seq_local, mask.shape[1], world, f"{PADDING_MASK}'s")
         index = lay.token_indices(seq_local * world, rank, world)
         padding = padding_of(kwargs.get(PADDING_MASK), batch, seq_local * world, causal, window)
         expected, real = (index, None) if padding is None else padding.local(index)
@@ -405,6 +408,7 @@ def _varlen_attention(
                 "(DataCollatorWithFlattening); pack the rows into one"
             )
         bounds = host_values(cu_seqlens)
+        _check_shard_length(query.shape[2], bounds[-1], world, "cu_seq_lens_q's")
         if bounds[-1] != query.shape[2] * world:
             raise ValueError(
                 f"cu_seq_lens_q must be the global document boundaries (ending at T_local * W "
@@ -437,6 +441,34 @@ def _varlen_attention(
     return out.unsqueeze(0)
 
 
+#: The mistake of every rank passing the whole sequence (Note [Whole sequence on every rank]).
+_WHOLE_SEQUENCE = (
+    "every rank passed the whole sequence instead of its shard; call the model with what "
+    "dtensor_ring.hf.shard_batch returns (this rank's S / W tokens, their global positions)"
+)
+
+# Note [Whole sequence on every rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every rank calling the model on the whole batch (not shard_batch's output) has the shapes of
+# a valid call over W times the sequence. Where the call also carries the global length, a
+# rank whose token count equals it cannot hold a shard (W > 1), and every rank raises alike:
+# a padded batch's full mask (PADDING_MASK, [B, S]) and a packed batch's global boundaries
+# (cu_seq_lens_q ends at T). A dense batch without either carries no global length; there the
+# positions check catches it (the model's default positions 0..S-1 are not a shard's, except
+# rank 0's under "ring", which then waits for its peers: DTENSOR_RING_DEBUG=1 raises on every
+# rank), and its message names the mistake.
+
+
+def _check_shard_length(seq_local: int, seq_len: int, world: int, hint: str) -> None:
+    """ValueError when this rank's ``seq_local`` tokens are the whole ``seq_len`` (read from
+    ``hint``) on a group of several ranks (Note [Whole sequence on every rank])."""
+    if world > 1 and seq_local == seq_len:
+        raise ValueError(
+            f"dtensor_ring attention got {seq_local} tokens on this rank of {world}, "
+            f"{hint} whole length: {_WHOLE_SEQUENCE}"
+        )
+
+
 def _check_positions(position_ids: Tensor | None, expected: Tensor) -> None:
     """Raise unless ``position_ids [B, S]`` equal ``expected``, ``[S]`` or ``[B, S]`` (this
     rank's positions)."""
@@ -447,9 +479,19 @@ def _check_positions(position_ids: Tensor | None, expected: Tensor) -> None:
         or (expected.dim() == 2 and tuple(position_ids.shape) != tuple(expected.shape))
         or not bool((position_ids == expected.to(position_ids.device)).all())
     ):
+        default = position_ids is not None and bool(
+            (position_ids == torch.arange(position_ids.shape[-1], device=position_ids.device)).all()
+        )
+        hint = (
+            f" (these are 0..{position_ids.shape[-1] - 1}, the model's default for a whole "
+            f"sequence: if {_WHOLE_SEQUENCE})"
+            if default and dist.get_world_size(_config.group) > 1
+            else ""
+        )
         raise ValueError(
             "dtensor_ring attention needs position_ids = this rank's positions under "
             f"layout={_config.layout!r} (global positions, or positions within each document "
-            "of a packed batch); build the inputs with dtensor_ring.hf.shard_batch: packed "
-            "sequences (positions restarting per document) need its cu_seq_lens_q/k metadata"
+            f"of a packed batch){hint}; build the inputs with dtensor_ring.hf.shard_batch: "
+            "packed sequences (positions restarting per document) need its cu_seq_lens_q/k "
+            "metadata"
         )
