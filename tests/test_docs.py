@@ -151,3 +151,14 @@ def test_checkpoint_folders_are_ignored():
     if proc.returncode == 128:
         pytest.skip(f"not a git checkout: {proc.stderr.strip()}")
     assert proc.stdout.split() == paths, proc.stdout + proc.stderr
+
+
+def test_ruff_is_pinned_once():
+    """The ruff release CI lints with is pinned in pyproject.toml's dev extra, which .ci/run
+    installs, and nowhere else (design.md: `pip install -e ".[dev]"`)."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        pins = re.findall(r'"ruff==([^"]+)"', f.read())
+    assert len(pins) == 1, pins
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    assert "ruff==" not in ci and '".[dev]"' in ci, ci
