@@ -106,7 +106,7 @@ def route(
     allowed: tuple[str, ...] = DENSE_ALGORITHMS,
     backward: bool = True,
     order_free: bool = False,
-    heads_k_stride: int | None = None,
+    heads_k_stride: object = 1,
 ) -> Route:
     """The algorithm and layout ``call`` runs (Note [Layouts and algorithms]); every door
     that takes ``layout=`` calls it once, before :func:`~dtensor_ring.resolve.resolve_call`.
@@ -122,7 +122,8 @@ def route(
         order_free: the door runs maskless calls in any order (transformers,
             ``context_parallel``: a bidirectional model on zigzag shards): the ring then runs
             the order-free contiguous plan.
-        heads_k_stride: the all-gather's K/V heads per step (None: 1, or the policy's).
+        heads_k_stride: the all-gather's K/V heads per step, as the caller gave it (checked by
+            the all-gather's resolution; "auto" takes the policy's).
     """
     choosing = allowed + ("auto",) if len(allowed) > 1 else allowed
     with relay_errors((call.group_name,), door):
@@ -140,7 +141,7 @@ def route(
             name = "ring" if choice.layout == "ring" else home_layout(lay)
             return Route(algorithm, name, stride)
         if algorithm == "all_gather":
-            stride = 1 if heads_k_stride is None else heads_k_stride
+            stride = heads_k_stride
         # an alias names the caller's tokens in messages; "auto" with an algorithm is zigzag's
         name = home_layout(lay) if alias_algorithm(lay.name) == "auto" else lay.name
         if algorithm == "ring" and order_free:

@@ -51,7 +51,7 @@ def dense_attention(
     group: dist.ProcessGroup | None = None,
     backend: str | None = None,
     sinks: Tensor | None = None,
-    heads_k_stride: int | None = None,
+    heads_k_stride: int = 1,
     allowed: tuple[str, ...] = DENSE_ALGORITHMS,
     return_lse: bool = True,
     backward: bool = True,
@@ -108,7 +108,7 @@ def varlen_attention(
     group: dist.ProcessGroup | None = None,
     backend: str | None = None,
     sinks: Tensor | None = None,
-    heads_k_stride: int | None = None,
+    heads_k_stride: int = 1,
     allowed: tuple[str, ...] = VARLEN_ALGORITHMS,
     order_free: bool = False,
 ) -> tuple[Tensor, Tensor]:
