@@ -1,4 +1,5 @@
-"""Cost of the consistency mode (``DTENSOR_RING_DEBUG=1``) per attention call, CPU + gloo.
+"""Cost of the consistency checks per attention call, CPU + gloo: the mode
+(``DTENSOR_RING_DEBUG=1``) and, with it off, the fixed-size header.
 
     python benchmarks/bench_consistency.py                  # 2 and 4 ranks, ~2-4 min on CPU
     python benchmarks/bench_consistency.py --smoke          # tiny, seconds
@@ -6,20 +7,24 @@
 The mode adds one ``all_gather_object`` of a small fingerprint to every call (Note
 [Consistency mode] in ``dtensor_ring/consistency.py``): pickling, then two collectives (sizes,
 then the pickled bytes). For each world size (processes started with ``mp.spawn``, gloo, one
-thread per rank) and each shape, it measures in the same processes, the mode off and on
-interleaved call by call (so drift and other load on the machine hit both alike):
+thread per rank) and each shape, it measures in the same processes three settings interleaved
+call by call (so drift and other load on the machine hit all alike): ``none`` (no check: the
+header switched off by a patch, what an NCCL group does), ``header`` (the mode off, what a
+gloo group does by default: one ``all_gather`` of a 16-element int64 tensor, Note [Consistency
+header]) and ``mode`` (the mode on):
 
 * ``ring_flash_attn_func`` forward, and forward + backward (causal, fp32, ring layout);
 * the call resolution alone (``dtensor_ring.resolve.resolve_call`` with the same arguments:
-  the checks of every call, plus the mode's collective when on), which isolates the mode's
+  the checks of every call, plus the header's or the mode's collective), which isolates their
   cost from the attention's own run-to-run noise;
 * a bare ``dist.all_gather_object`` of the same fingerprint, its pickling alone, and a
   1-element ``all_reduce`` (this machine's latency of one collective).
 
 Every sample starts after a barrier and is the slowest rank's time; reported: the median over
 ``--reps`` samples after ``--warmup`` calls, in ms (the JSON also has the quartiles), and
-on - off. Ranks beyond the machine's cores share them: the collectives then wait for the OS to
-schedule every rank, which inflates the mode's cost (the device string has the core count).
+what the header and the mode add to ``none``. Ranks beyond the machine's cores share them:
+the collectives then wait for the OS to schedule every rank, which inflates the checks' cost
+(the device string has the core count).
 It prints a table and writes JSON (default:
 ``benchmarks/results/bench_consistency_cpu_<date>.json``).
 """
@@ -85,12 +90,21 @@ def _quartiles(samples: list[float]) -> tuple[float, float, float]:
     return q2, q1, q3
 
 
-def _with_mode(on: bool, fn):
+SETTINGS = ("none", "header", "mode")
+
+
+def _with(setting: str, fn):
+    """``fn`` under one of :data:`SETTINGS`."""
+
     def run():
-        consistency.set_consistency_checks(on)
+        consistency.set_consistency_checks(setting == "mode")
+        header_group = consistency._header_group
+        if setting == "none":
+            consistency._header_group = lambda name: False
         try:
             return fn()
         finally:
+            consistency._header_group = header_group
             consistency.set_consistency_checks(None)
 
     return run
@@ -136,17 +150,13 @@ def measure(shape: tuple[int, int, int, int], reps: int, warmup: int) -> dict:
         ("fwd_bwd", fwd_bwd, max(1, reps // 2)),
         ("resolve", resolve, reps * 4),
     ):
-        t = _interleaved(
-            {"off": _with_mode(False, fn), "on": _with_mode(True, fn)}, n, warmup=warmup
-        )
-        (off, *off_iqr), (on, *on_iqr) = t["off"], t["on"]
+        t = _interleaved({s: _with(s, fn) for s in SETTINGS}, n, warmup=warmup)
+        none = t["none"][0]
         results[label] = {
-            "off_ms": off * 1e3,
-            "on_ms": on * 1e3,
-            "added_ms": (on - off) * 1e3,
-            "added_pct": 100 * (on - off) / off,
-            "off_iqr_ms": [x * 1e3 for x in off_iqr],
-            "on_iqr_ms": [x * 1e3 for x in on_iqr],
+            **{f"{s}_ms": t[s][0] * 1e3 for s in SETTINGS},
+            **{f"{s}_iqr_ms": [x * 1e3 for x in t[s][1:]] for s in SETTINGS},
+            **{f"{s}_added_ms": (t[s][0] - none) * 1e3 for s in SETTINGS[1:]},
+            **{f"{s}_added_pct": 100 * (t[s][0] - none) / none for s in SETTINGS[1:]},
             "reps": n,
         }
     one = torch.zeros(1)
@@ -198,16 +208,17 @@ def run_world(world: int, args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'W':>2} {'shape':<7} {'what':<8} {'off ms':>9} {'on ms':>9} {'added ms':>9} "
-        f"{'added %':>8}"
+        f"{'W':>2} {'shape':<7} {'what':<8} {'none ms':>9} {'header ms':>10} {'mode ms':>9} "
+        f"{'header +ms':>11} {'mode +ms':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         for what in ("fwd", "fwd_bwd", "resolve"):
             m = r[what]
             lines.append(
-                f"{r['world_size']:>2} {r['shape']:<7} {what:<8} {m['off_ms']:>9.3f} "
-                f"{m['on_ms']:>9.3f} {m['added_ms']:>+9.3f} {m['added_pct']:>+7.1f}%"
+                f"{r['world_size']:>2} {r['shape']:<7} {what:<8} {m['none_ms']:>9.3f} "
+                f"{m['header_ms']:>10.3f} {m['mode_ms']:>9.3f} {m['header_added_ms']:>+11.3f} "
+                f"{m['mode_added_ms']:>+9.3f}"
             )
         lines.append(
             f"{r['world_size']:>2} {r['shape']:<7} {'gather':<8} "
@@ -267,7 +278,7 @@ def main() -> None:
             "causal": True,
             "layout": "ring",
             "shapes": SMOKE_SHAPES if a.smoke else SHAPES,
-            "sample": "slowest rank after a barrier; median; off/on interleaved (ABBA)",
+            "sample": "slowest rank after a barrier; median; settings interleaved (ABBA)",
         },
         "rows": rows,
     }

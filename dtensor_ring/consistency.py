@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ._compat import resolve_group
+from .comm.faults import CommSite
 
 ENV_VAR = "DTENSOR_RING_DEBUG"
 _override: bool | None = None
@@ -72,6 +74,16 @@ class ConsistencyError(ValueError):
     """Ranks disagree (raised on every rank of the compared group(s) alike)."""
 
 
+def comparing(group_names: str | Sequence[str]) -> bool:
+    """Whether a call over the group(s) called ``group_names`` compares its fingerprint now:
+    the consistency mode is on, or a group is a gloo group of more than one rank (the header of
+    Note [Consistency header]); never under ``torch.compile``. Callers build the fingerprint
+    only then."""
+    if torch.compiler.is_compiling():
+        return False
+    return consistency_checks_enabled() or any(_header_group(n) for n in _names(group_names))
+
+
 def check_consistent(
     group_names: str | Sequence[str],
     fingerprint: Mapping[str, object],
@@ -79,23 +91,27 @@ def check_consistent(
     check_locals: PerRankCheck | None = None,
 ) -> None:
     """Compare ``fingerprint`` across the ranks of the group(s) called ``group_names``; raise
-    a ``ValueError`` on every rank when they differ. A no-op unless the mode is on (and under
-    ``torch.compile``).
+    a ``ValueError`` on every rank when they differ. With the mode off, only gloo groups
+    compare, by the fixed-size header (Note [Consistency header]); under ``torch.compile``
+    nothing does.
 
     ``fingerprint`` maps field names to picklable values, most telling first (the first field
     that differs is reported); a rank that failed its own checks passes ``{"error": ...}``.
     ``local`` is per-rank data that legitimately differs between ranks (e.g. llama3 metadata);
     when the fingerprints agree, ``check_locals(all ranks' local data)`` returns what is
-    inconsistent about them, or None.
+    inconsistent about them, or None (the mode only).
 
     Several groups (the hybrid's ring and Ulysses groups, a grid of ranks) are compared one
     after the other, each gather carrying what the previous ones found: a difference inside
     any row of the grid reaches every column, so every rank of the union raises.
     """
-    if torch.compiler.is_compiling() or not consistency_checks_enabled():
+    if torch.compiler.is_compiling():
+        return
+    if not consistency_checks_enabled():
+        _compare_headers(_names(group_names), fingerprint)
         return
     mismatch = None
-    for name in (group_names,) if isinstance(group_names, str) else group_names:
+    for name in _names(group_names):
         group = resolve_group(name)
         world_size = dist.get_world_size(group)
         if world_size == 1:
@@ -110,28 +126,136 @@ def check_consistent(
         raise ConsistencyError(f"ranks disagree on {mismatch} ({ENV_VAR}=1 consistency check)")
 
 
+def _names(group_names: str | Sequence[str]) -> tuple[str, ...]:
+    return (group_names,) if isinstance(group_names, str) else tuple(group_names)
+
+
+# --- the header -------------------------------------------------------------------------------
+
+# Note [Consistency header]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# With the mode off, a call over a gloo group still compares one fixed-size tensor across
+# the group where the mode would compare fingerprints (same places, same count per call):
+#
+#     header = [raised?, found before?, crc32(field 1), ..., crc32(field 13), crc32(the rest)]
+#                int64[16] on every rank, whatever the call  -> dist.all_gather over the group
+#
+# Its size never depends on the call, so ranks that disagree on shapes meet in a collective of
+# equal sizes (gloo aborts the process, with no Python error, when a ring exchange's sizes
+# differ), and every rank learns the same thing: some rank raised in its own checks (it
+# raises its error, the others a ConsistencyError naming it), or the first field whose
+# hashes differ (named with this rank's value; the mode names every rank's). Only gloo: its
+# tensors are on the host, so the header costs one small collective and no device sync
+# (docs/troubleshooting.md has the measured cost); NCCL groups compare only in the mode.
+
+HEADER_SLOTS = 16
+
+
+def _header_group(name: str) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    group = resolve_group(name)
+    return dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+
+
+def _header(fingerprint: Mapping[str, object], found_before: bool) -> torch.Tensor:
+    hashes = [zlib.crc32(repr((f, v)).encode()) for f, v in fingerprint.items()]
+    fields = HEADER_SLOTS - 3
+    hashes = [*hashes[:fields], zlib.crc32(repr(hashes[fields:]).encode())]
+    hashes += [0] * (HEADER_SLOTS - 2 - len(hashes))
+    return torch.tensor([int("error" in fingerprint), int(found_before), *hashes])
+
+
+def _compare_headers(names: Sequence[str], fingerprint: Mapping[str, object]) -> bool:
+    """Compare the header of ``fingerprint`` over each gloo group of ``names`` in turn; raise a
+    :class:`ConsistencyError` on every rank of them when a rank raised or a field differs
+    (a rank passing an ``"error"`` raises its own after). Returns whether a header was
+    compared."""
+    mismatch, compared = None, False
+    for name in names:
+        if not _header_group(name):
+            continue
+        group, compared = resolve_group(name), True
+        ranks = dist.get_process_group_ranks(group)
+        rows = [torch.empty(HEADER_SLOTS, dtype=torch.int64) for _ in range(group.size())]
+        header = _header(fingerprint, mismatch is not None)
+        site = f"{fingerprint.get('op')} call, consistency header (before its exchanges)"
+        with CommSite(site, group):
+            dist.all_gather(rows, header, group=group)
+        headers = torch.stack(rows)
+        raised = [ranks[i] for i in headers[:, 0].nonzero().flatten().tolist()]
+        if raised:
+            mismatch = mismatch or (
+                f"rank{'s' if len(raised) > 1 else ''} {_ranks(raised)} of the group raised an "
+                f"error in its own checks of this call (its message is in its output)"
+            )
+        elif headers[:, 1].any() and mismatch is None:
+            mismatch = "the call's arguments (found in another group of this call)"
+        elif mismatch is None:
+            mismatch = _first_field(headers, ranks, fingerprint)
+    if mismatch is not None and "error" not in fingerprint:
+        raise ConsistencyError(
+            f"ranks disagree: {mismatch}; nothing was communicated ({ENV_VAR}=1 names every "
+            "rank's values and raises a rank's own error on every rank)"
+        )
+    return compared
+
+
+def _first_field(
+    headers: torch.Tensor, ranks: list[int], fingerprint: Mapping[str, object]
+) -> str | None:
+    fields = list(fingerprint)
+    for slot in range(2, HEADER_SLOTS):
+        column = headers[:, slot]
+        if (column != column[0]).any():
+            index = slot - 2
+            field = fields[index] if index < HEADER_SLOTS - 3 else "the further fields"
+            first = [ranks[i] for i in (column == column[0]).nonzero().flatten().tolist()]
+            rest = [ranks[i] for i in (column != column[0]).nonzero().flatten().tolist()]
+            value = fingerprint.get(field, "")
+            return (
+                f"{field}: rank{'s' if len(first) > 1 else ''} {_ranks(first)} "
+                f"{'have' if len(first) > 1 else 'has'} one value, rank"
+                f"{'s' if len(rest) > 1 else ''} {_ranks(rest)} another (this rank has "
+                f"{value!r})"
+            )
+    return None
+
+
+def _ranks(indices: list[int]) -> str:
+    return ",".join(map(str, indices))
+
+
 @contextlib.contextmanager
 def relay_errors(
     group_names: str | Sequence[str] | Callable[[], str | Sequence[str]], op: str
 ) -> Iterator[None]:
-    """Around a front door's checks: with the mode on, a ``TypeError``/``ValueError`` raised
-    inside joins the consistency collective with this rank's error as its fingerprint (the
-    other ranks are in :func:`check_consistent` too), so that every rank raises. A callable
-    ``group_names`` is evaluated only then; if it raises itself (e.g. this rank is not in the
-    group), the error stays on this rank; a :class:`ConsistencyError` is every rank's already."""
+    """Around a front door's checks: a ``TypeError``/``ValueError`` raised inside joins the
+    call's comparison (the consistency mode's gather, or the header of a gloo group) with
+    this rank's error as its fingerprint (the other ranks are in :func:`check_consistent`
+    too), so that every rank raises. A callable ``group_names`` is evaluated only then; if it
+    raises itself (e.g. this rank is not in the group), the error stays on this rank; a
+    :class:`ConsistencyError` is every rank's already."""
     try:
         yield
     except (TypeError, ValueError) as err:
         if isinstance(err, ConsistencyError) or torch.compiler.is_compiling():
             raise
-        if not consistency_checks_enabled():
-            _add_debug_hint(err, group_names)
-            raise
         try:
-            names = group_names() if callable(group_names) else group_names
+            names = _names(group_names() if callable(group_names) else group_names)
         except (TypeError, ValueError):
             raise err from None
-        check_consistent(names, {"op": op, "error": f"{type(err).__name__}: {err}"})
+        except Exception:  # the error being raised is what matters
+            names = ()
+        error = {"op": op, "error": f"{type(err).__name__}: {err}"}
+        if consistency_checks_enabled():
+            check_consistent(names, error)
+            raise
+        try:
+            compared = _compare_headers(names, error)
+        except Exception:  # e.g. a group name nobody registered: the error raised matters
+            compared = False
+        _add_hint(err, HEADER_HINT if compared else DEBUG_HINT if _group_size(names) > 1 else "")
         raise
 
 
@@ -139,25 +263,28 @@ DEBUG_HINT = (
     f" [raised on this rank before any communication; if other ranks did not raise, they wait "
     f"for this one: {ENV_VAR}=1 raises the same error on every rank]"
 )
+HEADER_HINT = (
+    f" [raised on this rank before any communication; the other ranks of the group raise a "
+    f"ConsistencyError naming this rank; {ENV_VAR}=1 raises this error on every rank]"
+)
 
 
-def _add_debug_hint(
-    err: Exception, group_names: str | Sequence[str] | Callable[[], str | Sequence[str]]
-) -> None:
-    """Append :data:`DEBUG_HINT` to ``err``'s message (once) when other ranks may be waiting:
-    the call's group(s) have more than one rank (the default group's size when they cannot be
-    told, e.g. this rank is not in the group)."""
+def _group_size(names: Sequence[str]) -> int:
+    """The largest size of the groups ``names`` (the default group's when they cannot be told,
+    e.g. this rank is not in the group); 1 without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
-        return
+        return 1
     try:
-        names = group_names() if callable(group_names) else group_names
-        names = (names,) if isinstance(names, str) else names
-        size = max(dist.get_world_size(resolve_group(name)) for name in names)
+        return max(dist.get_world_size(resolve_group(name)) for name in names)
     except Exception:  # the error being raised is what matters
-        size = dist.get_world_size()
+        return dist.get_world_size()
+
+
+def _add_hint(err: Exception, hint: str) -> None:
+    """Append ``hint`` to ``err``'s message (once)."""
     message = err.args[0] if len(err.args) == 1 and isinstance(err.args[0], str) else None
-    if size > 1 and message is not None and DEBUG_HINT not in message:
-        err.args = (message + DEBUG_HINT,)
+    if hint and message is not None and hint not in message:
+        err.args = (message + hint,)
 
 
 def first_difference(fingerprints: list[Mapping[str, object]]) -> str | None:

@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._compat import group_name as _group_name
-from .consistency import PerRankCheck, check_consistent, consistency_checks_enabled, relay_errors
+from .consistency import PerRankCheck, check_consistent, comparing, relay_errors
 from .kernels import KernelCall, select_kernel
 from .layouts import Form, Layout, alias_algorithm, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
@@ -507,7 +507,7 @@ def resolve_call(call: Call, door: Door) -> AttentionSpec:
         spec = _resolve(call, door)
         if door.checks is not None:
             spec = spec._replace(door=door.checks())
-    if not torch.compiler.is_compiling() and consistency_checks_enabled():
+    if comparing(groups):
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         fingerprint = {
             "op": door.op,
@@ -518,13 +518,23 @@ def resolve_call(call: Call, door: Door) -> AttentionSpec:
             "shapes": [tuple(t.shape) for t in (q, k, v)],
             "dtype": str(q.dtype),
             "device type": q.device.type,
-            "sinks": None if sinks is None else sinks.detach().double().cpu().tolist(),
+            "sinks": _sinks_fingerprint(sinks),
             **(door.metadata() if door.metadata else {}),
         }
         check_consistent(
             groups, fingerprint, door.local() if door.local else None, door.check_locals
         )
     return spec
+
+
+def _sinks_fingerprint(sinks: object) -> object:
+    """What the ranks compare of ``sinks``: the values (a DTensor: its shape and placements,
+    whose local values may differ by design)."""
+    if sinks is None:
+        return None
+    if isinstance(sinks, DTensor):
+        return (tuple(sinks.shape), tuple(map(str, sinks.placements)))
+    return sinks.detach().double().cpu().tolist()
 
 
 def _resolve(call: Call, door: Door) -> AttentionSpec:

@@ -9,7 +9,8 @@ raise would wait in the ring for peers that already returned: the pool reports t
 so a missed disagreement fails the test instead of blocking it.
 
 Also: the environment variable and the Python switch both turn it on, the variable is read at
-every call, the mode off adds no collective, one rank's own error reaches every rank, and
+every call, the mode off adds only the header on gloo (Note [Consistency header]: with it
+every rank raises too, naming the field), one rank's own error reaches every rank, and
 ``DTensor.from_local(..., run_check=False)`` with uneven local shapes is caught.
 """
 
@@ -248,6 +249,65 @@ def test_disagreement_raises_on_every_rank(dist_pool, name, world_size):
     assert message == _expected(case.field, *case.values(world_size), world_size)
 
 
+def run_disagreement_off(group, name: str) -> tuple[str, str]:
+    """Worker body: the call of ``DISAGREEMENTS[name]`` with the mode off (the header)."""
+    odd = dist.get_rank(group) == ODD
+    with _mode(None):
+        return _outcome(lambda: DISAGREEMENTS[name].call(group, odd))
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", list(DISAGREEMENTS))
+def test_disagreement_off_raises_on_every_rank(dist_pool, name, world_size):
+    """Mode off, gloo: the fixed-size header (Note [Consistency header]) makes every rank
+    raise, naming the field and which ranks differ (values: this rank's own; no abort)."""
+    results = dist_pool.run(run_disagreement_off, world_size, timeout_s=30, name=name)
+    field = DISAGREEMENTS[name].field
+    others = [r for r in range(world_size) if r != ODD]
+    have = (
+        f"rank {others[0]} has" if len(others) == 1 else f"ranks {','.join(map(str, others))} have"
+    )
+    expected = f"ranks disagree: {field}: {have} one value, rank {ODD} another (this rank has "
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "ValueError", (rank, kind, message)
+        assert message.startswith(expected), (rank, message)
+        assert f"nothing was communicated ({ENV}=1 names every rank's values" in message
+
+
+def run_one_rank_raises_off(group) -> tuple[str, str]:
+    """Worker body: rank ODD alone passes an argument its own checks reject; mode off."""
+    with _mode(None):
+        return _outcome(lambda: _ring(group, dropout_p=0.5 if dist.get_rank(group) == ODD else 0))
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_one_rank_raises_off(dist_pool, world_size):
+    """Mode off, gloo: the rank whose checks fail raises its own error, the others a
+    ConsistencyError naming it; nobody waits."""
+    results = dist_pool.run(run_one_rank_raises_off, world_size, timeout_s=30)
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "ValueError", (rank, kind, message)
+        if rank == ODD:
+            assert "dropout_p" in message and consistency.HEADER_HINT in message, message
+        else:
+            assert message.startswith(
+                f"ranks disagree: rank {ODD} of the group raised an error in its own checks"
+            ), message
+
+
+def test_header_is_fixed_size():
+    """The header's size never depends on the call (ranks meet in equal-size collectives)."""
+    few = consistency._header({"op": "x"}, False)
+    many = consistency._header({f"f{i}": i for i in range(40)}, True)
+    error = consistency._header({"op": "x", "error": "ValueError: bad"}, False)
+    assert few.shape == many.shape == error.shape == (consistency.HEADER_SLOTS,)
+    assert few.dtype == torch.int64
+    assert (error[0], few[0], many[1]) == (1, 0, 1)
+    # a change in any field, also past the 13 hashed one by one, changes the header
+    changed = consistency._header({**{f"f{i}": i for i in range(40)}, "f39": -1}, True)
+    assert not torch.equal(many, changed)
+
+
 @pytest.mark.parametrize("world_size", WORLDS)
 def test_llama3_metadata_disagreement(dist_pool, world_size):
     """Rank ODD prepares its llama3 metadata from other documents: the fingerprints agree (the
@@ -444,26 +504,30 @@ def test_same_error_on_every_rank_is_the_error_itself(dist_pool):
 
 
 def _counting_gathers() -> tuple[list[int], Callable[[], None]]:
-    """Count ``dist.all_gather_object`` calls (the mode's one collective); returns the
-    counter and the function that undoes the patch."""
-    count = [0]
-    original = dist.all_gather_object
+    """Count ``dist.all_gather_object`` calls (the mode's one collective) in ``count[0]`` and
+    ``dist.all_gather`` calls (the header's, Note [Consistency header]) in ``count[1]``;
+    returns the counter and the function that undoes the patch."""
+    count = [0, 0]
+    originals = dist.all_gather_object, dist.all_gather
 
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
+    def counting(index: int, original: Callable) -> Callable:
+        def counted(*args, **kwargs):
+            count[index] += 1
+            return original(*args, **kwargs)
 
-    dist.all_gather_object = counted
+        return counted
+
+    dist.all_gather_object, dist.all_gather = (counting(i, f) for i, f in enumerate(originals))
 
     def undo() -> None:
-        dist.all_gather_object = original
+        dist.all_gather_object, dist.all_gather = originals
 
     return count, undo
 
 
-def run_counted(group, how: str | None) -> tuple[int, list[torch.Tensor]]:
-    """Worker body: one consistent forward + backward; the number of all_gather_object calls
-    and the results (out, dq, dk, dv)."""
+def run_counted(group, how: str | None) -> tuple[tuple[int, int], list[torch.Tensor]]:
+    """Worker body: one consistent forward + backward; the numbers of all_gather_object and
+    all_gather calls and the results (out, dq, dk, dv)."""
     q, k, v = (t.requires_grad_() for t in _qkv())
     count, undo = _counting_gathers()
     try:
@@ -472,16 +536,17 @@ def run_counted(group, how: str | None) -> tuple[int, list[torch.Tensor]]:
             out.sum().backward()
     finally:
         undo()
-    return count[0], [out.detach(), q.grad, k.grad, v.grad]
+    return tuple(count), [out.detach(), q.grad, k.grad, v.grad]
 
 
 @pytest.mark.parametrize("world_size", [1, *WORLDS])
-def test_mode_off_adds_no_collective(dist_pool, world_size):
+def test_mode_off_adds_one_header(dist_pool, world_size):
     off = dist_pool.run(run_counted, world_size, timeout_s=30, how=None)
     on = dist_pool.run(run_counted, world_size, timeout_s=30, how="python")
-    assert [n for n, _ in off] == [0] * world_size
-    # On: one all_gather_object per call (none in the backward; none on a group of 1 rank).
-    assert [n for n, _ in on] == [int(world_size > 1)] * world_size
+    # Off (gloo): one header gather per call; on: one all_gather_object per call instead (none
+    # in the backward; none on a group of 1 rank).
+    assert [n for n, _ in off] == [(0, int(world_size > 1))] * world_size
+    assert [n for n, _ in on] == [(int(world_size > 1), 0)] * world_size
     for (_, a), (_, b) in zip(off, on, strict=True):  # a consistent call is unchanged
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -582,14 +647,17 @@ def test_first_difference():
     )
 
 
-def test_mode_off_or_one_rank_is_a_no_op(monkeypatch):
-    """No group is even looked up with the mode off (nor under a 1-rank group, see above)."""
+def test_mode_off_without_gloo_is_a_no_op(monkeypatch):
+    """Mode off, no gloo group (NCCL, or one rank: see above): no collective at all."""
 
     def fail(*args, **kwargs):
-        raise AssertionError("the mode is off: no group lookup, no collective")
+        raise AssertionError("the mode is off and the group is not gloo: no collective")
 
-    monkeypatch.setattr(consistency, "resolve_group", fail)
+    monkeypatch.setattr(consistency, "_header_group", lambda name: False)
+    monkeypatch.setattr(dist, "all_gather", fail)
+    monkeypatch.setattr(dist, "all_gather_object", fail)
     monkeypatch.delenv(ENV, raising=False)
+    assert not consistency.comparing("no-such-group")
     consistency.check_consistent("no-such-group", {"op": "x"})
 
 
@@ -619,5 +687,6 @@ def test_errors_name_the_mode(dist_pool, world_size):
     for outcomes in dist_pool.run(_hint_off, world_size):
         for kind, message in outcomes:
             assert kind == "ValueError", (kind, message)
-            assert (consistency.DEBUG_HINT in message) == (world_size > 1), message
+            # gloo: the header made every rank raise (Note [Consistency header])
+            assert (consistency.HEADER_HINT in message) == (world_size > 1), message
             assert message.count(f"{ENV}=1") <= 1, message  # once

@@ -395,3 +395,30 @@ def test_gather_sequence_roundtrip(dist_pool, layout, seq_dim, world_size):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gather_sequence_default_group(dist_pool, layout):
     dist_pool.run(check_gather_roundtrip, 4, layout=layout, seq_dim=1, default_group=True)
+
+
+# --- autocast (Note [Autocast] in ops/common.py) ---------------------------------------------
+
+
+def check_autocast(group: dist.ProcessGroup, where: str) -> None:
+    """fp32 inputs under CPU bf16 autocast ("all" ranks, or rank 0 "alone"): the op computes in
+    fp32 all the same, so out and the gradients equal the call without autocast bitwise (a
+    kernel's matmuls in bf16 would be ~1e-2 off)."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v = (t.float() for t in random_qkv(1, 8, 4, 2, 16, torch.float64, seed=rank))
+    dout = torch.randn(1, 8, 4, 16, generator=torch.Generator().manual_seed(rank))
+    results = []
+    for autocast in (False, where == "all" or rank == 0):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = dtensor_ring.ring_attention_func("zigzag", *leaves, causal=True, group=group)
+            out.backward(dout)
+        results.append([out, *(t.grad for t in leaves)])
+    for plain, cast in zip(*results, strict=True):
+        assert cast.dtype == torch.float32 and torch.equal(plain, cast), (rank, W)
+
+
+@pytest.mark.parametrize("where", ["all", "alone"])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_autocast_leaves_the_op_in_its_dtype(dist_pool, world_size, where):
+    dist_pool.run(check_autocast, world_size, where=where)

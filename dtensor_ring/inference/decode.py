@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..consistency import check_consistent, consistency_checks_enabled, relay_errors
+from ..consistency import check_consistent, comparing, relay_errors
 from ..ops.common import call_attention
 from ..ops.decode import decode_attention
 from ..resolve import (
@@ -64,7 +64,8 @@ def decode_attention_func(
 
     Raises:
         ValueError / TypeError: on every rank before any communication in the consistency
-            mode, on the rank that sees it otherwise.
+            mode or on a gloo group (Note [Consistency header]), on the rank that sees it
+            otherwise.
     """
     name, _ = group_arg(group)
     with relay_errors(name, "decode_attention"):
@@ -86,7 +87,7 @@ def decode_attention_func(
             )
         check_sinks(sinks, q)
         backend = select_backend(q, k_cache, check_backend_arg(backend))
-    if not torch.compiler.is_compiling() and consistency_checks_enabled():
+    if comparing(name):
         fingerprint = {
             "op": "decode_attention",
             "q shape": tuple(q.shape),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -16,6 +18,40 @@ def op_window(window_left: int, window_right: int) -> tuple[int, int] | None:
     """The normalised window an op received as ``window_left, window_right`` (the last of
     ``AttentionSpec.op_args()``; -1, -1: none)."""
     return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+
+
+# Note [Autocast]
+# ~~~~~~~~~~~~~~~
+# Autocast reaches inside a custom op that has no autocast kernel: the aten ops our
+# implementations call (the math kernel's matmuls, ...) would run in the autocast dtype while
+# the op's inputs, merges and outputs stay in theirs, and only where autocast happens to be
+# on: a rank under ``torch.autocast`` and one outside it computed different blocks of the same
+# ring in different precisions (silently: out fp32, blocks bf16), and a compiled call differs
+# from an eager one. So every implementation runs with autocast off for its tensors' device
+# (:func:`attention_op`, and the eager paths of :func:`register_attention_autograd`): an op
+# computes in its inputs' dtype, whatever the caller's autocast state, forward and backward.
+# (Inputs an autocast region produced are already in its dtype; fp32 inputs stay fp32, as
+# flash-attn's functions would see them.)
+
+
+def without_autocast(impl: Callable) -> Callable:
+    """``impl(x, ...)`` run with autocast off for ``x``'s device (Note [Autocast]); the
+    signature (what ``torch.library`` infers the schema from) is ``impl``'s."""
+
+    @functools.wraps(impl)
+    def run(first: Tensor, *args: object, **kwargs: object) -> object:
+        device_type = first.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return impl(first, *args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
+            return impl(first, *args, **kwargs)
+
+    return run
+
+
+def attention_op(name: str, impl: Callable) -> torch.library.CustomOpDef:
+    """The custom op ``dtensor_ring::<name>`` implemented by ``impl`` (Note [Autocast])."""
+    return torch.library.custom_op(f"dtensor_ring::{name}", mutates_args=())(without_autocast(impl))
 
 
 def with_sinks(out_lse: tuple[Tensor, Tensor], sinks: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -142,6 +178,7 @@ def register_attention_autograd(
 
     forward_op.register_autograd(backward_with(backward_op), setup_context=setup_context)
     params = tuple(inspect.signature(forward_impl).parameters.values())
+    forward_impl, backward_impl = without_autocast(forward_impl), without_autocast(backward_impl)
 
     class EagerAttention(torch.autograd.Function):
         @staticmethod
@@ -162,7 +199,7 @@ def register_attention_autograd(
 def register_inference_op(op, impl) -> None:
     """An op without autograd (decoding): in plain eager mode :func:`call_attention` runs
     ``impl`` itself (Note [Eager calls]); the caller runs it without gradients."""
-    _EAGER[op] = impl
+    _EAGER[op] = without_autocast(impl)
 
 
 def call_attention(op, *args):

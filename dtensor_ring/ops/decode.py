@@ -42,7 +42,7 @@ from ..comm.collectives import all_gather_single
 from ..comm.faults import CommSite
 from ..kernels import accumulation_dtype, get_kernel
 from ..kernels.merge import add_sinks, merge_all
-from .common import fake_out_lse, register_inference_op
+from .common import attention_op, fake_out_lse, register_inference_op
 
 
 def visible_keys(
@@ -118,9 +118,7 @@ def decode_attention_impl(
     return out_acc.to(q.dtype), lse_acc
 
 
-decode_attention = torch.library.custom_op("dtensor_ring::decode_attention", mutates_args=())(
-    decode_attention_impl
-)
+decode_attention = attention_op("decode_attention", decode_attention_impl)
 register_inference_op(decode_attention, decode_attention_impl)
 
 

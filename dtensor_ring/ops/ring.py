@@ -16,7 +16,6 @@ window_left, window_right`` (causal and window normalised, the backend resolved)
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -26,6 +25,7 @@ from ..engine.ring import ring_backward, ring_forward
 from ..kernels import get_kernel
 from ..schedule.plan import Plan, make_plan
 from .common import (
+    attention_op,
     fake_grads,
     fake_out_lse,
     op_window,
@@ -67,9 +67,7 @@ def ring_attention_impl(
     return with_sinks(result, sinks)
 
 
-ring_attention = torch.library.custom_op("dtensor_ring::ring_attention", mutates_args=())(
-    ring_attention_impl
-)
+ring_attention = attention_op("ring_attention", ring_attention_impl)
 
 
 @ring_attention.register_fake
@@ -115,9 +113,7 @@ def ring_attention_backward_impl(
     )
 
 
-ring_attention_backward = torch.library.custom_op(
-    "dtensor_ring::ring_attention_backward", mutates_args=()
-)(ring_attention_backward_impl)
+ring_attention_backward = attention_op("ring_attention_backward", ring_attention_backward_impl)
 
 
 ring_attention_backward.register_fake(fake_grads)

@@ -55,6 +55,7 @@ from ..kernels.merge import empty_rows_nan_, sinks_grad_rows
 from ..layouts import get_layout, order_layout
 from ..schedule.cost import kv_repeat
 from .common import (
+    attention_op,
     call_attention,
     check_first_order,
     fake_grads,
@@ -150,9 +151,7 @@ def ulysses_local_attention_impl(
     return with_sinks((out, lse.to(accumulation_dtype(q.dtype)).contiguous()), sinks)
 
 
-ulysses_local_attention = torch.library.custom_op(
-    "dtensor_ring::ulysses_local_attention", mutates_args=()
-)(ulysses_local_attention_impl)
+ulysses_local_attention = attention_op("ulysses_local_attention", ulysses_local_attention_impl)
 
 
 @ulysses_local_attention.register_fake
@@ -180,9 +179,9 @@ def ulysses_local_attention_backward_impl(
     return tuple(g.contiguous() for g in grads)
 
 
-ulysses_local_attention_backward = torch.library.custom_op(
-    "dtensor_ring::ulysses_local_attention_backward", mutates_args=()
-)(ulysses_local_attention_backward_impl)
+ulysses_local_attention_backward = attention_op(
+    "ulysses_local_attention_backward", ulysses_local_attention_backward_impl
+)
 
 
 ulysses_local_attention_backward.register_fake(fake_grads)
@@ -292,9 +291,7 @@ def ulysses_attention_impl(
     return with_sinks(result, sinks)
 
 
-ulysses_attention = torch.library.custom_op("dtensor_ring::ulysses_attention", mutates_args=())(
-    ulysses_attention_impl
-)
+ulysses_attention = attention_op("ulysses_attention", ulysses_attention_impl)
 
 
 @ulysses_attention.register_fake
@@ -342,9 +339,9 @@ def ulysses_attention_backward_impl(
     return dq, dk, dv
 
 
-ulysses_attention_backward = torch.library.custom_op(
-    "dtensor_ring::ulysses_attention_backward", mutates_args=()
-)(ulysses_attention_backward_impl)
+ulysses_attention_backward = attention_op(
+    "ulysses_attention_backward", ulysses_attention_backward_impl
+)
 
 
 ulysses_attention_backward.register_fake(fake_grads)

@@ -15,7 +15,6 @@ it.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -31,6 +30,7 @@ from ..schedule.llama3 import Llama3Meta, gather_meta, llama3_meta
 from ..schedule.plan import Plan
 from ..schedule.varlen import varlen_plan
 from .common import (
+    attention_op,
     fake_grads,
     fake_out_lse,
     op_window,
@@ -89,9 +89,7 @@ def ring_attention_varlen_impl(
     return with_sinks(result, sinks)
 
 
-ring_attention_varlen = torch.library.custom_op(
-    "dtensor_ring::ring_attention_varlen", mutates_args=()
-)(ring_attention_varlen_impl)
+ring_attention_varlen = attention_op("ring_attention_varlen", ring_attention_varlen_impl)
 
 
 @ring_attention_varlen.register_fake
@@ -146,9 +144,9 @@ def ring_attention_varlen_backward_impl(
     )
 
 
-ring_attention_varlen_backward = torch.library.custom_op(
-    "dtensor_ring::ring_attention_varlen_backward", mutates_args=()
-)(ring_attention_varlen_backward_impl)
+ring_attention_varlen_backward = attention_op(
+    "ring_attention_varlen_backward", ring_attention_varlen_backward_impl
+)
 
 
 ring_attention_varlen_backward.register_fake(fake_grads)
@@ -259,9 +257,7 @@ def llama3_attention_impl(
     return with_sinks(result, sinks)
 
 
-llama3_attention = torch.library.custom_op("dtensor_ring::llama3_attention", mutates_args=())(
-    llama3_attention_impl
-)
+llama3_attention = attention_op("llama3_attention", llama3_attention_impl)
 
 
 @llama3_attention.register_fake
@@ -329,9 +325,9 @@ def llama3_attention_backward_impl(
     return llama3_backward(dout, q, k, v, out, lse, meta, heads_k_stride, group, kernel, scale)
 
 
-llama3_attention_backward = torch.library.custom_op(
-    "dtensor_ring::llama3_attention_backward", mutates_args=()
-)(llama3_attention_backward_impl)
+llama3_attention_backward = attention_op(
+    "llama3_attention_backward", llama3_attention_backward_impl
+)
 
 
 llama3_attention_backward.register_fake(fake_grads)

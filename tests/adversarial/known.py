@@ -7,8 +7,6 @@ in it passes: then remove it from here (or regenerate).
 """
 
 _NAMES = """
-#hf:1
-hf/hf.ring_attention_forward[ring]/W4/position_ids=local_arange
 """
 
 KNOWN_FAILING = frozenset(n for n in _NAMES.split() if not n.startswith("#"))
