@@ -25,14 +25,25 @@ Public names:
     * Ulysses and 2-D (Ulysses x ring) context parallelism (docs/ulysses.md):
       ``ulysses_flash_attn_func`` (+ ``_kvpacked`` / ``_qkvpacked``), ``hybrid_flash_attn_func``,
       ``hybrid_shard_local``, ``hybrid_token_indices``, ``comm_volume``;
-    * PyTorch's context-parallel API on ring attention (docs/composability.md):
-      ``context_parallel``, ``context_parallel_unshard``;
+    * PyTorch's context-parallel API on ring attention (docs/composability.md,
+      docs/migrating.md): ``context_parallel``, ``context_parallel_unshard``; its module-level
+      form: ``ContextParallel`` (for ``parallelize_module``), ``context_parallel_shard``,
+      ``balancer_layout``, ``cp_options``, ``set_rotate_method``,
+      ``enable_context_parallel_dispatcher`` / ``disable_context_parallel_dispatcher``
+      (PyTorch's spellings, import-only: ``dtensor_ring.compat.torch_cp``);
     * inference over a sharded KV cache (docs/inference.md): ``decode_attention_func``,
       ``KVCacheShard``, ``prefill_attention``, ``decode_step_attention``, ``split_prompt``.
 """
 
 from . import ops  # noqa: F401  (registers the dtensor_ring:: ops)
-from .api.context_parallel import context_parallel, context_parallel_unshard
+from .api.context_parallel import (
+    balancer_layout,
+    context_parallel,
+    context_parallel_shard,
+    context_parallel_unshard,
+    cp_options,
+    set_rotate_method,
+)
 from .api.dtensor import (
     ring_sdpa,
     scaled_dot_product_ring_attention,
@@ -40,6 +51,11 @@ from .api.dtensor import (
     unshard_sequence,
 )
 from .api.functional import ring_attention_func
+from .api.parallel_style import (
+    ContextParallel,
+    disable_context_parallel_dispatcher,
+    enable_context_parallel_dispatcher,
+)
 from .api.ulysses import (
     hybrid_flash_attn_func,
     hybrid_shard_local,
@@ -175,5 +191,12 @@ __all__ = [
     "ulysses_flash_attn_qkvpacked_func",
     # PyTorch's context_parallel API
     "context_parallel",
+    "context_parallel_shard",
+    "ContextParallel",
+    "balancer_layout",
+    "cp_options",
+    "set_rotate_method",
+    "enable_context_parallel_dispatcher",
+    "disable_context_parallel_dispatcher",
     "context_parallel_unshard",
 ]

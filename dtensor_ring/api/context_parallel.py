@@ -49,8 +49,11 @@ communication: the checks read only arguments that every rank passes alike.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,9 +61,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..algorithm import Algorithm
-from ..layouts import gather_sequence, get_layout, shard_local
+from ..layouts import gather_sequence, get_layout, shard_local, token_indices
 from ..resolve import check_bool, check_unsupported, placement
 from .attend import dense_attention
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
@@ -77,13 +81,56 @@ def _cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mesh.get_group()
 
 
+class RotateMethod(enum.Enum):
+    """PyTorch's ``_RotateMethod``: how K/V move (``set_rotate_method``'s strings)."""
+
+    ALL_TO_ALL = "alltoall"  # passed around the ring: algorithm "ring"
+    ALL_GATHER = "allgather"  # all-gathered: algorithm "all_gather"
+
+
+@dataclasses.dataclass
+class ContextParallelOptions:
+    """PyTorch's ``_cp_options``, read by the doors that mirror its context parallel
+    (:func:`context_parallel`, ``ContextParallel``, the unshard): ``enable_load_balance``
+    (default layout head-tail "zigzag" when the length divides, else "ring";
+    ``context_parallel_shard`` sets it as PyTorch's does), ``rotate_method`` (None: the
+    layout's algorithm, "ring"; PyTorch defaults to the all-gather)."""
+
+    enable_load_balance: bool = True
+    rotate_method: RotateMethod | None = None
+
+
+cp_options = ContextParallelOptions()
+
+
+def set_rotate_method(rotate_method: str) -> None:
+    """PyTorch's ``set_rotate_method``: ``"alltoall"`` (K/V around the ring) or
+    ``"allgather"`` (K/V all-gathered) for the context-parallel doors' ``algorithm=None``."""
+    methods = {m.value: m for m in RotateMethod}
+    if rotate_method not in methods:
+        raise ValueError(
+            f"rotate_method must be 'allgather' or 'alltoall' (PyTorch's), got {rotate_method!r}"
+        )
+    cp_options.rotate_method = methods[rotate_method]
+
+
+def default_algorithm(algorithm: Algorithm | None) -> Algorithm | None:
+    """``algorithm``, or for None the one :func:`set_rotate_method` chose (None: the
+    layout's)."""
+    if algorithm is not None or cp_options.rotate_method is None:
+        return algorithm
+    return "all_gather" if cp_options.rotate_method is RotateMethod.ALL_GATHER else "ring"
+
+
 def _layout_for(layout: str | None, seq_len: int, world_size: int) -> str:
-    """``layout``, or for None PyTorch's default: head-tail ("zigzag") when ``seq_len % 2W ==
-    0``, else no reordering ("ring")."""
+    """``layout``, or for None PyTorch's default: head-tail ("zigzag") when
+    ``cp_options.enable_load_balance`` and ``seq_len % 2W == 0``, else no reordering
+    ("ring")."""
     if layout is not None:
         get_layout(layout, "dense")
         return layout
-    return "zigzag" if seq_len % (2 * world_size) == 0 else "ring"
+    balanced = cp_options.enable_load_balance and seq_len % (2 * world_size) == 0
+    return "zigzag" if balanced else "ring"
 
 
 def _check_buffer_args(
@@ -232,10 +279,12 @@ def context_parallel(
             tokens, K/V all-gathered instead of passed around a ring) or "auto" (zigzag's
             tokens; ring, all-gather or Ulysses chosen per call: Note [Choosing ring,
             all-gather or Ulysses]). None (PyTorch's behaviour):
-            "zigzag" (its head-tail load balancing) when ``S % 2W == 0``, else "ring", with
+            "zigzag" (its head-tail load balancing) when ``S % 2W == 0`` and
+            ``cp_options.enable_load_balance``, else "ring", with
             ``S`` the first buffer's length (without buffers: each SDPA call's ``S_local * W``).
         algorithm: our extension: how K/V move (Note [Layouts and algorithms]): "ring",
-            "all_gather", "ulysses" or "auto"; None: the layout alias's, else "ring".
+            "all_gather", "ulysses" or "auto"; None: :func:`set_rotate_method`'s choice, else
+            the layout alias's, else "ring".
 
     Raises:
         ValueError: on a malformed argument, a sequence length the layout cannot split, and
@@ -255,6 +304,7 @@ def context_parallel(
         layout = _layout_for(layout, seq_len, world_size)
     elif layout is not None:
         get_layout(layout, "dense")
+    algorithm = default_algorithm(algorithm)
     if layout is not None:
         placement(layout, algorithm)
     with torch.no_grad():
@@ -279,11 +329,115 @@ def context_parallel(
                     buffer.copy_(original)
 
 
+def context_parallel_shard(
+    mesh: DeviceMesh,
+    buffers: Sequence[Tensor] | Mapping[str, Tensor],
+    seq_dims: Sequence[int] | Mapping[str, int],
+    load_balancer: object = None,
+    *,
+    layout: str | None = None,
+) -> Any:
+    """PyTorch's ``_context_parallel_shard``: this rank's shard of every buffer (copies; the
+    buffers are left as they are), in the layout ``load_balancer`` makes.
+
+    Args:
+        mesh: 1-D DeviceMesh over the context-parallel ranks.
+        buffers: tensors with a sequence dim (input ids, positions, labels, q/k/v), a list or
+            a dict (the result has the same structure).
+        seq_dims: each buffer's sequence dim, in the same structure.
+        load_balancer: None (contiguous shards: "ring"), PyTorch's head-tail balancer (or any
+            object whose ``_generate_indices()`` gives head-tail's permutation: "zigzag"), or
+            a layout name. Sets ``cp_options.enable_load_balance`` as PyTorch's does (True
+            unless the shards are contiguous): :class:`ContextParallel` and
+            :func:`context_parallel_unshard` then default to "zigzag" or "ring" alike.
+        layout: our extension, instead of ``load_balancer``: a layout name (pass the same
+            ``layout=`` to :class:`ContextParallel` and :func:`context_parallel_unshard`).
+
+    Raises:
+        ValueError: mismatched ``seq_dims``, a length the layout cannot split, a balancer
+            whose permutation is no layout ring attention can schedule (PTRR, per-document),
+            a BlockMask buffer.
+    """
+    _cp_group(mesh)
+    flat, spec = tree_flatten(buffers)
+    flat_dims, dims_spec = tree_flatten(seq_dims)
+    if dims_spec != spec and len(flat_dims) == len(flat):
+        raise ValueError("seq_dims must have the structure of buffers (a list, or dict keys)")
+    _check_buffer_args(flat, flat_dims)
+    for b in flat:
+        if not isinstance(b, Tensor):
+            raise ValueError(
+                f"context_parallel_shard shards tensors; got {type(b).__name__} (a BlockMask "
+                "is FlexAttention's, which this library does not serve yet)"
+            )
+    if not flat:
+        return tree_unflatten([], spec)
+    world_size, rank = mesh.size(), mesh.get_local_rank()
+    seq_len = flat[0].shape[flat_dims[0]]
+    if layout is not None and load_balancer is not None:
+        raise ValueError("pass load_balancer= or layout=, not both")
+    layout = layout if layout is not None else balancer_layout(load_balancer, seq_len, world_size)
+    shards = [
+        shard_local(b, layout, rank, world_size, d) for b, d in zip(flat, flat_dims, strict=True)
+    ]
+    cp_options.enable_load_balance = layout != "ring"  # PyTorch's: the default layout from now
+    return tree_unflatten(shards, spec)
+
+
+def balancer_layout(load_balancer: object, seq_len: int, world_size: int) -> str:
+    """The layout of the shards ``load_balancer`` makes for ``seq_len`` tokens on
+    ``world_size`` ranks: None -> "ring"; a layout name -> itself; a PyTorch balancer -> the
+    layout whose rank-order permutation equals its ``_generate_indices()`` (identity: "ring",
+    head-tail: "zigzag"), else ``ValueError``."""
+    if load_balancer is None:
+        return "ring"
+    if isinstance(load_balancer, str):
+        get_layout(load_balancer, "dense").check_length(seq_len, world_size)
+        return load_balancer
+    indices = getattr(load_balancer, "_generate_indices", None)
+    if indices is None:
+        raise TypeError(
+            f"load_balancer must be None, a layout name or a load balancer with "
+            f"_generate_indices(), got {type(load_balancer).__name__}"
+        )
+    order = indices()
+    if order is None:
+        return "ring"
+    order = torch.as_tensor(order).cpu()
+    if order.ndim == 2 and all(torch.equal(row, order[0]) for row in order):
+        order = order[0]
+    if order.ndim == 1 and order.numel() == seq_len:
+        for name in ("ring", "zigzag"):
+            if _divides(name, seq_len, world_size) and torch.equal(
+                order, _rank_order(name, seq_len, world_size)
+            ):
+                return name
+    raise ValueError(
+        f"load_balancer {type(load_balancer).__name__} places tokens in an order no dense "
+        "layout matches (it is neither contiguous nor head-tail, e.g. PTRR or per-document "
+        "balancing, which need FlexAttention's masks); use load_balancer=None or head-tail"
+    )
+
+
+def _divides(layout: str, seq_len: int, world_size: int) -> bool:
+    try:
+        get_layout(layout, "dense").check_length(seq_len, world_size)
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_order(layout: str, seq_len: int, world_size: int) -> Tensor:
+    return torch.cat([token_indices(layout, seq_len, r, world_size) for r in range(world_size)])
+
+
 @torch.no_grad()
 def context_parallel_unshard(
     mesh: DeviceMesh,
     buffers: list[Tensor],
     seq_dims: list[int],
+    load_balancer: object = None,
     *,
     layout: str | None = None,
 ) -> list[Tensor]:
@@ -294,8 +448,11 @@ def context_parallel_unshard(
         mesh: the 1-D DeviceMesh of :func:`context_parallel`.
         buffers: this rank's shards (e.g. the output, ``S_local`` long on its seq dim).
         seq_dims: the sequence dim of each buffer.
-        layout: our extension; the layout the shards are in. None: PyTorch's default for the
-            global length ``S_local * W`` of the first buffer, as :func:`context_parallel`.
+        load_balancer: PyTorch's: the balancer the shards were made with
+            (``context_parallel_shard``'s ``balancer_layout``), or None.
+        layout: our extension; the layout the shards are in. None (and no balancer):
+            PyTorch's default for the global length ``S_local * W`` of the first buffer, as
+            :func:`context_parallel`.
 
     Returns:
         The full tensors, ``S`` long on their sequence dims.
@@ -305,5 +462,10 @@ def context_parallel_unshard(
     if not buffers:
         return []
     world_size = mesh.size()
-    layout = _layout_for(layout, buffers[0].shape[seq_dims[0]] * world_size, world_size)
+    seq_len = buffers[0].shape[seq_dims[0]] * world_size
+    if load_balancer is not None:
+        if layout is not None:
+            raise ValueError("pass load_balancer= or layout=, not both")
+        layout = balancer_layout(load_balancer, seq_len, world_size)
+    layout = _layout_for(layout, seq_len, world_size)
     return [gather_sequence(b, layout, d, group) for b, d in zip(buffers, seq_dims, strict=True)]

@@ -1,0 +1,256 @@
+"""PyTorch's module-level context parallel on ring attention: ``dtensor_ring.ContextParallel``
+with ``parallelize_module``, ``context_parallel_shard`` / ``context_parallel_unshard`` and
+PyTorch's load balancers (Note [Module-level context parallel] in
+``dtensor_ring/api/parallel_style.py``).
+
+Each case writes the program PyTorch's tests write (an ``SDPAWrapper`` module whose forward
+calls ``F.scaled_dot_product_attention``, parallelized; the inputs sharded by the balancer;
+forward, backward; the output and gradients unsharded) and compares it with fp64 attention over
+the whole sequence in one process, at 1-4 ranks: no balancer (contiguous), PyTorch's head-tail
+balancer, our stripe layout, causal and not, GQA, the ring and the all-gather rotation, a
+compiled (fullgraph) SDPA inside the module, DTensor inputs, activation checkpointing inside the
+module's forward with the backward after it. Errors: arguments the style cannot serve, a
+balancer no dense layout matches (PTRR-like), DTensor inputs placed otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from reference import random_qkv, reference_attention
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+import dtensor_ring as dr
+
+B, H, H_KV, D = 2, 4, 2, 8
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+class SDPAWrapper(nn.Module):
+    """PyTorch's test module: its forward is SDPA (``compiled``: a fullgraph-compiled SDPA;
+    ``checkpointed``: SDPA under a non-reentrant activation checkpoint)."""
+
+    def __init__(self, compiled: bool = False, checkpointed: bool = False):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.sdpa = F.scaled_dot_product_attention
+        if compiled:
+            self.sdpa = torch.compile(
+                F.scaled_dot_product_attention, fullgraph=True, backend="aot_eager"
+            )
+
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
+        if self.checkpointed:
+            return torch_checkpoint.checkpoint(
+                lambda *a: F.scaled_dot_product_attention(*a, **kwargs), *args, use_reentrant=False
+            )
+        return self.sdpa(*args, **kwargs)
+
+
+class _FixedOrder:
+    """A load balancer by its permutation alone (PyTorch's ``_LoadBalancer`` protocol)."""
+
+    def __init__(self, order: Tensor):
+        self.order = order
+
+    def _generate_indices(self, restore: bool = False) -> Tensor:
+        return (self.order.argsort() if restore else self.order)[None]
+
+
+def _balancer(kind: str, S: int, W: int) -> object:
+    if kind == "head_tail":  # PyTorch's own class, as its tests build it
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _HeadTailLoadBalancer,
+        )
+
+        return _HeadTailLoadBalancer(S, W, torch.device("cpu"))
+    return {"none": None, "stripe": "stripe"}[kind]
+
+
+def check_module(
+    group: dist.ProcessGroup,
+    balancer: str,
+    causal: bool,
+    rotate: str | None,
+    compiled: bool = False,
+    checkpointed: bool = False,
+    dtensor_inputs: bool = False,
+) -> None:
+    """The PyTorch program on this rank's shards against the fp64 reference."""
+    W = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    S = 4 * W
+    q, k, v = (t.transpose(1, 2) for t in random_qkv(B, S, H, H_KV, D, seed=3))  # [B, H, S, D]
+    dout = torch.randn(B, H, S, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    leaves = [t.clone() for t in (q, k, v)]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = reference_attention(*(t.transpose(1, 2) for t in ref_leaves), causal=causal)
+    expected.transpose(1, 2).backward(dout)
+
+    lb = _balancer(balancer, S, W)
+    layout = "stripe" if balancer == "stripe" else None
+    options = dr.cp_options.rotate_method
+    try:
+        if rotate is not None:
+            dr.set_rotate_method(rotate)
+        attention = parallelize_module(
+            SDPAWrapper(compiled, checkpointed), mesh, dr.ContextParallel(seq_dim=2, layout=layout)
+        )
+        shards = dr.context_parallel_shard(mesh, [*leaves, dout], [2] * 4, lb)
+        cp_q, cp_k, cp_v = (t.detach().requires_grad_() for t in shards[:3])
+        inputs = (cp_q, cp_k, cp_v)
+        if dtensor_inputs:
+            inputs = tuple(DTensor.from_local(t, mesh, [Shard(2)]) for t in inputs)
+        dr.enable_context_parallel_dispatcher()  # PyTorch's switch: nothing to do here
+        out = attention(*inputs, is_causal=causal, enable_gqa=True)
+        dr.disable_context_parallel_dispatcher()
+        assert type(out) is Tensor  # outputs are local, as PyTorch's style gives
+        out.backward(shards[3])
+        got = dr.context_parallel_unshard(
+            mesh, [out.detach(), cp_q.grad, cp_k.grad, cp_v.grad], [2] * 4, lb
+        )
+    finally:
+        dr.cp_options.rotate_method = options
+        dr.cp_options.enable_load_balance = True
+    want = [expected.detach().transpose(1, 2), *(t.grad for t in ref_leaves)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+WORLDS = (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("balancer", ["none", "head_tail", "stripe"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_module(dist_pool, world_size, balancer, causal):
+    dist_pool.run(check_module, world_size, balancer=balancer, causal=causal, rotate=None)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+@pytest.mark.parametrize("balancer", ["none", "head_tail"])
+def test_rotate_methods(dist_pool, world_size, rotate, balancer):
+    dist_pool.run(check_module, world_size, balancer=balancer, causal=True, rotate=rotate)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("variant", ["compiled", "checkpointed", "dtensor_inputs"], ids=lambda v: v)
+def test_module_variants(dist_pool, world_size, variant):
+    dist_pool.run(
+        check_module,
+        world_size,
+        balancer="head_tail",
+        causal=True,
+        rotate=None,
+        **{variant: True},
+    )
+
+
+def check_errors(group: dist.ProcessGroup) -> list[str]:
+    """Every misuse raises ValueError / TypeError naming it (identically on every rank)."""
+    W = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    S = 4 * W
+    x = torch.randn(B, H, S, D)
+    reversed_order = _FixedOrder(torch.arange(S).flip(0))
+    calls = {
+        "flex": lambda: dr.ContextParallel(seq_dim=2, attention_type="flex"),
+        "seq_dim": lambda: dr.ContextParallel(seq_dim=1),
+        "layout": lambda: dr.ContextParallel(layout="nope"),
+        "balancer_order": lambda: dr.context_parallel_shard(mesh, [x], [2], reversed_order),
+        "balancer_type": lambda: dr.context_parallel_shard(mesh, [x], [2], 3),
+        "both": lambda: dr.context_parallel_shard(mesh, [x], [2], "zigzag", layout="ring"),
+        "dims": lambda: dr.context_parallel_shard(mesh, [x, x], [2]),
+        "replicated_input": lambda: parallelize_module(SDPAWrapper(), mesh, dr.ContextParallel())(
+            *(DTensor.from_local(t, mesh, [Replicate()]) for t in (x, x, x))
+        ),
+        "rotate": lambda: dr.set_rotate_method("ring"),
+    }
+    messages = []
+    for name, call in calls.items():
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            messages.append(f"{name}: {type(e).__name__}: {e}")
+        else:
+            messages.append(f"{name}: no error")
+    return messages
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_errors(dist_pool, world_size):
+    results = dist_pool.run(check_errors, world_size)
+    assert all(r == results[0] for r in results)
+    for message in results[0]:
+        assert "no error" not in message, message
+    text = "\n".join(results[0])
+    assert "only 'sdpa'" in text and "sequence dim 2" in text and "neither contiguous" in text
+    assert "placed (Replicate(),)" in text and "rotate_method" in text
+
+
+def test_balancer_layout():
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+    )
+
+    assert dr.balancer_layout(None, 16, 2) == "ring"
+    assert dr.balancer_layout(_HeadTailLoadBalancer(16, 2, "cpu"), 16, 2) == "zigzag"
+    assert dr.balancer_layout(_FixedOrder(torch.arange(12)), 12, 3) == "ring"
+    with pytest.raises(ValueError, match="neither contiguous nor head-tail"):
+        dr.balancer_layout(_FixedOrder(torch.arange(12).flip(0)), 12, 3)
+
+
+def check_torch_names(group: dist.ProcessGroup, load_balance: bool) -> None:
+    """PyTorch's module-level program with only the import changed
+    (``dtensor_ring.compat.torch_cp``), against the fp64 reference."""
+    from dtensor_ring.compat.torch_cp import (
+        _context_parallel_shard,
+        _ContextParallel,
+        _cp_options,
+        _disable_context_parallel_dispatcher,
+        _enable_context_parallel_dispatcher,
+        _HeadTailLoadBalancer,
+        _RotateMethod,
+        context_parallel_unshard,
+        set_rotate_method,
+    )
+
+    W = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    S = 4 * W
+    q, k, v = (t.transpose(1, 2) for t in random_qkv(B, S, H, H, D, seed=5))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = reference_attention(*(t.transpose(1, 2) for t in ref), causal=True)
+    expected.transpose(1, 2).sum().backward()
+    set_rotate_method("alltoall")
+    assert _cp_options.rotate_method == _RotateMethod.ALL_TO_ALL
+    try:
+        cp_plan = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
+        attention = parallelize_module(SDPAWrapper(), mesh, cp_plan)
+        lb = _HeadTailLoadBalancer(S, W, q.device) if load_balance else None
+        cp_q, cp_k, cp_v = _context_parallel_shard(mesh, (q, k, v), (2,) * 3, load_balancer=lb)
+        _enable_context_parallel_dispatcher()
+        for t in (cp_q, cp_k, cp_v):
+            t.requires_grad = True
+        out = attention(cp_q, cp_k, cp_v, is_causal=True)
+        out.sum().backward()
+        _disable_context_parallel_dispatcher()
+        got = context_parallel_unshard(mesh, [out, cp_q.grad, cp_k.grad, cp_v.grad], [2] * 4, lb)
+    finally:
+        _cp_options.rotate_method, _cp_options.enable_load_balance = None, True
+    want = [expected.transpose(1, 2), *(t.grad for t in ref)]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b.detach(), **TOL)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_torch_names(dist_pool, world_size, load_balance):
+    dist_pool.run(check_torch_names, world_size, load_balance=load_balance)
