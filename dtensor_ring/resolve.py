@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -409,13 +410,16 @@ def select_backend(
     a constant (``torch.compiler.assume_constant_result``): backends' availability probes
     (``torch.backends.cudnn.is_available()``, imports) are not traceable by Dynamo.
     """
-    H, H_kv = int(q.shape[-2]), int(k.shape[-2])
+    # operator.index, not int: under torch.compile with dynamic shapes it specialises a
+    # symbolic size to the constant the choice needs (Dynamo guards on it); int() stays
+    # symbolic and the constant-result call fails
+    H, H_kv = operator.index(q.shape[-2]), operator.index(k.shape[-2])
     if head_split > 1:
         H, H_kv = H // head_split, H_kv * kv_repeat(H_kv, head_split) // head_split
     return _select_backend(
         q.device.type,
         q.dtype,
-        int(q.shape[-1]),
+        operator.index(q.shape[-1]),
         H,
         H_kv,
         bool(varlen),

@@ -308,6 +308,41 @@ def test_dynamic_sequence_length(dist_pool, direct):
         assert r["graph_breaks"] == 0 and r["diff"] < 1e-10, r
 
 
+def _dynamic_heads(group):
+    """Heads and head dim changing between calls of one ``fullgraph`` function: Dynamo makes
+    them symbolic after the first recompile, and the kernel choice must still see constants
+    (it specialises them: one more recompile per new value, never a graph break)."""
+    torch._dynamo.reset()
+    counters.clear()
+    W = dist.get_world_size(group)
+
+    def attend(q, k, v):
+        return dtensor_ring.ring_attention_func("zigzag", q, k, v, causal=True, group=group)
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    diffs = []
+    for H, H_kv, D in ((4, 2, 8), (6, 3, 16), (2, 1, 4)):
+        full = random_qkv(1, 4 * W, H, H_kv, D, dtype=torch.float64, seed=H)
+        rank = dist.get_rank(group)
+        leaves = [dtensor_ring.shard_local(t, "zigzag", rank, W).requires_grad_() for t in full]
+        out = compiled(*leaves)
+        out.sum().backward()
+        ref_leaves = [t.detach().requires_grad_() for t in full]
+        ref, _ = reference_attention(*ref_leaves, causal=True)
+        ref.sum().backward()
+        want = [
+            dtensor_ring.shard_local(t, "zigzag", rank, W)
+            for t in (ref, *(t.grad for t in ref_leaves))
+        ]
+        diffs.append(_max_diff([out, *(t.grad for t in leaves)], want))
+    return {"diff": max(diffs), "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def test_dynamic_heads_and_head_dim(dist_pool):
+    for r in dist_pool.run(_dynamic_heads, 2):
+        assert r["graph_breaks"] == 0 and r["diff"] < 1e-10, r
+
+
 # --------------------------------------------------------------------------------------------
 # 3. Scope and compile
 # --------------------------------------------------------------------------------------------

@@ -254,3 +254,30 @@ def check_torch_names(group: dist.ProcessGroup, load_balance: bool) -> None:
 @pytest.mark.parametrize("load_balance", [True, False])
 def test_torch_names(dist_pool, world_size, load_balance):
     dist_pool.run(check_torch_names, world_size, load_balance=load_balance)
+
+
+def check_compiled_after_context_parallel(group: dist.ProcessGroup) -> None:
+    """The process's first Dynamo trace inside ``context_parallel`` (which replaces SDPA), then
+    a compiled SDPA inside a ContextParallel module: still ring attention (torch caches the
+    overridable functions on first use; built during the replacement it lacked the builtin)."""
+    import torch._dynamo.variables.torch as dynamo_torch  # test-only: empty torch's caches
+
+    torch._dynamo.reset()
+    torch.overrides._get_overridable_functions.cache_clear()
+    dynamo_torch.get_overridable_functions.cache_clear()
+    W = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    q, k, v = (t.transpose(1, 2) for t in random_qkv(1, 4 * W, 2, 2, 8, seed=6))
+    buffers = [t.clone() for t in (q, k, v)]
+    compiled = torch.compile(F.scaled_dot_product_attention, fullgraph=True, backend="aot_eager")
+    with dr.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 3, layout="ring"):
+        compiled(*buffers, is_causal=True)
+    attention = parallelize_module(SDPAWrapper(compiled=True), mesh, dr.ContextParallel())
+    shards = dr.context_parallel_shard(mesh, [q, k, v], [2] * 3, layout="ring")
+    (out,) = dr.context_parallel_unshard(mesh, [attention(*shards, is_causal=True)], [2], "ring")
+    expected, _ = reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2), **TOL)
+
+
+def test_compiled_after_context_parallel(dist_pool):
+    dist_pool.run(check_compiled_after_context_parallel, 2)

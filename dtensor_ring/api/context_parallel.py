@@ -243,6 +243,11 @@ def _sdpa_patched(
             return original(*args[:6], scale=scale, enable_gqa=enable_gqa)
         return _ring_sdpa_local(group, layout, algorithm, *args, seq_len=seq_len)
 
+    # torch caches the functions __torch_function__ can override on first use, Dynamo's first
+    # trace included: built while the attribute is replaced, the cache would hold ours, not
+    # the builtin, and from then on no compiled builtin SDPA would reach a TorchFunctionMode
+    # (ContextParallel's: plain local attention, silently). Fill it with the builtin first.
+    torch.overrides.get_overridable_functions()
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:
         yield

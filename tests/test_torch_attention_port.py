@@ -1,0 +1,771 @@
+"""PyTorch's own context-parallel tests (``test/distributed/tensor/test_attention.py``, the version
+with ``_ContextParallel``, ``_context_parallel_shard``, ``_HeadTailLoadBalancer``,
+``set_rotate_method`` and ``_cp_options``) run against dtensor_ring on CPU/gloo: the import
+changed to ``dtensor_ring.compat.torch_cp``, everything else kept where CPU and this suite's
+worker pool allow. Each of PyTorch's ``run_subtests`` combinations is one pytest case, at world
+sizes 2 and 4.
+
+Cases (per world size, W = 2 and W = 4)
+=======================================
+
+* ``test_ring_attention_sdpa``: PyTorch's 128 subtest combinations with CPU's two backends;
+  its early returns leave 48 cases (32 ``load_balance and not is_causal``, not collected; 48
+  ``compiled``, collected as the slow extension). W = 4: 48 pass. W = 2: 40 pass, 8 are the
+  bf16 tolerance misses below (xfail). Extension (compiled): the same split.
+* ``TestSharding``: 2 of its 3 methods ported, pass.
+* ``CPFlexAttentionTest``: its 2 methods as ValueError assertions, pass.
+* Not portable, listed at the end: 41 test methods.
+
+What was changed relative to PyTorch's file
+===========================================
+
+Harness (all tests):
+
+* ``DTensorTestBase`` / ``with_comms`` / ``run_subtests`` -> this suite's gloo worker pool
+  (``dist_pool.run(fn, W, **subtest)``, ``tests/_dist.py``): PyTorch's test methods became
+  module-level functions ``fn(group, **subtest)``; ``self.world_size`` -> the group's size;
+  ``self.rank`` -> the group rank; ``self.assert*`` -> ``assert`` / ``torch.testing``.
+* ``DeviceMesh(self.device_type, torch.arange(W))`` and ``init_device_mesh(...)`` ->
+  ``DeviceMesh.from_group(group, "cpu")`` (the pool's process group is larger than W; a new
+  mesh would need every pool rank to create its groups).
+* ``device_type`` "cuda" -> "cpu". ``skip_if_lt_x_gpu``, ``skipIfRocm`` and the
+  ``PLATFORM_SUPPORTS_*`` skips dropped (nothing here needs a GPU).
+* Global state is reset after every case (``_cp_options.rotate_method = None``,
+  ``_cp_options.enable_load_balance = True``, the library's defaults): the pool's workers run
+  every test of the session, where PyTorch's process ends with its test class.
+
+``RingAttentionTest.test_ring_attention_sdpa`` (the ring cases):
+
+* Backends: PyTorch's ``backends`` holds FLASH_ATTENTION / EFFICIENT_ATTENTION /
+  CUDNN_ATTENTION when the GPU supports them (on CPU it is empty). Here: ``[FLASH_ATTENTION,
+  MATH]``, the two SDPA backends CPU has (FLASH_ATTENTION = the CPU flash kernel
+  ``_scaled_dot_product_flash_attention_for_cpu``; EFFICIENT and CUDNN do not exist on CPU).
+  The dtype rule is PyTorch's, unchanged: bf16 for FLASH/CUDNN, else fp32, so FLASH runs bf16
+  and MATH fp32. ``sdpa_kernel(backend)`` picks the kernel of the single-process reference; our
+  ring runs its own CPU block kernel (``cpu_flash``) whatever the backend.
+* Tolerances: PyTorch's formulas, unchanged (``atol = 2e-6 if EFFICIENT else 8e-3 * W``,
+  ``rtol = 1e-5 if EFFICIENT else 1e-3 * W``), so both CPU backends get the second branch (MATH
+  fp32 included; its errors measured ~1e-6, within even the EFFICIENT branch).
+* Sizes reduced for CPU time: ``bs = 2`` (PyTorch: 8), ``nheads = 2`` (8), ``seq_length = 64``
+  tokens per rank (1024); ``dim = 32`` and ``seq_dim = 2`` unchanged. Same seed (10).
+* Identical inputs on every rank: PyTorch's ``dist.broadcast(q/k/v, src=0)`` kept, given
+  ``group=`` (the pool's default group has 4 ranks); the seed alone already makes them equal.
+* ``CommDebugMode`` comm-count assertion: PyTorch asserts that the eager ALL_TO_ALL cases issue
+  exactly ``W - 1`` (forward only) / ``3W - 2`` (forward + backward) functional
+  ``all_to_all_single`` calls. Our ring moves K/V (and dK/dV) with point-to-point sends
+  (``dist.batch_isend_irecv``, one call per ring step), which ``CommDebugMode`` does not see.
+  Kept: the same ``CommDebugMode`` around the same calls, asserting that no all-to-all shows up
+  and that the only collective it sees is the all-gather of the small fixed-size header that a
+  gloo group exchanges before each attention call (``dtensor_ring/consistency.py``), i.e. no
+  collective moves K/V. Added, with PyTorch's expected numbers unchanged: the count of
+  ``dist.batch_isend_irecv`` calls on each rank must equal ``W - 1`` / ``3W - 2`` (our ring
+  makes exactly one exchange per step where PyTorch's makes one all_to_all_single).
+* ``compiled``: PyTorch's ``_test_ring_attention_sdpa`` returns early for every
+  ``compiled=True`` subtest (its own context parallel cannot be traced yet), as it does for
+  ``load_balance and not is_causal``; neither counts as a PyTorch case and the latter is not
+  collected. The ``compiled=True`` subtests are collected here WITHOUT that early return, as an
+  extension (marked ``slow``): ours claims compiled SDPA inside the module and inside
+  ``context_parallel`` works. One harness addition for them only: ``torch._dynamo.reset()``
+  before each case (PyTorch would keep one process's compile cache for all subtests; the pool
+  keeps it across the session, and ``torch.compile(F.scaled_dot_product_attention,
+  fullgraph=True)`` of 48 configurations hits Dynamo's recompile limit, a hard error with
+  ``fullgraph=True``).
+
+Known tolerance misses (PyTorch's tolerances kept; marked ``xfail(strict=True)``): at W = 2 the
+8 bf16 (FLASH) causal forward+backward cases (both rotations, load balance or not, module and
+context form), and the same 8 among the compiled extension. Always ``v.grad`` of the first keys
+of each sequence: |dv| ~ 4.41 there, where one bf16 ulp (0.03125) exceeds the allowed 8e-3*2 +
+2e-3*4.41 = 0.0248; ours and the reference differ by exactly one ulp in 64 (ring, no balancer),
+96 (ring, head-tail) or 128 (all-gather) of 16384 elements. Against an fp64 SDPA of the same
+inputs, at those elements the reference (CPU flash SDPA in bf16, one process) is up to 0.028
+off, ours up to 0.0086 (ring) / 0.023 (all-gather): ours accumulates the blocks in fp32 and is
+the closer one (over the whole tensor, ours' largest error vs fp64 is 0.016-0.028, the
+reference's 0.028). At W = 4 the allowed error doubles and these cases pass at the reduced
+sizes. Measured once at PyTorch's full sizes (bs 8, nheads 8, 1024 tokens per rank; causal,
+head-tail, ring rotation, forward+backward): W = 2 misses in dk (8) and dv (48288 of 4194304
+elements; reference vs fp64 up to 0.11, ours 0.086), and W = 4 too (dk 6, dv 10880 of 8388608;
+reference 0.13, ours 0.069): at full size these bf16 cases would miss at both world sizes,
+always with ours the closer to fp64, i.e. the miss is PyTorch's bf16 tolerance against a bf16
+CPU reference; the size reduction only hides it at W = 4.
+
+``TestSharding`` (``test_context_parallel_shard``, ``..._with_positions``): run at W = 2 and 4
+(PyTorch: W = 2 only), so the hard-coded ``mesh_shape=(2,)`` and ``seq_len // 2`` became the
+group and ``seq_len // W``; ``map_local_tensor_for_rank(chunks, rank, fn)`` (LocalTensor
+support) became ``fn(chunks, rank)``, what it does for ordinary tensors; ``self.assertEqual``
+on tensors -> ``torch.testing.assert_close`` (exact for these integer/ones tensors).
+
+FlexAttention (``CPFlexAttentionTest``): not served (``attention_type=FLEX``, ``BlockMask``
+buffers, PTRR / per-document balancers). Collected as assertions that we raise a clear
+``ValueError`` at the first call that differs, for PyTorch's load-balancer types: the FLEX plan,
+and ``_context_parallel_shard`` of ``q, k, v`` plus the ``BlockMask``; and the per-document
+balancer and PTRR (2048 tokens) on plain tensors. Reduced loops: one sequence length
+(``256 * W`` and, for PTRR on plain tensors, 2048), one batch size (2) for the document mask.
+(A PTRR balancer for a plain causal mask of ``256 * W`` tokens makes head-tail's permutation
+and is accepted as head-tail: balancers are mapped by the permutation they make.)
+
+Not portable, not collected (PyTorch's test methods; counts per method, not per inner loop):
+
+* ``RingAttentionTest.test_is_causal_behavior`` (1): ``_is_causal_behavior`` /
+  ``_CausalBehavior`` are internals of PyTorch's ring schedule; ours has its own plan
+  (``dtensor_ring/schedule``) and does not provide them.
+* ``TestCPCustomOps.test_flex_cp_custom_op`` (1): opchecks PyTorch's ``flex_cp_allgather``
+  custom op (FlexAttention's; no counterpart).
+* ``TestSharding.test_attention_shard_without_cp`` (1): tests PyTorch's DTensor sharding-rule
+  registry (``register_cp_sharding_rules``) for the CUDA fused kernels; on CPU torch's own
+  DTensor already returns ``Shard(2)`` for SDPA on ``Shard(2)`` inputs without any context
+  parallel (checked without dtensor_ring imported), so its assertion fails on CPU whatever the
+  library.
+* ``TestContextParallelStyle`` (5 ``flex_input_fn`` tests): FlexAttention, and they mock
+  PyTorch's internal ``flex_cp_allgather``.
+* ``TestContextParallelStyleSDPA`` (3 ``sdpa_input_fn`` tests): they call the private
+  ``sdpa_input_fn`` hook and expect DTensor outputs placed ``Shard(2)``; ours has no such hook
+  by design (the module sees plain local shards; DTensor inputs are accepted and unwrapped:
+  ``tests/test_parallel_style.py``).
+* LocalTensor classes (``create_local_tensor_test_class``): ``RingAttentionTestWithLocalTensor``
+  (2; PyTorch skips ``test_ring_attention_sdpa``), ``CPFlexAttentionTestWithLocalTensor`` (2,
+  both skipped by PyTorch), ``TestCPCustomOpsWithLocalTensor`` (1, skipped by PyTorch),
+  ``TestShardingWithLocalTensor`` (3): LocalTensorMode simulates all ranks in one process
+  through DTensor internals; ours runs real ranks (the non-LocalTensor originals are ported).
+* Varlen: ``TestCPVarlenMetadata`` (9), ``TestVarlenPTRRLoadBalancer`` (7),
+  ``CPVarlenAttentionTest`` (6): ``VarlenMetadata``, ``_VarlenPTRRLoadBalancer`` and
+  ``_context_parallel_shard(..., batch_and_seq=)`` are not provided (nor are they in torch
+  2.13), and ``varlen_attn`` needs CUDA. Our varlen API is a different one (docs/varlen.md).
+
+A dtensor_ring bug found by the compiled extension, fixed: ``context_parallel`` replaces
+``F.scaled_dot_product_attention`` process-wide, and if the first Dynamo trace of the process
+ran inside it, torch cached its list of ``__torch_function__``-overridable functions with the
+replacement in place of the builtin; from then on a compiled SDPA inside a ``_ContextParallel``
+module traced plain local SDPA (silently wrong: 44 of this file's compiled cases). The library
+now fills that cache before replacing the attribute (``api/context_parallel.py``);
+``tests/test_parallel_style.py::test_compiled_after_context_parallel`` is its regression test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DeviceMesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dtensor_ring.compat.torch_cp import (
+    _context_parallel_shard,
+    _ContextParallel,
+    _cp_options,
+    _disable_context_parallel_dispatcher,
+    _enable_context_parallel_dispatcher,
+    _HeadTailLoadBalancer,
+    _RotateMethod,
+    context_parallel,
+    context_parallel_unshard,
+    set_rotate_method,
+)
+
+c10d_functional = torch.ops.c10d_functional
+DEVICE_TYPE = "cpu"
+# PyTorch: FLASH / EFFICIENT / CUDNN where the GPU has them; CPU's SDPA backends instead.
+backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+rotater_enum_to_str = {
+    _RotateMethod.ALL_GATHER: "allgather",
+    _RotateMethod.ALL_TO_ALL: "alltoall",
+}  # mapping from _RotateMethod enum to string
+
+# PyTorch's sizes: bs 8, nheads 8, seq_length 1024 (per rank), dim 32.
+BS, NHEADS, SEQ_LENGTH, DIM = 2, 2, 64, 32
+
+
+class SDPAWrapper(torch.nn.Module):
+    def __init__(self, compiled: bool, backend: SDPBackend) -> None:
+        super().__init__()
+        if compiled:
+            self.sdpa = torch.compile(
+                F.scaled_dot_product_attention,
+                fullgraph=True,
+                backend="aot_eager",
+            )
+        else:
+            self.sdpa = F.scaled_dot_product_attention
+        self.backend = backend
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        with sdpa_kernel(self.backend):
+            return self.sdpa(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _count_ring_exchanges(counter: list[int]):
+    """``counter[0]`` += 1 for every ``dist.batch_isend_irecv`` call (one per ring step)."""
+    original = dist.batch_isend_irecv
+
+    def counting(p2p_op_list):
+        counter[0] += 1
+        return original(p2p_op_list)
+
+    dist.batch_isend_irecv = counting
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = original
+
+
+# --------------------------------------------------------------------------------------------
+# RingAttentionTest.test_ring_attention_sdpa
+# --------------------------------------------------------------------------------------------
+def _ring_attention_sdpa(
+    cp_q: torch.Tensor,
+    cp_k: torch.Tensor,
+    cp_v: torch.Tensor,
+    *,
+    fn_eval: Callable,
+    mesh: DeviceMesh,
+    seq_dim: int,
+    is_causal: bool,
+    compiled: bool,
+    backend: SDPBackend,
+    rotater: _RotateMethod,
+    test_forward_only: bool,
+    load_balance: bool,
+    use_context: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    world_size = mesh.size()
+    if not use_context:
+        cp_plan = _ContextParallel(
+            seq_dim=seq_dim,
+            attention_type=_ContextParallel.AttentionType.SDPA,
+        )
+        attention = SDPAWrapper(compiled=compiled, backend=backend)
+        attention = parallelize_module(attention, mesh, cp_plan)
+        if load_balance:
+            seq_len = cp_q.size(seq_dim)
+            load_balancer = _HeadTailLoadBalancer(seq_len, mesh.size(), cp_q.device)
+        else:
+            load_balancer = None
+        cp_q, cp_k, cp_v = _context_parallel_shard(
+            mesh, (cp_q, cp_k, cp_v), (seq_dim,) * 3, load_balancer=load_balancer
+        )
+        _enable_context_parallel_dispatcher()
+    else:
+        # Theoretically, context_parallel() should not be used to shard
+        # parameters because when require_grad is True, resize_ is not
+        # allowed. But requires_grad of cp_q, cp_k, and cp_v are False
+        # now. So we can just use context_parallel() to shard q, k, v.
+        # In reality, context_parallel() should be used to shard the input.
+        # In reality, context_parallel() should only be used to shard
+        # the model inputs (batch).
+
+        _cp_options.enable_load_balance = load_balance
+        cp_context = context_parallel(
+            mesh, buffers=(cp_q, cp_k, cp_v), buffer_seq_dims=(seq_dim,) * 3
+        )
+        cp_context.__enter__()
+
+        # NOTE: This demonstrates that monkey patching is not fully reliable.
+        # If we use SDPAWrapper directly, the monkey patching dispatch mode
+        # does not function correctly. To ensure proper behavior,
+        # F.scaled_dot_product_attention must be referenced within the
+        # context_parallel() scope.
+        attention = F.scaled_dot_product_attention
+        if compiled:
+            attention = torch.compile(attention, fullgraph=True, backend="aot_eager")
+
+    for target in [cp_q, cp_k, cp_v]:
+        target.requires_grad = True
+
+    check_comm_counts = not compiled and rotater == _RotateMethod.ALL_TO_ALL
+    comm_mode = CommDebugMode() if check_comm_counts else contextlib.nullcontext()
+    ring_exchanges = [0]  # port: our ring's K/V (and dK/dV) steps, counted
+    exchange_counter = (
+        _count_ring_exchanges(ring_exchanges) if check_comm_counts else contextlib.nullcontext()
+    )
+    with comm_mode, exchange_counter:
+        with sdpa_kernel(backend):
+            cp_out = fn_eval(
+                attention,
+                cp_q,
+                cp_k,
+                cp_v,
+                is_causal=is_causal,
+            )
+
+        if check_comm_counts:
+            expect_all2all_count = world_size - 1 if test_forward_only else world_size * 3 - 2
+            # port: PyTorch asserts
+            #   comm_mode.get_comm_counts() == {all_to_all_single: expect_all2all_count};
+            # ours exchanges by P2P (one batch_isend_irecv per step), which CommDebugMode does
+            # not see: the same count on the exchanges, and no collective moving K/V.
+            assert ring_exchanges[0] == expect_all2all_count, (ring_exchanges, expect_all2all_count)
+            comm_counts = comm_mode.get_comm_counts()
+            assert c10d_functional.all_to_all_single not in comm_counts, comm_counts
+            assert set(comm_counts) <= {torch.ops.c10d.allgather_}, comm_counts
+    cp_dq, cp_dk, cp_dv = cp_q.grad, cp_k.grad, cp_v.grad
+    for target in [cp_q, cp_k, cp_v]:
+        target.requires_grad = False
+
+    if not use_context:
+        _disable_context_parallel_dispatcher()
+    else:
+        cp_context.__exit__(None, None, None)
+
+    return cp_out, cp_dq, cp_dk, cp_dv
+
+
+def _test_ring_attention_sdpa(
+    group: dist.ProcessGroup,
+    is_causal: bool,
+    compiled: bool,
+    backend: str,
+    load_balance: bool,
+    rotater: _RotateMethod,
+    test_forward_only: bool,
+    use_context: bool,
+) -> None:
+    world_size = dist.get_world_size(group)
+    backend = getattr(SDPBackend, backend)  # port: passed by name (SDPBackend does not pickle)
+
+    def fn_eval(fn, *args, **kwargs):
+        if test_forward_only:
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        else:
+            out = fn(*args, **kwargs)
+            out.sum().backward()
+            return out
+
+    if load_balance and not is_causal:
+        return
+
+    # port: PyTorch returns here for every compiled subtest; the extension runs them.
+    if compiled:
+        torch._dynamo.reset()
+
+    try:
+        set_rotate_method(rotater_enum_to_str[rotater])
+        assert _cp_options.rotate_method == rotater
+        device_mesh = DeviceMesh.from_group(group, DEVICE_TYPE)
+        bs = BS
+        seq_length = SEQ_LENGTH
+        seq_dim = 2
+        dim = DIM
+        nheads = NHEADS
+        torch.manual_seed(10)
+        dtype = (
+            torch.bfloat16
+            if backend == SDPBackend.FLASH_ATTENTION or backend == SDPBackend.CUDNN_ATTENTION
+            else torch.float32
+        )
+
+        q, k, v = [
+            torch.rand(
+                (bs, nheads, seq_length * world_size, dim),
+                device=DEVICE_TYPE,
+                dtype=dtype,
+                requires_grad=True,
+            )
+            for _ in range(3)
+        ]
+
+        # Ensure all ranks have the same initialization data.
+        with torch.no_grad():
+            dist.broadcast(q, src=0, group=group)
+            dist.broadcast(k, src=0, group=group)
+            dist.broadcast(v, src=0, group=group)
+
+        with sdpa_kernel(backend):
+            out = fn_eval(F.scaled_dot_product_attention, q, k, v, is_causal=is_causal)
+
+        cp_q, cp_k, cp_v = [target.detach().clone() for target in [q, k, v]]
+        cp_out, cp_dq, cp_dk, cp_dv = _ring_attention_sdpa(
+            cp_q,
+            cp_k,
+            cp_v,
+            fn_eval=fn_eval,
+            mesh=device_mesh,
+            seq_dim=seq_dim,
+            is_causal=is_causal,
+            compiled=compiled,
+            backend=backend,
+            rotater=rotater,
+            test_forward_only=test_forward_only,
+            load_balance=load_balance,
+            use_context=use_context,
+        )
+
+        # Due to numerical error, we need to choose different atol for different
+        # attention kernels
+        (cp_out,) = context_parallel_unshard(device_mesh, [cp_out], [seq_dim])
+        atol = 2e-06 if backend == SDPBackend.EFFICIENT_ATTENTION else 8e-3 * world_size
+        rtol = 1e-05 if backend == SDPBackend.EFFICIENT_ATTENTION else 1e-3 * world_size
+        torch.testing.assert_close(out, cp_out, atol=atol, rtol=rtol)
+
+        if test_forward_only:
+            return
+
+        cp_dq, cp_dk, cp_dv = context_parallel_unshard(
+            device_mesh,
+            [cp_dq, cp_dk, cp_dv],
+            [seq_dim] * 3,
+        )
+        torch.testing.assert_close(q.grad, cp_dq, atol=atol, rtol=rtol)
+        torch.testing.assert_close(k.grad, cp_dk, atol=atol, rtol=rtol)
+        torch.testing.assert_close(v.grad, cp_dv, atol=atol, rtol=rtol)
+    finally:
+        _cp_options.rotate_method, _cp_options.enable_load_balance = None, True
+
+
+SUBTESTS = {
+    "is_causal": [True, False],
+    "compiled": [True, False],
+    "backend": backends,
+    "load_balance": [True, False],
+    "rotater": [_RotateMethod.ALL_TO_ALL, _RotateMethod.ALL_GATHER],
+    "test_forward_only": [True, False],
+    "use_context": [True, False],
+}
+WORLD_SIZES = (2, 4)
+
+_BF16_ULP_MISS = (
+    "PyTorch's bf16 tolerance (8e-3*W + 1e-3*W*|x|) is below one bf16 ulp at |dv| ~ 4.4 for W=2; "
+    "ours and the bf16 CPU-flash reference differ by one ulp there, ours being closer to fp64 "
+    "(<= 0.023 vs 0.028): see the module docstring"
+)
+
+
+def _subtest_id(subtest: dict) -> str:
+    return "-".join(
+        [
+            "causal" if subtest["is_causal"] else "noncausal",
+            "compiled" if subtest["compiled"] else "eager",
+            subtest["backend"].name.split("_")[0].lower(),
+            "lb" if subtest["load_balance"] else "nolb",
+            rotater_enum_to_str[subtest["rotater"]],
+            "fwd" if subtest["test_forward_only"] else "fwdbwd",
+            "context" if subtest["use_context"] else "module",
+        ]
+    )
+
+
+def _ring_cases() -> list:
+    """PyTorch's subtests (without its ``load_balance and not is_causal`` early exits) at each
+    world size; the compiled ones are the extension (slow)."""
+    cases = []
+    for world_size in WORLD_SIZES:
+        for values in itertools.product(*SUBTESTS.values()):
+            subtest = dict(zip(SUBTESTS, values, strict=True))
+            if subtest["load_balance"] and not subtest["is_causal"]:
+                continue  # PyTorch's early return: not a case
+            marks = [pytest.mark.slow] if subtest["compiled"] else []
+            if (
+                world_size == 2
+                and subtest["backend"] == SDPBackend.FLASH_ATTENTION
+                and subtest["is_causal"]
+                and not subtest["test_forward_only"]
+            ):
+                marks.append(pytest.mark.xfail(reason=_BF16_ULP_MISS, strict=True))
+            case_id = f"W{world_size}-{_subtest_id(subtest)}"
+            cases.append(pytest.param(world_size, subtest, marks=marks, id=case_id))
+    return cases
+
+
+@pytest.mark.parametrize(("world_size", "subtest"), _ring_cases())
+def test_ring_attention_sdpa(dist_pool, world_size, subtest):
+    subtest = {**subtest, "backend": subtest["backend"].name}
+    dist_pool.run(_test_ring_attention_sdpa, world_size, **subtest)
+
+
+# --------------------------------------------------------------------------------------------
+# TestSharding
+# --------------------------------------------------------------------------------------------
+def _test_context_parallel_shard(group: dist.ProcessGroup) -> None:
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    try:
+        B = 4
+        seq_len = 32
+
+        device_mesh = DeviceMesh.from_group(group, DEVICE_TYPE)
+        freqs_cis = torch.arange(0, seq_len, device=DEVICE_TYPE)
+        q = torch.ones(B * seq_len, device=DEVICE_TYPE).reshape(B, seq_len)
+        k = torch.ones(B * seq_len, device=DEVICE_TYPE).reshape(B, seq_len)
+        v = torch.ones(B * seq_len, device=DEVICE_TYPE).reshape(B, seq_len)
+
+        load_balancer = _HeadTailLoadBalancer(seq_len, world_size, torch.device(DEVICE_TYPE))
+        freqs_cis_shard, q_shard, k_shard, v_shard = _context_parallel_shard(
+            device_mesh, [freqs_cis, q, k, v], [0, 1, 1, 1], load_balancer=load_balancer
+        )
+        assert freqs_cis_shard.size() == (seq_len // world_size,)
+        chunks = freqs_cis.chunk(world_size * 2)
+        torch.testing.assert_close(
+            freqs_cis_shard,
+            torch.cat([chunks[rank], chunks[world_size * 2 - rank - 1]], dim=0),
+        )
+    finally:
+        _cp_options.enable_load_balance = True
+
+
+def _test_context_parallel_shard_with_positions(group: dist.ProcessGroup) -> None:
+    """Test context parallel sharding with expanded batch dimensions.
+
+    This test validates the fix for buffer sharding when the batch dimension
+    is created through expand() or view() operations. Before the fix, the
+    loop-based torch.index_select approach failed on expanded tensors.
+    """
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    try:
+        B = 4
+        seq_len = 32
+
+        device_mesh = DeviceMesh.from_group(group, DEVICE_TYPE)
+
+        # Create positions tensor and expand to add batch dimension
+        positions = torch.arange(0, seq_len, device=DEVICE_TYPE)
+        positions = positions.expand(B, seq_len)
+
+        q = torch.ones(B * seq_len, device=DEVICE_TYPE).reshape(B, seq_len)
+        k = torch.ones(B * seq_len, device=DEVICE_TYPE).reshape(B, seq_len)
+        v = torch.ones(B * seq_len, device=DEVICE_TYPE).reshape(B, seq_len)
+
+        load_balancer = _HeadTailLoadBalancer(seq_len, world_size, torch.device(DEVICE_TYPE))
+
+        # positions has seq_dim=1 (same as q, k, v) after expansion
+        positions_shard, q_shard, k_shard, v_shard = _context_parallel_shard(
+            device_mesh, [positions, q, k, v], [1, 1, 1, 1], load_balancer=load_balancer
+        )
+
+        # Verify the sharded positions tensor has correct shape
+        assert positions_shard.size() == (B, seq_len // world_size)
+
+        # Verify the sharded values match expected chunked and concatenated results
+        # For each batch, the positions should be chunked and rearranged
+        chunks = positions.chunk(world_size * 2, dim=1)
+        expected_positions = torch.cat(
+            [chunks[rank], chunks[world_size * 2 - rank - 1]],
+            dim=1,
+        )
+        torch.testing.assert_close(positions_shard, expected_positions)
+    finally:
+        _cp_options.enable_load_balance = True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize(
+    "fn",
+    [_test_context_parallel_shard, _test_context_parallel_shard_with_positions],
+    ids=["test_context_parallel_shard", "test_context_parallel_shard_with_positions"],
+)
+def test_sharding(dist_pool, world_size, fn):
+    dist_pool.run(fn, world_size)
+
+
+# --------------------------------------------------------------------------------------------
+# CPFlexAttentionTest: not served; each of its load-balancer types must raise ValueError.
+# --------------------------------------------------------------------------------------------
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+# copied from https://github.com/meta-pytorch/attention-gym/blob/main/attn_gym/masks/document_mask.py
+def generate_random_lengths(total_length, num_documents) -> list[int]:
+    # Initialize all lengths to 1 to ensure each document has at least one token
+    lengths = [1] * num_documents
+    remaining_length = total_length - num_documents
+
+    # Randomly distribute the remaining length
+    for _ in range(remaining_length):
+        index = random.randint(0, num_documents - 1)
+        lengths[index] += 1
+
+    return lengths
+
+
+def generate_random_lengths_in_chunks(total_length, num_documents, chunk_size) -> list[int]:
+    # Generate a list of random document lengths so that each document contains
+    # some number of chunks of size `chunk_size`. This means each document's length
+    # must be a multiple of `chunk_size`. Besides, the lengths of all the documents
+    # sum up to `total_length`.
+    num_chunks = total_length // chunk_size
+    if not (total_length % chunk_size == 0 and num_chunks >= num_documents):
+        raise AssertionError(
+            f"total_length % chunk_size == {total_length % chunk_size} (expected 0), "
+            f"num_chunks={num_chunks} vs num_documents={num_documents}"
+        )
+
+    num_chunks_per_document = [1] * num_documents
+    remaining_chunks = num_chunks - num_documents
+    # Randomly distribute the remaining chunks
+    for _ in range(remaining_chunks):
+        index = random.randint(0, num_documents - 1)  # document_id
+        num_chunks_per_document[index] += 1
+
+    return [num_chunks * chunk_size for num_chunks in num_chunks_per_document]
+
+
+def length_to_offsets(lengths: list[list[int]], device: str | torch.device) -> Tensor:
+    """Converts a list of lengths to a list of offsets."""
+    offsets = [[0] + lengths_in_batch for lengths_in_batch in lengths]
+    offsets = torch.tensor(offsets, device=device, dtype=torch.int32)
+    offsets = torch.cumsum(offsets, dim=-1)
+    return offsets
+
+
+def _offsets_to_doc_ids_tensor(offsets):
+    doc_ids = []
+    device = offsets.device
+    for batch_idx in range(offsets.size(0)):
+        counts = offsets[batch_idx][1:] - offsets[batch_idx][:-1]
+        doc_id = torch.repeat_interleave(
+            torch.arange(len(counts), device=device, dtype=torch.int32), counts
+        )
+        doc_ids.append(doc_id)
+
+    return torch.stack(doc_ids)
+
+
+def generate_doc_mask_mod(mask_mod, offsets: Tensor):
+    """Generates mask mods that apply to inputs to flex attention in the sequence stacked
+    format."""
+    document_id = _offsets_to_doc_ids_tensor(offsets)
+
+    def doc_mask_mod(b, h, q_idx, kv_idx):
+        same_doc = document_id[b][q_idx] == document_id[b][kv_idx]
+        q_logical = q_idx - offsets[b, document_id[b, q_idx]]
+        kv_logical = kv_idx - offsets[b, document_id[b, kv_idx]]
+        inner_mask = mask_mod(b, h, q_logical, kv_logical)
+        return same_doc & inner_mask
+
+    return doc_mask_mod
+
+
+def _get_load_balancer(lb_type, world_size, seq_length, document_lengths, block_mask):
+    """PyTorch's ``_get_load_balancer``, with its own (torch's) balancer classes."""
+    from torch.distributed.tensor.experimental._attention import (
+        _PerDocumentHeadTailLoadBalancer,
+        _PTRRLoadBalancer,
+    )
+
+    if lb_type == "None":
+        return None
+    if lb_type == "_HeadTailLoadBalancer":
+        return _HeadTailLoadBalancer(seq_length, world_size, torch.device(DEVICE_TYPE))
+    if lb_type == "_PerDocumentHeadTailLoadBalancer":
+        return _PerDocumentHeadTailLoadBalancer(
+            document_lengths, world_size, torch.device(DEVICE_TYPE)
+        )
+    if lb_type == "_PTRRLoadBalancer":
+        return _PTRRLoadBalancer(block_mask, world_size)
+    raise ValueError(f"load_balancer type {lb_type} is not supported!")
+
+
+def _expect_value_error(what: str, call: Callable, match: str) -> str:
+    try:
+        call()
+    except ValueError as e:
+        assert match in str(e), (what, str(e))
+        return f"{what}: ValueError"
+    raise AssertionError(f"{what}: no ValueError")
+
+
+def _flex_not_served(
+    group: dist.ProcessGroup, lb_types: list[str], batch_size: int, document_mask: bool
+) -> list[str]:
+    """The steps of PyTorch's ``_test_cp_flex_attention`` that differ, each raising."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    world_size = dist.get_world_size(group)
+    device_mesh = DeviceMesh.from_group(group, DEVICE_TYPE)
+    random.seed(10)
+    torch.manual_seed(1234)
+    seq_len = 256 * world_size
+    seen = [
+        _expect_value_error(
+            "FLEX plan",
+            lambda: _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX),
+            "only 'sdpa'",
+        )
+    ]
+    try:
+        for lb_type in lb_types:
+            lengths = None
+            if document_mask:
+                lengths = [
+                    (
+                        generate_random_lengths_in_chunks(seq_len, 28, chunk_size=2 * world_size)
+                        if lb_type == "_PerDocumentHeadTailLoadBalancer"
+                        else generate_random_lengths(seq_len, 28)
+                    )
+                    for _ in range(batch_size)
+                ]
+                mask_mod = generate_doc_mask_mod(causal_mask, length_to_offsets(lengths, "cpu"))
+            else:
+                mask_mod = causal_mask
+            block_mask = create_block_mask(
+                mask_mod, B=batch_size, H=1, Q_LEN=seq_len, KV_LEN=seq_len, device=DEVICE_TYPE
+            )
+            lb = _get_load_balancer(lb_type, world_size, seq_len, lengths, block_mask)
+            qkv = [torch.rand((batch_size, 8, seq_len, 32)) for _ in range(3)]
+            seen.append(
+                _expect_value_error(
+                    f"{lb_type}: shard q, k, v, BlockMask",
+                    lambda qkv=qkv, block_mask=block_mask, lb=lb: _context_parallel_shard(
+                        device_mesh, [*qkv, block_mask], [2] * 4, load_balancer=lb
+                    ),
+                    "BlockMask",
+                )
+            )
+            if lb_type == "_PerDocumentHeadTailLoadBalancer":
+                seen.append(
+                    _expect_value_error(
+                        f"{lb_type}: shard q, k, v",
+                        lambda qkv=qkv, lb=lb: _context_parallel_shard(
+                            device_mesh, qkv, [2] * 3, load_balancer=lb
+                        ),
+                        "neither contiguous nor head-tail",
+                    )
+                )
+        if "_PTRRLoadBalancer" in lb_types:
+            block_mask = create_block_mask(
+                causal_mask, B=1, H=1, Q_LEN=2048, KV_LEN=2048, device=DEVICE_TYPE
+            )
+            lb = _get_load_balancer("_PTRRLoadBalancer", world_size, 2048, None, block_mask)
+            qkv = [torch.rand((1, 1, 2048, 8)) for _ in range(3)]
+            seen.append(
+                _expect_value_error(
+                    "_PTRRLoadBalancer (2048 tokens): shard q, k, v",
+                    lambda: _context_parallel_shard(device_mesh, qkv, [2] * 3, load_balancer=lb),
+                    "neither contiguous nor head-tail",
+                )
+            )
+    finally:
+        _cp_options.enable_load_balance = True
+    return seen
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_cp_flex_attention_causal_mask_not_served(dist_pool, world_size):
+    lb_types = ["None", "_HeadTailLoadBalancer", "_PTRRLoadBalancer"]
+    seen = dist_pool.run(
+        _flex_not_served, world_size, lb_types=lb_types, batch_size=1, document_mask=False
+    )
+    assert len(seen[0]) == 1 + len(lb_types) + 1, seen[0]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_cp_flex_attention_document_mask_not_served(dist_pool, world_size):
+    lb_types = [
+        "None",
+        "_HeadTailLoadBalancer",
+        "_PerDocumentHeadTailLoadBalancer",
+        "_PTRRLoadBalancer",
+    ]
+    seen = dist_pool.run(
+        _flex_not_served, world_size, lb_types=lb_types, batch_size=2, document_mask=True
+    )
+    assert len(seen[0]) == 1 + len(lb_types) + 2, seen[0]
