@@ -37,9 +37,7 @@ Public names:
 
 from . import ops  # noqa: F401  (registers the dtensor_ring:: ops)
 from .api.context_parallel import (
-    balancer_layout,
     context_parallel,
-    context_parallel_shard,
     context_parallel_unshard,
     cp_options,
     set_rotate_method,
@@ -53,6 +51,7 @@ from .api.dtensor import (
 from .api.functional import ring_attention_func
 from .api.parallel_style import (
     ContextParallel,
+    context_parallel_shard,
     disable_context_parallel_dispatcher,
     enable_context_parallel_dispatcher,
 )
@@ -97,6 +96,7 @@ from .layouts import (
     LAYOUTS,
     VARLEN_LAYOUTS,
     Layout,
+    balancer_layout,
     gather_sequence,
     get_layout,
     register_layout,

@@ -107,11 +107,11 @@ def check_module(
         inputs = (cp_q, cp_k, cp_v)
         if dtensor_inputs:
             inputs = tuple(DTensor.from_local(t, mesh, [Shard(2)]) for t in inputs)
-        dr.enable_context_parallel_dispatcher()  # PyTorch's switch: nothing to do here
+        dr.enable_context_parallel_dispatcher()  # PyTorch's switch (the module needs none)
         out = attention(*inputs, is_causal=causal, enable_gqa=True)
-        dr.disable_context_parallel_dispatcher()
         assert type(out) is Tensor  # outputs are local, as PyTorch's style gives
         out.backward(shards[3])
+        dr.disable_context_parallel_dispatcher()
         got = dr.context_parallel_unshard(
             mesh, [out.detach(), cp_q.grad, cp_k.grad, cp_v.grad], [2] * 4, lb
         )
@@ -281,3 +281,62 @@ def check_compiled_after_context_parallel(group: dist.ProcessGroup) -> None:
 
 def test_compiled_after_context_parallel(dist_pool):
     dist_pool.run(check_compiled_after_context_parallel, 2)
+
+
+class TitanSDPA(nn.Module):
+    """torchtitan 0.3's ``ScaledDotProductAttention.forward``, reduced: ``[B, L, N, H]`` in,
+    transposed for SDPA, transposed back."""
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, enable_gqa=False, is_causal=True):
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def _titan_cp_forward(forward, mesh):
+    """torchtitan's ``apply_cp_to_forward`` (SDPA branch): q, k, v as ``Shard(1)`` DTensors,
+    the output back to a local tensor."""
+
+    def cp_forward(q, k, v, **kwargs):
+        q, k, v = (DTensor.from_local(t, mesh, [Shard(1)], run_check=False) for t in (q, k, v))
+        out = forward(q, k, v, **kwargs)
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    return cp_forward
+
+
+def check_titan_sdpa(group: dist.ProcessGroup, balancer: str) -> None:
+    """torchtitan's SDPA context parallel, wired as it does (dispatcher enabled when the model
+    is built, inputs sharded per step by ``context_parallel_shard``), against the fp64
+    reference: the dispatcher follows the shards' layout."""
+    W = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    S = 4 * W
+    q, k, v = random_qkv(B, S, H, H_KV, D, seed=7)  # [B, L, N, H]
+    dout = torch.randn(B, S, H, D, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = reference_attention(*ref, causal=True)
+    expected.backward(dout)
+    module = TitanSDPA()
+    module.forward = _titan_cp_forward(module.forward, mesh)
+    dr.enable_context_parallel_dispatcher()
+    try:
+        lb = _balancer(balancer, S, W)
+        shards = dr.context_parallel_shard(mesh, (q, k, v, dout), (1,) * 4, load_balancer=lb)
+        leaves = [t.requires_grad_() for t in shards[:3]]
+        out = module(*leaves, enable_gqa=True)
+        out.backward(shards[3])
+        got = dr.context_parallel_unshard(
+            mesh, [out.detach(), *(t.grad for t in leaves)], [1] * 4, lb
+        )
+    finally:
+        dr.disable_context_parallel_dispatcher()
+        dr.cp_options.enable_load_balance = True
+    for a, b in zip(got, [expected.detach(), *(t.grad for t in ref)], strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("balancer", ["head_tail", "none"])
+def test_titan_sdpa_path(dist_pool, world_size, balancer):
+    dist_pool.run(check_titan_sdpa, world_size, balancer=balancer)

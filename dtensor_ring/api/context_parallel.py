@@ -52,8 +52,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,10 +60,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..algorithm import Algorithm
-from ..layouts import gather_sequence, get_layout, shard_local, token_indices
+from ..layouts import balancer_layout, gather_sequence, get_layout, shard_local
 from ..resolve import check_bool, check_unsupported, placement
 from .attend import dense_attention
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
@@ -334,109 +332,6 @@ def context_parallel(
                     buffer.copy_(original)
 
 
-def context_parallel_shard(
-    mesh: DeviceMesh,
-    buffers: Sequence[Tensor] | Mapping[str, Tensor],
-    seq_dims: Sequence[int] | Mapping[str, int],
-    load_balancer: object = None,
-    *,
-    layout: str | None = None,
-) -> Any:
-    """PyTorch's ``_context_parallel_shard``: this rank's shard of every buffer (copies; the
-    buffers are left as they are), in the layout ``load_balancer`` makes.
-
-    Args:
-        mesh: 1-D DeviceMesh over the context-parallel ranks.
-        buffers: tensors with a sequence dim (input ids, positions, labels, q/k/v), a list or
-            a dict (the result has the same structure).
-        seq_dims: each buffer's sequence dim, in the same structure.
-        load_balancer: None (contiguous shards: "ring"), PyTorch's head-tail balancer (or any
-            object whose ``_generate_indices()`` gives head-tail's permutation: "zigzag"), or
-            a layout name. Sets ``cp_options.enable_load_balance`` as PyTorch's does (True
-            unless the shards are contiguous): :class:`ContextParallel` and
-            :func:`context_parallel_unshard` then default to "zigzag" or "ring" alike.
-        layout: our extension, instead of ``load_balancer``: a layout name (pass the same
-            ``layout=`` to :class:`ContextParallel` and :func:`context_parallel_unshard`).
-
-    Raises:
-        ValueError: mismatched ``seq_dims``, a length the layout cannot split, a balancer
-            whose permutation is no layout ring attention can schedule (PTRR, per-document),
-            a BlockMask buffer.
-    """
-    _cp_group(mesh)
-    flat, spec = tree_flatten(buffers)
-    flat_dims, dims_spec = tree_flatten(seq_dims)
-    if dims_spec != spec and len(flat_dims) == len(flat):
-        raise ValueError("seq_dims must have the structure of buffers (a list, or dict keys)")
-    _check_buffer_args(flat, flat_dims)
-    for b in flat:
-        if not isinstance(b, Tensor):
-            raise ValueError(
-                f"context_parallel_shard shards tensors; got {type(b).__name__} (a BlockMask "
-                "is FlexAttention's, which this library does not serve yet)"
-            )
-    if not flat:
-        return tree_unflatten([], spec)
-    world_size, rank = mesh.size(), mesh.get_local_rank()
-    seq_len = flat[0].shape[flat_dims[0]]
-    if layout is not None and load_balancer is not None:
-        raise ValueError("pass load_balancer= or layout=, not both")
-    layout = layout if layout is not None else balancer_layout(load_balancer, seq_len, world_size)
-    shards = [
-        shard_local(b, layout, rank, world_size, d) for b, d in zip(flat, flat_dims, strict=True)
-    ]
-    cp_options.enable_load_balance = layout != "ring"  # PyTorch's: the default layout from now
-    return tree_unflatten(shards, spec)
-
-
-def balancer_layout(load_balancer: object, seq_len: int, world_size: int) -> str:
-    """The layout of the shards ``load_balancer`` makes for ``seq_len`` tokens on
-    ``world_size`` ranks: None -> "ring"; a layout name -> itself; a PyTorch balancer -> the
-    layout whose rank-order permutation equals its ``_generate_indices()`` (identity: "ring",
-    head-tail: "zigzag"), else ``ValueError``."""
-    if load_balancer is None:
-        return "ring"
-    if isinstance(load_balancer, str):
-        get_layout(load_balancer, "dense").check_length(seq_len, world_size)
-        return load_balancer
-    indices = getattr(load_balancer, "_generate_indices", None)
-    if indices is None:
-        raise TypeError(
-            f"load_balancer must be None, a layout name or a load balancer with "
-            f"_generate_indices(), got {type(load_balancer).__name__}"
-        )
-    order = indices()
-    if order is None:
-        return "ring"
-    order = torch.as_tensor(order).cpu()
-    if order.ndim == 2 and all(torch.equal(row, order[0]) for row in order):
-        order = order[0]
-    if order.ndim == 1 and order.numel() == seq_len:
-        for name in ("ring", "zigzag"):
-            if _divides(name, seq_len, world_size) and torch.equal(
-                order, _rank_order(name, seq_len, world_size)
-            ):
-                return name
-    raise ValueError(
-        f"load_balancer {type(load_balancer).__name__} places tokens in an order no dense "
-        "layout matches (it is neither contiguous nor head-tail, e.g. PTRR or per-document "
-        "balancing, which need FlexAttention's masks); use load_balancer=None or head-tail"
-    )
-
-
-def _divides(layout: str, seq_len: int, world_size: int) -> bool:
-    try:
-        get_layout(layout, "dense").check_length(seq_len, world_size)
-    except ValueError:
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=64)
-def _rank_order(layout: str, seq_len: int, world_size: int) -> Tensor:
-    return torch.cat([token_indices(layout, seq_len, r, world_size) for r in range(world_size)])
-
-
 @torch.no_grad()
 def context_parallel_unshard(
     mesh: DeviceMesh,
@@ -453,8 +348,8 @@ def context_parallel_unshard(
         mesh: the 1-D DeviceMesh of :func:`context_parallel`.
         buffers: this rank's shards (e.g. the output, ``S_local`` long on its seq dim).
         seq_dims: the sequence dim of each buffer.
-        load_balancer: PyTorch's: the balancer the shards were made with
-            (``context_parallel_shard``'s ``balancer_layout``), or None.
+        load_balancer: PyTorch's: the balancer the shards were made with (its layout:
+            :func:`~dtensor_ring.layouts.balancer_layout`), or None.
         layout: our extension; the layout the shards are in. None (and no balancer):
             PyTorch's default for the global length ``S_local * W`` of the first buffer, as
             :func:`context_parallel`.

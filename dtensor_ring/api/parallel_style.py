@@ -1,6 +1,6 @@
-"""PyTorch's module-level context parallel on ring attention: :class:`ContextParallel`, a
-``ParallelStyle`` for ``parallelize_module`` (its inputs' shards: ``context_parallel_shard`` in
-``context_parallel.py``).
+"""PyTorch's module-level context parallel on ring attention: :class:`ContextParallel` (a
+``ParallelStyle`` for ``parallelize_module``), :func:`context_parallel_shard` for its inputs,
+and the dispatcher switches of PyTorch's DTensor path.
 
 Note [Module-level context parallel]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,8 +29,9 @@ exactly this module's forward, on this thread, and ``torch.compile(fullgraph=Tru
 it (the attribute swap is process-wide); a backward needs no mode (the graph holds ring
 attention), and a checkpoint's recomputation runs the forward again, or, checkpointed inside
 the forward, enters the mode again through Note [Recomputation outside the scope].
-``_enable_context_parallel_dispatcher`` / ``_disable_...`` are no-ops here
-(:func:`enable_context_parallel_dispatcher`): nothing is installed process-wide.
+The module form needs no dispatcher; :func:`enable_context_parallel_dispatcher` is PyTorch's
+other path (torchtitan's): SDPA on ``Shard``-ed DTensors anywhere, through a ``ring_sdpa``
+scope held open until :func:`disable_context_parallel_dispatcher`.
 
 Shards made by someone else's balancer: a balancer is mapped by the permutation it makes
 (``_generate_indices()``), not by its class: identity = "ring", head-tail = "zigzag"; any
@@ -41,9 +42,10 @@ inputs were sharded in by :func:`context_parallel_shard` raises before any commu
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -56,8 +58,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..algorithm import Algorithm
-from ..layouts import get_layout
-from .context_parallel import _cp_group, _layout_for, _ring_sdpa_local, default_algorithm
+from ..layouts import balancer_layout, get_layout, shard_local
+from .context_parallel import (
+    _check_buffer_args,
+    _cp_group,
+    _layout_for,
+    _ring_sdpa_local,
+    cp_options,
+    default_algorithm,
+)
+from .dtensor import ring_sdpa
 from .dtensor.placements import SDPA_SEQ_DIM
 from .recompute import recompute_context
 
@@ -187,10 +197,91 @@ def _sdpa_arguments(
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
-def enable_context_parallel_dispatcher() -> None:
-    """PyTorch's ``_enable_context_parallel_dispatcher``: nothing to switch here (Note
-    [Module-level context parallel]); kept so that PyTorch's programs run unchanged."""
+def context_parallel_shard(
+    mesh: DeviceMesh,
+    buffers: Sequence[Tensor] | Mapping[str, Tensor],
+    seq_dims: Sequence[int] | Mapping[str, int],
+    load_balancer: object = None,
+    *,
+    layout: str | None = None,
+) -> Any:
+    """PyTorch's ``_context_parallel_shard``: this rank's shard of every buffer (copies; the
+    buffers are left as they are), in the layout ``load_balancer`` makes.
+
+    Args:
+        mesh: 1-D DeviceMesh over the context-parallel ranks.
+        buffers: tensors with a sequence dim (input ids, positions, labels, q/k/v), a list or
+            a dict (the result has the same structure).
+        seq_dims: each buffer's sequence dim, in the same structure.
+        load_balancer: None (contiguous shards: "ring"), PyTorch's head-tail balancer (or any
+            object whose ``_generate_indices()`` gives head-tail's permutation: "zigzag"), or
+            a layout name. Sets ``cp_options.enable_load_balance`` as PyTorch's does (True
+            unless the shards are contiguous): :class:`ContextParallel` and
+            :func:`context_parallel_unshard` then default to "zigzag" or "ring" alike.
+        layout: our extension, instead of ``load_balancer``: a layout name (pass the same
+            ``layout=`` to :class:`ContextParallel` and :func:`context_parallel_unshard`).
+
+    Raises:
+        ValueError: mismatched ``seq_dims``, a length the layout cannot split, a balancer
+            whose permutation is no layout ring attention can schedule (PTRR, per-document),
+            a BlockMask buffer.
+    """
+    _cp_group(mesh)
+    flat, spec = tree_flatten(buffers)
+    flat_dims, dims_spec = tree_flatten(seq_dims)
+    if dims_spec != spec and len(flat_dims) == len(flat):
+        raise ValueError("seq_dims must have the structure of buffers (a list, or dict keys)")
+    _check_buffer_args(flat, flat_dims)
+    for b in flat:
+        if not isinstance(b, Tensor):
+            raise ValueError(
+                f"context_parallel_shard shards tensors; got {type(b).__name__} (a BlockMask "
+                "is FlexAttention's, which this library does not serve yet)"
+            )
+    if not flat:
+        return tree_unflatten([], spec)
+    world_size, rank = mesh.size(), mesh.get_local_rank()
+    seq_len = flat[0].shape[flat_dims[0]]
+    if layout is not None and load_balancer is not None:
+        raise ValueError("pass load_balancer= or layout=, not both")
+    layout = layout if layout is not None else balancer_layout(load_balancer, seq_len, world_size)
+    shards = [
+        shard_local(b, layout, rank, world_size, d) for b, d in zip(flat, flat_dims, strict=True)
+    ]
+    cp_options.enable_load_balance = layout != "ring"  # PyTorch's: the default layout from now
+    _SHARDED[0] = layout
+    if _DISPATCHER and _DISPATCHER[-1][1] != layout:  # the dispatcher follows the shards
+        enable_context_parallel_dispatcher(layout=layout, algorithm=_DISPATCHER[-1][2])
+    return tree_unflatten(shards, spec)
+
+
+def enable_context_parallel_dispatcher(
+    *, layout: str | None = None, algorithm: Algorithm | None = None
+) -> None:
+    """PyTorch's ``_enable_context_parallel_dispatcher``: from now until
+    :func:`disable_context_parallel_dispatcher`, SDPA on sequence-sharded DTensors
+    (``Shard(2)`` of ``[B, H, S, D]``, e.g. torchtitan's ``Shard(1)`` inputs transposed) runs
+    ring attention: a :func:`~dtensor_ring.ring_sdpa` scope held open, in ``layout`` (None:
+    the one :func:`context_parallel_shard` last sharded in, else "zigzag" when
+    ``cp_options.enable_load_balance``, else "ring") with ``algorithm`` (None:
+    :func:`set_rotate_method`'s). A shard in another layout while it is on moves it to that
+    layout, as PyTorch's reads its options per call. :class:`ContextParallel` modules need
+    none of it (Note [Module-level context parallel]). Call both on the same thread; enable
+    again replaces the scope."""
+    disable_context_parallel_dispatcher()
+    if layout is None:
+        layout = _SHARDED[0] or ("zigzag" if cp_options.enable_load_balance else "ring")
+    scope = contextlib.ExitStack()
+    scope.enter_context(ring_sdpa(layout=layout, algorithm=default_algorithm(algorithm)))
+    _DISPATCHER.append((scope, layout, algorithm))
 
 
 def disable_context_parallel_dispatcher() -> None:
-    """PyTorch's ``_disable_context_parallel_dispatcher``: nothing to switch here."""
+    """PyTorch's ``_disable_context_parallel_dispatcher``: closes the scope of
+    :func:`enable_context_parallel_dispatcher` (nothing if it is off)."""
+    while _DISPATCHER:
+        _DISPATCHER.pop()[0].close()
+
+
+_DISPATCHER: list[tuple[contextlib.ExitStack, str, Algorithm | None]] = []
+_SHARDED: list[str | None] = [None]  # the layout context_parallel_shard last used

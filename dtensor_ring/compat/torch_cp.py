@@ -12,7 +12,8 @@ Every name is the public dtensor_ring one under PyTorch's spelling (docs/migrati
 ``AttentionType`` enum, ``_context_parallel_shard`` is :func:`dtensor_ring.context_parallel_shard`,
 ``_HeadTailLoadBalancer`` gives PyTorch's head-tail permutation (our "zigzag"),
 ``_cp_options`` / ``set_rotate_method`` / ``_RotateMethod`` are the options the CP doors read,
-and the dispatcher switches do nothing (nothing is installed process-wide). PyTorch's PTRR and
+and the dispatcher switches hold a ``ring_sdpa`` scope open (SDPA on sequence-sharded
+DTensors, torchtitan's path). PyTorch's PTRR and
 per-document balancers (FlexAttention's) have no counterpart: their shards are refused.
 """
 
@@ -25,9 +26,9 @@ from torch import Tensor
 
 from ..api.context_parallel import RotateMethod as _RotateMethod
 from ..api.context_parallel import context_parallel, context_parallel_unshard, set_rotate_method
-from ..api.context_parallel import context_parallel_shard as _context_parallel_shard
 from ..api.context_parallel import cp_options as _cp_options
 from ..api.parallel_style import ContextParallel
+from ..api.parallel_style import context_parallel_shard as _context_parallel_shard
 from ..api.parallel_style import disable_context_parallel_dispatcher as _disable
 from ..api.parallel_style import enable_context_parallel_dispatcher as _enable
 from ..layouts import get_layout

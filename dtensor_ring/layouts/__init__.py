@@ -34,7 +34,13 @@ from .registry import (
     register_layout,
     unregister_layout,
 )
-from .sharding import gather_sequence, shard_local, token_indices, unshard_local
+from .sharding import (
+    balancer_layout,
+    gather_sequence,
+    shard_local,
+    token_indices,
+    unshard_local,
+)
 from .varlen import (
     shard_varlen,
     unshard_varlen,
@@ -52,6 +58,7 @@ __all__ = [
     "VarlenForm",
     "alias_algorithm",
     "find_layout",
+    "balancer_layout",
     "gather_sequence",
     "get_layout",
     "home_layout",

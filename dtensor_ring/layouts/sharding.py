@@ -69,3 +69,43 @@ def gather_sequence(
     parts = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(parts, local.contiguous(), group=group)
     return unshard_local(parts, layout, seq_dim)
+
+
+def balancer_layout(load_balancer: object, seq_len: int, world_size: int) -> str:
+    """The layout of the shards a load balancer makes for ``seq_len`` tokens on
+    ``world_size`` ranks: None -> "ring"; a layout name -> itself; an object with PyTorch's
+    ``_generate_indices()`` (its ``_LoadBalancer`` protocol) -> the layout whose rank-order
+    permutation equals the one it gives (identity: "ring", head-tail: "zigzag").
+
+    Raises:
+        ValueError: a permutation no such layout makes (PyTorch's PTRR and per-document
+            balancers), or a length the layout cannot split.
+        TypeError: anything else.
+    """
+    if load_balancer is None:
+        return "ring"
+    if isinstance(load_balancer, str):
+        get_layout(load_balancer, "dense").check_length(seq_len, world_size)
+        return load_balancer
+    indices = getattr(load_balancer, "_generate_indices", None)
+    if indices is None:
+        raise TypeError(
+            f"load_balancer must be None, a layout name or a load balancer with "
+            f"_generate_indices(), got {type(load_balancer).__name__}"
+        )
+    order = indices()
+    if order is None:
+        return "ring"
+    order = torch.as_tensor(order).cpu()
+    if order.ndim == 2 and all(torch.equal(row, order[0]) for row in order):
+        order = order[0]
+    for name in ("ring", "zigzag"):
+        layout = get_layout(name, "dense")
+        if order.shape == (seq_len,) and seq_len % layout.divisor(world_size) == 0:
+            if torch.equal(order, layout.order(seq_len, world_size)[0]):
+                return name
+    raise ValueError(
+        f"load_balancer {type(load_balancer).__name__} places tokens in an order no dense "
+        "layout matches (it is neither contiguous nor head-tail, e.g. PTRR or per-document "
+        "balancing, which need FlexAttention's masks); use load_balancer=None or head-tail"
+    )
