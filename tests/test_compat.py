@@ -132,6 +132,7 @@ _HIDE_AND_IMPORT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_survives_a_missing_private_op():
     hidden = "_scaled_dot_product_flash_attention_for_cpu"
     script = _HIDE_AND_IMPORT.format(root=str(ROOT), hidden=hidden)

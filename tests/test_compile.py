@@ -90,7 +90,7 @@ def _opcheck(group, layout):
     return results
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_opcheck(dist_pool, world_size):
     for results in dist_pool.run(_opcheck, world_size, layout="zigzag"):
         for which, result in results.items():
@@ -301,7 +301,11 @@ def _dynamic_sequence_length(group, direct):
     }
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["sdpa_in_scope", "direct_call"])
+@pytest.mark.parametrize(
+    "direct",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["sdpa_in_scope", "direct_call"],
+)
 def test_dynamic_sequence_length(dist_pool, direct):
     """A new sequence length recompiles with symbolic sizes, still one graph, no break."""
     for r in dist_pool.run(_dynamic_sequence_length, 2, direct=direct):

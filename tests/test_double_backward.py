@@ -283,7 +283,7 @@ def check_every_door(group) -> dict[str, tuple[str, list[str], float]]:
     return {name: _double_backward(call) for name, call in _doors(group).items()}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_door_raises_on_every_rank(dist_pool, world_size):
     results = dist_pool.run(check_every_door, world_size)
     for rank, doors in enumerate(results):

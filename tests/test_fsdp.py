@@ -107,9 +107,9 @@ def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing,
     "compile_backend,activation_checkpointing,fsdp",
     [
         (None, True, "flat"),
-        ("aot_eager", False, "flat"),
+        pytest.param("aot_eager", False, "flat", marks=pytest.mark.slow),
         ("aot_eager", True, "flat"),
-        ("aot_eager", False, "hsdp"),
+        pytest.param("aot_eager", False, "hsdp", marks=pytest.mark.slow),
     ],
     ids=["eager-ac", "compiled", "compiled-ac", "compiled-hsdp"],
 )

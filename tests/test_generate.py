@@ -90,7 +90,9 @@ def _generate_vs_one_process(
     "arch, world_size, lengths",
     [
         ("llama", 3, (7, 13)),  # prompt lengths not multiples of W
-        ("llama", 4, (3, 11)),  # 3 < W: no prefill, token by token; 11: 8 prefilled + 2 steps
+        pytest.param(  # 3 < W: no prefill, token by token; 11: 8 prefilled + 2 steps
+            "llama", 4, (3, 11), marks=pytest.mark.slow
+        ),
         ("mistral", 3, (13,)),  # sliding_window=4 < prompt: whole shards left behind
         ("gpt_oss", 2, (9,)),  # sinks, alternating sliding / full layers
     ],

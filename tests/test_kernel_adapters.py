@@ -627,6 +627,7 @@ def test_flash_attn_selected_first_and_its_limits(monkeypatch):
     assert "device 'cpu'" in FLASH.unsupported_reason(KernelCall("cpu", torch.bfloat16, 8, 4, 4))
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_does_not_import_flash_attn():
     code = (
         "import dtensor_ring, sys; "

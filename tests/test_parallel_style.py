@@ -123,7 +123,7 @@ def check_module(
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-WORLDS = (1, 2, 3, 4)
+WORLDS = (1, 2, 3, pytest.param(4, marks=pytest.mark.slow))  # W = 4 in the slow tier
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
