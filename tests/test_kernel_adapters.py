@@ -1041,3 +1041,22 @@ def test_select_unknown_backend_lists_valid_names():
     with pytest.raises(ValueError, match="no_such_kernel") as info:
         select_kernel(KernelCall("cpu", torch.float32, 16, 4, 4), "no_such_kernel")
     assert all(name in str(info.value) for name in BACKEND_NAMES)
+
+
+def test_cudnn_backward_gets_out_and_dout_in_the_query_layout():
+    """cuDNN's cached backward graph ignores the strides of out and dout (kernels/cudnn.py):
+    the adapter hands both in the query's layout, copying only when they differ, and makes a
+    query contiguous first unless it is BSHD- or BHSD-dense (values unchanged throughout)."""
+    from dtensor_ring.kernels.cudnn import _query_layout
+
+    x = torch.randn(2, 8, 4, 16)
+    bhsd_backed = x.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] view
+    strided = torch.randn(2, 8, 4, 32)[..., ::2]
+    for q in (x, bhsd_backed, strided):
+        for out in (x.clone(), bhsd_backed.clone()):
+            dout = bhsd_backed.clone() if out.is_contiguous() else x.clone()
+            q2, out2, dout2 = _query_layout(q, out, dout)
+            assert q2.stride() == out2.stride() == dout2.stride()
+            assert torch.equal(q2, q) and torch.equal(out2, out) and torch.equal(dout2, dout)
+            if q is x and out.is_contiguous():
+                assert out2 is out  # no copy when the layouts already agree

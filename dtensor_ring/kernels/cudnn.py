@@ -19,6 +19,14 @@ cuDNN 9.19 (``tests/gpu/check_kernels.py``: out/lse/dq/dk/dv against fp64, bf16 
   with ``H_kv`` heads.
 * Head dim: a multiple of 8, at most 128, or 256 on sm90 (H100/H200) with cuDNN >= 9.10.
   ``S_k == 1`` is not supported (not checked here: the engine never sends such blocks).
+* The backward graph is cached (PyTorch's ``MHAParams`` key) without the strides of ``out``
+  and ``dout``: a graph built for one layout of them is reused for another, and the
+  gradients come out wrong by 100-1000x one bf16 step, with no error (H200, torch 2.11,
+  cuDNN 9.19: PyTorch's own SDPA on cuDNN after ours, or ours after its, whichever came
+  second; and ours alone with a ``dout`` laid out unlike ``out``: ``tests/gpu/check_inputs.py``
+  and ``check_module_cp.py``). So ``out`` and ``dout`` always go in the query's layout, the
+  one PyTorch's calls use (its forward allocates ``out`` like the query, its backward gives
+  ``dout`` ``out``'s strides); a copy when they differ.
 * The backward is not deterministic (PyTorch warns so under deterministic mode).
 * ``causal`` is the top-left mask, as in the interface. The op has no sliding-window
   arguments, so windowed calls go to another backend. Dropout is never used, so the philox
@@ -39,6 +47,20 @@ _MIN_CUDNN = 90000  # cuDNN 9.0: the first version PyTorch's SDPA uses for atten
 _HOPPER_D256_CUDNN = 91000  # cuDNN 9.10: head dims up to 256 on sm90
 _FORWARD = "_scaled_dot_product_cudnn_attention"
 _BACKWARD = "_scaled_dot_product_cudnn_attention_backward"
+
+
+def _query_layout(q_BSHD, out_BSHD, dout_BSHD):
+    """``(q, out, dout)`` with ``out`` and ``dout`` in ``q``'s layout (``q`` made contiguous
+    first unless it is BSHD- or BHSD-dense): what PyTorch's own calls pass (cuDNN allocates
+    ``out`` like the query; its backward gives ``dout`` ``out``'s strides), and what a backward
+    graph cached for this query layout assumes (the list above)."""
+    if not (q_BSHD.is_contiguous() or q_BSHD.transpose(1, 2).is_contiguous()):
+        q_BSHD = q_BSHD.contiguous()
+
+    def like_q(t):
+        return t if t.stride() == q_BSHD.stride() else torch.empty_like(q_BSHD).copy_(t)
+
+    return q_BSHD, like_q(out_BSHD), like_q(dout_BSHD)
 
 
 def _no_window(window: tuple[int, int] | None) -> None:
@@ -96,6 +118,7 @@ class CudnnKernel(BlockKernel):
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
         _no_window(window)
+        q_BSHD, out_BSHD, dout_BSHD = _query_layout(q_BSHD, out_BSHD, dout_BSHD)
         philox = torch.empty((), dtype=torch.long, device=q_BSHD.device)
         dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD.transpose(1, 2),

@@ -1,7 +1,8 @@
 """GPU check of Note [Kernel inputs] and of the fused merge's non-finite semantics.
 
 * every CUDA dense backend on strided views (every second element of the head dim,
-  ``channels_last``, a ``[B, H, S, D]`` buffer), a stride-0 ``dout`` and scales 0 / negative,
+  ``channels_last``, a ``[B, H, S, D]`` buffer), a stride-0 ``dout``, a ``dout`` laid out
+  unlike ``out`` (``dout_transposed``: contiguous q/k/v) and scales 0 / negative,
   forward + backward in bf16 against an fp64 reference: max error <= 3x the error of the same
   backend on contiguous inputs with the positive scale, + 1e-3 (a wrong stride gives garbage);
 * the Triton merge (``kernels/_triton_merge.py``) against the eager merge on fp32 rows with
@@ -50,9 +51,10 @@ def _errors(kernel, q, k, v, do, scale, causal, how):
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref, _ = reference_attention(*leaves, causal=causal, scale=scale)
     want = [ref.detach(), *torch.autograd.grad(ref, leaves, dout.double())]
-    views = [_view(x, how) for x in (q, k, v)]
+    views = [_view(x, "contiguous" if how == "dout_transposed" else how) for x in (q, k, v)]
     out, lse = kernel.forward(*views, causal=causal, scale=scale)
-    grads = kernel.backward(_view(dout, how), *views, out, lse, causal=causal, scale=scale)
+    dout = _view(dout, "transposed" if how == "dout_transposed" else how)
+    grads = kernel.backward(dout, *views, out, lse, causal=causal, scale=scale)
     return [float((g.double() - w).abs().max()) for g, w in zip((out, *grads), want, strict=True)]
 
 
@@ -73,7 +75,8 @@ def check_kernels() -> list[dict]:
             continue
         for causal in (False, True):
             contiguous = _errors(kernel, q, k, v, do, D**-0.5, causal, "contiguous")
-            cases = [(how, D**-0.5) for how in ("stride_d", "channels_last", "transposed")]
+            views = ("stride_d", "channels_last", "transposed", "dout_transposed")
+            cases = [(how, D**-0.5) for how in views]
             cases += [("expanded", D**-0.5), ("contiguous", 0.0), ("contiguous", -(D**-0.5))]
             ones = _errors(kernel, q, k, v, do, D**-0.5, causal, "ones")
             for how, scale in cases:
