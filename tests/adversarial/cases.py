@@ -36,7 +36,8 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   form) through every adversity, and ``ring_attention_func`` / Ulysses / SDPA on DTensors /
   transformers with ``layout="llama3_zigzag"`` through base, mask, memory layouts, debug_on;
 * ``context_parallel``: ``F.scaled_dot_product_attention`` on plain shards inside
-  ``dtensor_ring.context_parallel`` (PyTorch's default layout, "stripe", "llama3_zigzag"),
+  ``dtensor_ring.context_parallel`` and inside a module parallelized with
+  ``dtensor_ring.ContextParallel`` (PyTorch's default layout, "stripe", "llama3_zigzag"),
   and the buffers it shards in place and restores (:func:`cp_buffers_case`);
 * ``decode``, ``kv_cache``: ``decode_attention_func`` over uneven / empty / scattered cache
   shards and windows by position, and ``KVCacheShard`` + ``prefill_attention`` +

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from . import oracle
 
@@ -163,7 +164,9 @@ class Door:
     varlen | llama3 | ulysses | hybrid | sdpa_fn | sdpa_scope | hf | hf_packed | cp
     (``F.scaled_dot_product_attention`` on plain shards inside ``context_parallel``);
     ``packing``: "", "kv" or "qkv"; ``mode``: the DTensor mode (cp: "default" passes
-    ``layout=None``, PyTorch's choice: zigzag when ``S % 2W == 0``, else ring); ``force``
+    ``layout=None``, PyTorch's choice: zigzag when ``S % 2W == 0``, else ring); ``module``
+    (cp): the module-level form (``parallelize_module(attn, mesh, ContextParallel(...))``)
+    instead of the ``context_parallel`` scope; ``force``
     (``layout="auto"``): the algorithm the call is made to choose ("ring", "all_gather",
     "ulysses": ``tests.engine_spy.forced_algorithm``), "" for the cost model's own choice."""
 
@@ -173,6 +176,7 @@ class Door:
     packing: str = ""
     mode: str = "ring"
     force: str = ""
+    module: bool = False
 
     @property
     def packed_stream(self) -> bool:
@@ -438,12 +442,27 @@ def _call_cp(door, ctx, q, k, v, kw, view, tokens, dout=None, create_graph=False
             sdpa_kw[theirs] = kw.pop(ours)
     sdpa_kw.update(kw)
     layout = None if door.mode == "default" else door.layout
+    if door.module:
+        style = dr.ContextParallel(seq_dim=2, layout=layout)
+        attention = parallelize_module(_SDPAModule(), cpu_mesh(ctx.world), style)
+        args = (view(t).transpose(1, 2) for t in (q, k, v))
+        out = attention(*args, **sdpa_kw).transpose(1, 2)
+        if dout is not None:
+            backward(out, dout, view, create_graph)
+        return out, None
     with dr.context_parallel(cpu_mesh(ctx.world), layout=layout):
         args = (view(t).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(*args, **sdpa_kw).transpose(1, 2)
         if dout is not None:
             backward(out, dout, view, create_graph)
     return out, None
+
+
+class _SDPAModule(torch.nn.Module):
+    """PyTorch's tests' attention module: its forward is ``F.scaled_dot_product_attention``."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        return F.scaled_dot_product_attention(*args, **kwargs)
 
 
 class _AttentionModule(torch.nn.Module):
@@ -559,6 +578,17 @@ def _new_doors() -> dict[str, Door]:
         Door("context_parallel+F.sdpa[default]", "cp", "zigzag", "", "default"),
         Door("context_parallel+F.sdpa[stripe]", "cp", "stripe", "", "explicit"),
         Door("context_parallel+F.sdpa[llama3_zigzag]", "cp", "llama3_zigzag", "", "explicit"),
+        # the module-level form: parallelize_module(attn, mesh, ContextParallel(layout=...))
+        Door("ContextParallel+F.sdpa[default]", "cp", "zigzag", "", "default", module=True),
+        Door("ContextParallel+F.sdpa[stripe]", "cp", "stripe", "", "explicit", module=True),
+        Door(
+            "ContextParallel+F.sdpa[llama3_zigzag]",
+            "cp",
+            "llama3_zigzag",
+            "",
+            "explicit",
+            module=True,
+        ),
     ]
     return {d.name: d for d in doors}
 
