@@ -24,7 +24,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from reference import reference_attention_varlen
+from reference import random_qkv, reference_attention_varlen
 
 import dtensor_ring as dr
 
@@ -707,3 +707,42 @@ def check_compile(group: dist.ProcessGroup) -> None:
 
 def test_compile_fullgraph(dist_pool):
     dist_pool.run(check_compile, 2)
+
+
+# --- shards made elsewhere: positions tell the door which tokens it holds ----------------------
+
+
+def check_told_positions(group: dist.ProcessGroup) -> list[str]:
+    """Packed documents sharded per document (zigzag): with their positions, exact against the
+    fp64 reference. The same row sharded head-tail (2W chunks of the row, torchtitan's
+    default): told its positions, the zigzag varlen door raises instead of computing on the
+    wrong tokens; contiguous chunks of the row: it names the llama3 stream door."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    docs = [4 * W, 2 * W, 6 * W]
+    global_cu = torch.tensor([0, *itertools.accumulate(docs)], dtype=torch.int32)
+    T = int(global_cu[-1])
+    q, k, v = (t[0] for t in random_qkv(1, T, 4, 2, 8, seed=11))
+    ref, _ = reference_attention_varlen(q, k, v, global_cu, causal=True)
+    local_cu = global_cu // W
+    idx = dr.varlen_token_indices(global_cu, "zigzag", rank, W)
+    out = dr.ring_varlen_attention_func(
+        "zigzag", q[idx], k[idx], v[idx], local_cu, None, causal=True, group=group, positions=idx
+    )
+    torch.testing.assert_close(out, ref[idx], rtol=1e-10, atol=1e-10)
+    messages = []
+    for dense in ("zigzag", "ring"):
+        held = dr.token_indices(dense, T, rank, W)
+        with pytest.raises(ValueError, match="positions: rank") as info:
+            dr.ring_varlen_attention_func(
+                "zigzag", q[held], k[held], v[held], local_cu, None, causal=True, group=group,
+                positions=held,
+            )  # fmt: skip
+        messages.append(str(info.value))
+    return messages
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_positions_refuse_head_tail_rows(dist_pool, world_size):
+    for head_tail, contiguous in dist_pool.run(check_told_positions, world_size):
+        assert "head-tail order" in head_tail and "shard_varlen" in head_tail, head_tail
+        assert "llama3_flash_attn_varlen_func" in contiguous, contiguous

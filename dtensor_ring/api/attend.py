@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._compat import resolve_group
 from ..algorithm import DENSE_ALGORITHMS, VARLEN_ALGORITHMS, route
 from ..layouts import get_layout
-from ..layouts.varlen import host_values
+from ..layouts.varlen import check_token_positions, host_values
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..ops.varlen import llama3_attention, ring_attention_varlen
@@ -111,10 +112,13 @@ def varlen_attention(
     heads_k_stride: int = 1,
     allowed: tuple[str, ...] = VARLEN_ALGORITHMS,
     order_free: bool = False,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of packed documents in a per-document layout: local ``q [T_local, H, D]``,
     ``k, v [T_local, H_kv, D]``, ``cu_seqlens`` the local boundaries (global ``// W``) ->
-    ``(out [T_local, H, D], lse [H, T_local])`` by the routed algorithm (ring or all-gather)."""
+    ``(out [T_local, H, D], lse [H, T_local])`` by the routed algorithm (ring or all-gather).
+    ``positions``: the local tokens' indices in the packed sequence, checked against the
+    layout's (:func:`~dtensor_ring.layouts.varlen.check_token_positions`)."""
     name, world_size = group_arg(group)
     call = Call(
         q, k, v, name, world_size, layout, causal, softmax_scale, window_size, dropout_p,
@@ -131,10 +135,11 @@ def varlen_attention(
     )
     call = call.replace(layout=r.layout)
     if r.algorithm == "all_gather":
-        return _gather(call, cu_seqlens, max_seqlen, r.heads_k_stride)
+        return _gather(call, cu_seqlens, max_seqlen, r.heads_k_stride, positions)
 
     def checks() -> tuple[int | None]:
         check_cu_seqlens_arg(cu_seqlens, q)
+        _check_positions(positions, call, cu_seqlens)
         return (max_seqlen_value(max_seqlen, "max_seqlen"),)
 
     door = Door(
@@ -151,7 +156,11 @@ def varlen_attention(
 
 
 def _gather(
-    call: Call, cu_seqlens: Tensor, max_seqlen: int | None, heads_k_stride: int
+    call: Call,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    heads_k_stride: int,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """All-gather attention (Note [Balanced all-gather attention]) of the packed documents of
     ``call`` (``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]``) in a per-document layout ->
@@ -161,6 +170,7 @@ def _gather(
     def checks() -> tuple[int | None]:
         check_heads_k_stride(heads_k_stride, k.shape[1])
         check_cu_seqlens_arg(cu_seqlens, q)
+        _check_positions(positions, call, cu_seqlens)
         return (max_seqlen_value(max_seqlen, "max_seqlen"),)
 
     door = Door(
@@ -191,6 +201,15 @@ def _gather(
         *spec.op_args(),
         call.sinks,
     )
+
+
+def _check_positions(positions: Tensor | None, call: Call, cu_seqlens: Tensor) -> None:
+    """A varlen door told its tokens' positions checks them against its layout's."""
+    if positions is None:
+        return
+    rank = dist.get_rank(resolve_group(call.group_name)) if call.world_size > 1 else 0
+    layout = getattr(call.layout, "name", call.layout)
+    check_token_positions(positions, layout, host_values(cu_seqlens), rank, call.world_size)
 
 
 def rows_as_documents(t: Tensor) -> Tensor:

@@ -98,12 +98,17 @@ def ring_varlen_attention_func(
     backend: str | None = None,
     sinks: Tensor | None = None,
     algorithm: Algorithm | None = None,
+    positions: Tensor | None = None,
 ) -> Result:
     """Context-parallel attention over packed documents in any registered per-document varlen
     ``layout`` (the functions below fix it): ``q [T_local, H, D]``, ``k, v [T_local, H_kv,
     D]`` -> ``out [T_local, H, D]``. ``algorithm`` (Note [Layouts and algorithms]): "ring"
     (the default), "all_gather" (``heads_k_stride=1``) or "auto" (zigzag's tokens; ring or
-    all-gather, whichever the cost model predicts faster); None: the layout alias's."""
+    all-gather, whichever the cost model predicts faster); None: the layout alias's.
+    ``positions`` (int ``[T_local]``, optional): each local token's index in the whole packed
+    sequence, as sharded by whoever made the shards; checked against ``layout``'s tokens
+    (``ValueError`` naming the door that fits, e.g. head-tail shards of a packed row; one host
+    copy of ``positions`` per call)."""
     out, lse = varlen_attention(
         q,
         k,
@@ -121,6 +126,7 @@ def ring_varlen_attention_func(
         group=group,
         backend=backend,
         sinks=sinks,
+        positions=positions,
     )
     return (out, lse, None) if return_attn_probs else out
 

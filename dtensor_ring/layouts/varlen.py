@@ -334,3 +334,51 @@ def unshard_varlen(
         )
     inverse = torch.argsort(order).to(parts[0].device)
     return torch.cat(list(parts), dim=seq_dim).index_select(seq_dim, inverse)
+
+
+def check_token_positions(
+    positions: object, layout: str | Layout, cu_seqlens_local: Sequence[int], rank: int,
+    world_size: int,
+) -> None:  # fmt: skip
+    """``ValueError`` unless ``positions`` are the tokens the per-document ``layout`` places on
+    ``rank``: what a varlen door told where its shards came from checks (nothing in q, k, v
+    says how they were sharded; head-tail shards of a packed row are not per-document zigzag
+    shards, and computing on them as such is silently wrong).
+
+    Args:
+        positions: int ``[T_local]``, the index of each local token in the whole packed
+            sequence (e.g. sequential positions sharded alongside the inputs).
+        cu_seqlens_local: the door's local boundaries (global ``// W``).
+    """
+    if not isinstance(positions, Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"positions must be an int32/int64 tensor of the local tokens' indices in the whole "
+            f"packed sequence, got {type(positions).__name__} {getattr(positions, 'dtype', '')}"
+        )
+    if positions.shape != (cu_seqlens_local[-1],):
+        raise ValueError(
+            f"positions must be [T_local] = [{cu_seqlens_local[-1]}], got {tuple(positions.shape)}"
+        )
+    global_cu = [c * world_size for c in cu_seqlens_local]
+    got = positions.detach().to("cpu", torch.int64)
+    if torch.equal(got, varlen_token_indices(global_cu, layout, rank, world_size)):
+        return
+    total, hint = global_cu[-1], ""
+    for dense in ("ring", "zigzag"):
+        lay = get_layout(dense, "dense")
+        if total % lay.divisor(world_size) == 0 and torch.equal(
+            got, lay.token_indices(total, rank, world_size)
+        ):
+            hint = (
+                " They are contiguous chunks of the whole packed sequence: "
+                "llama3_flash_attn_varlen_func (its stream layout) computes exactly on them."
+                if dense == "ring"
+                else " They are the whole packed sequence in head-tail order (2W chunks of the "
+                "row, not of each document), which no varlen layout holds: shard each document "
+                "instead (shard_varlen(..., 'zigzag'))."
+            )
+    name = getattr(layout, "name", layout)
+    raise ValueError(
+        f"positions: rank {rank} holds other tokens than layout={name!r} places on it (each "
+        f"document split on its own): attention on them as such would be wrong.{hint}"
+    )
