@@ -164,6 +164,8 @@ def check_errors(group: dist.ProcessGroup) -> list[str]:
         "flex": lambda: dr.ContextParallel(seq_dim=2, attention_type="flex"),
         "seq_dim": lambda: dr.ContextParallel(seq_dim=1),
         "layout": lambda: dr.ContextParallel(layout="nope"),
+        "algorithm": lambda: dr.ContextParallel(algorithm="nope"),
+        "pair": lambda: dr.ContextParallel(layout="stripe", algorithm="all_gather"),
         "balancer_order": lambda: dr.context_parallel_shard(mesh, [x], [2], reversed_order),
         "balancer_type": lambda: dr.context_parallel_shard(mesh, [x], [2], 3),
         "both": lambda: dr.context_parallel_shard(mesh, [x], [2], "zigzag", layout="ring"),

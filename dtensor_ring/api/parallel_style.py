@@ -57,8 +57,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..algorithm import Algorithm
+from ..algorithm import Algorithm, check_pair
 from ..layouts import balancer_layout, get_layout, shard_local
+from ..resolve import check_algorithm, placement
 from .context_parallel import (
     _check_buffer_args,
     _cp_group,
@@ -107,8 +108,10 @@ class ContextParallel(ParallelStyle):
     local. The module's forward must call ``F.scaled_dot_product_attention`` (by attribute).
 
     Raises:
-        ValueError: a ``seq_dim`` other than SDPA's 2, another attention type, a DTensor input
-            placed otherwise; in the forward, what ``context_parallel``'s SDPA raises.
+        ValueError / TypeError: a ``seq_dim`` other than SDPA's 2, another attention type, an
+            unknown layout or algorithm or a pair that cannot run (stripe + all_gather), a
+            DTensor input placed otherwise; in the forward, what ``context_parallel``'s SDPA
+            raises.
     """
 
     def __init__(
@@ -126,8 +129,12 @@ class ContextParallel(ParallelStyle):
                 f"ContextParallel(seq_dim={seq_dim!r}): F.scaled_dot_product_attention's q, k, v "
                 f"are [B, H, S, D], sequence dim {SDPA_SEQ_DIM}"
             )
+        check_algorithm(algorithm)
         if layout is not None:
             get_layout(layout, "dense")
+            lay, chosen = placement(layout, algorithm)
+            if chosen != "auto":  # a pair that cannot run raises here, not at the first call
+                check_pair(lay, chosen)
         self.seq_dim, self.layout, self.algorithm = seq_dim, layout, algorithm
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
