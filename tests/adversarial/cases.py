@@ -59,7 +59,14 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   block through the doors that serve attention for a scope (``context_parallel``,
   ``ring_sdpa``), the backward inside the scope, after it (once, twice) or in another scope,
   and transformers' activation checkpointing: exact, or a clean ``ValueError`` on every rank
-  (``ring_sdpa`` outside its scope) (:mod:`tests.adversarial.recompute`).
+  (``ring_sdpa`` outside its scope) (:mod:`tests.adversarial.recompute`);
+* ``rank_local``: one rank differs in a fact of its own process (requires_grad, grad mode,
+  the deterministic flag, strides, threads, autocast) through the doors that choose and
+  plain ones: the same choice (exact) or the same clean error on every rank
+  (:mod:`tests.adversarial.rank_local`);
+* ``shards``: packed documents sharded per document, head-tail over the row or in contiguous
+  row chunks, the varlen door told their positions: exact on its own layout's tokens, a
+  clean error on every rank otherwise (:mod:`tests.adversarial.shards`).
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
@@ -1583,6 +1590,7 @@ def context_parallel_cases() -> list[Case]:
 from .inference import decode_cases, kv_cache_cases  # noqa: E402  (it imports this module)
 from .rank_local import rank_local_cases  # noqa: E402  (it imports this module)
 from .recompute import recompute_cases  # noqa: E402  (it imports this module)
+from .shards import shards_cases  # noqa: E402  (it imports this module)
 
 KINDS = {
     "base": base_cases,
@@ -1607,6 +1615,7 @@ KINDS = {
     "recompute": recompute_cases,
     "double_backward": double_backward_cases,
     "rank_local": rank_local_cases,
+    "shards": shards_cases,
 }
 FAST_PER_KIND = 5  # the CI subset: about 90 cases
 
