@@ -98,13 +98,13 @@ def _with(setting: str, fn):
 
     def run():
         consistency.set_consistency_checks(setting == "mode")
-        header_group = consistency._header_group
+        gloo_group = consistency._gloo_group
         if setting == "none":
-            consistency._header_group = lambda name: False
+            consistency._gloo_group = lambda name: None
         try:
             return fn()
         finally:
-            consistency._header_group = header_group
+            consistency._gloo_group = gloo_group
             consistency.set_consistency_checks(None)
 
     return run

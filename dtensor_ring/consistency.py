@@ -81,7 +81,9 @@ def comparing(group_names: str | Sequence[str]) -> bool:
     only then."""
     if torch.compiler.is_compiling():
         return False
-    return consistency_checks_enabled() or any(_header_group(n) for n in _names(group_names))
+    return consistency_checks_enabled() or any(
+        _gloo_group(n) is not None for n in _names(group_names)
+    )
 
 
 def check_consistent(
@@ -151,11 +153,12 @@ def _names(group_names: str | Sequence[str]) -> tuple[str, ...]:
 HEADER_SLOTS = 16
 
 
-def _header_group(name: str) -> bool:
+def _gloo_group(name: str) -> dist.ProcessGroup | None:
+    """The group called ``name`` if the header compares over it (gloo, more than one rank)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return False
+        return None
     group = resolve_group(name)
-    return dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+    return group if group.size() > 1 and dist.get_backend(group) == "gloo" else None
 
 
 def _header(fingerprint: Mapping[str, object], found_before: bool) -> torch.Tensor:
@@ -173,9 +176,10 @@ def _compare_headers(names: Sequence[str], fingerprint: Mapping[str, object]) ->
     compared."""
     mismatch, compared = None, False
     for name in names:
-        if not _header_group(name):
+        group = _gloo_group(name)
+        if group is None:
             continue
-        group, compared = resolve_group(name), True
+        compared = True
         ranks = dist.get_process_group_ranks(group)
         rows = [torch.empty(HEADER_SLOTS, dtype=torch.int64) for _ in range(group.size())]
         header = _header(fingerprint, mismatch is not None)
@@ -186,8 +190,8 @@ def _compare_headers(names: Sequence[str], fingerprint: Mapping[str, object]) ->
         raised = [ranks[i] for i in headers[:, 0].nonzero().flatten().tolist()]
         if raised:
             mismatch = mismatch or (
-                f"rank{'s' if len(raised) > 1 else ''} {_ranks(raised)} of the group raised an "
-                f"error in its own checks of this call (its message is in its output)"
+                f"{_ranks(raised)} of the group raised an error in its own checks of this call "
+                "(its message is in its output)"
             )
         elif headers[:, 1].any() and mismatch is None:
             mismatch = "the call's arguments (found in another group of this call)"
@@ -209,21 +213,28 @@ def _first_field(
         column = headers[:, slot]
         if (column != column[0]).any():
             index = slot - 2
-            field = fields[index] if index < HEADER_SLOTS - 3 else "the further fields"
+            # a slot past this rank's own fields (another door's longer fingerprint) or
+            # folding the rest
+            hashed_alone = index < min(len(fields), HEADER_SLOTS - 3)
+            field = fields[index] if hashed_alone else "the further fields"
             first = [ranks[i] for i in (column == column[0]).nonzero().flatten().tolist()]
             rest = [ranks[i] for i in (column != column[0]).nonzero().flatten().tolist()]
             value = fingerprint.get(field, "")
             return (
-                f"{field}: rank{'s' if len(first) > 1 else ''} {_ranks(first)} "
-                f"{'have' if len(first) > 1 else 'has'} one value, rank"
-                f"{'s' if len(rest) > 1 else ''} {_ranks(rest)} another (this rank has "
-                f"{value!r})"
+                f"{field}: {_ranks_have(first)} one value, {_ranks(rest)} another (this rank "
+                f"has {value!r})"
             )
     return None
 
 
-def _ranks(indices: list[int]) -> str:
-    return ",".join(map(str, indices))
+def _ranks(ranks: list[int]) -> str:
+    """``"rank 1"`` / ``"ranks 0,2"``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+
+
+def _ranks_have(ranks: list[int]) -> str:
+    """``"rank 1 has"`` / ``"ranks 0,2 have"``."""
+    return f"{_ranks(ranks)} {'have' if len(ranks) > 1 else 'has'}"
 
 
 @contextlib.contextmanager
@@ -301,10 +312,6 @@ def first_difference(fingerprints: list[Mapping[str, object]]) -> str | None:
             groups: dict[str, list[int]] = {}
             for rank, value in enumerate(values):
                 groups.setdefault(repr(value), []).append(rank)
-            parts = [
-                f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))} "
-                f"{'have' if len(ranks) > 1 else 'has'} {value}"
-                for value, ranks in groups.items()
-            ]
+            parts = [f"{_ranks_have(ranks)} {value}" for value, ranks in groups.items()]
             return f"{field}: " + "; ".join(parts)
     return None

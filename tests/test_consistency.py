@@ -233,8 +233,9 @@ def _scope_call(qkv) -> None:
         F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=True)
 
 
-def run_disagreement(group, name: str, how: str = "python") -> tuple[str, str]:
-    """Worker body: the call of ``DISAGREEMENTS[name]`` with the mode on through ``how``."""
+def run_disagreement(group, name: str, how: str | None = "python") -> tuple[str, str]:
+    """Worker body: the call of ``DISAGREEMENTS[name]`` with the mode on through ``how``
+    (None: off, the header of Note [Consistency header])."""
     odd = dist.get_rank(group) == ODD
     with _mode(how):
         return _outcome(lambda: DISAGREEMENTS[name].call(group, odd))
@@ -249,25 +250,17 @@ def test_disagreement_raises_on_every_rank(dist_pool, name, world_size):
     assert message == _expected(case.field, *case.values(world_size), world_size)
 
 
-def run_disagreement_off(group, name: str) -> tuple[str, str]:
-    """Worker body: the call of ``DISAGREEMENTS[name]`` with the mode off (the header)."""
-    odd = dist.get_rank(group) == ODD
-    with _mode(None):
-        return _outcome(lambda: DISAGREEMENTS[name].call(group, odd))
-
-
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("name", list(DISAGREEMENTS))
 def test_disagreement_off_raises_on_every_rank(dist_pool, name, world_size):
     """Mode off, gloo: the fixed-size header (Note [Consistency header]) makes every rank
     raise, naming the field and which ranks differ (values: this rank's own; no abort)."""
-    results = dist_pool.run(run_disagreement_off, world_size, timeout_s=30, name=name)
+    results = dist_pool.run(run_disagreement, world_size, timeout_s=30, name=name, how=None)
     field = DISAGREEMENTS[name].field
     others = [r for r in range(world_size) if r != ODD]
-    have = (
-        f"rank {others[0]} has" if len(others) == 1 else f"ranks {','.join(map(str, others))} have"
+    expected = (
+        f"ranks disagree: {field}: {_ranks(others)} one value, rank {ODD} another (this rank has "
     )
-    expected = f"ranks disagree: {field}: {have} one value, rank {ODD} another (this rank has "
     for rank, (kind, message) in enumerate(results):
         assert kind == "ValueError", (rank, kind, message)
         assert message.startswith(expected), (rank, message)
@@ -293,6 +286,17 @@ def test_one_rank_raises_off(dist_pool, world_size):
             assert message.startswith(
                 f"ranks disagree: rank {ODD} of the group raised an error in its own checks"
             ), message
+
+
+def test_header_names_a_field_past_this_ranks_own():
+    """Two fingerprints of different lengths that agree on the shorter one's fields: the rank
+    with the shorter one names "the further fields" (no IndexError)."""
+    short, long = {"op": "x", "a": 1}, {"op": "x", "a": 1, "b": 2}
+    headers = torch.stack([consistency._header(short, False), consistency._header(long, False)])
+    assert consistency._first_field(headers, [0, 1], short).startswith(
+        "the further fields: rank 0 has one value, rank 1 another"
+    )
+    assert consistency._first_field(headers, [0, 1], long).startswith("b: rank 0 has")
 
 
 def test_header_is_fixed_size():
@@ -653,7 +657,7 @@ def test_mode_off_without_gloo_is_a_no_op(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the mode is off and the group is not gloo: no collective")
 
-    monkeypatch.setattr(consistency, "_header_group", lambda name: False)
+    monkeypatch.setattr(consistency, "_gloo_group", lambda name: None)
     monkeypatch.setattr(dist, "all_gather", fail)
     monkeypatch.setattr(dist, "all_gather_object", fail)
     monkeypatch.delenv(ENV, raising=False)
