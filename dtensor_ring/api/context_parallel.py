@@ -151,16 +151,15 @@ def _ring_sdpa_local(
     group: dist.ProcessGroup,
     layout: str | None,
     algorithm: str | None,
+    seq_len: int | None,
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-    *,
-    seq_len: int | None = None,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
 ) -> Tensor:
     """SDPA's arguments on plain local shards -> ring attention over ``group`` in ``layout``
     (None: PyTorch's default for the call's global length ``S_local * W``; "llama3_zigzag":
@@ -239,7 +238,7 @@ def _sdpa_patched(
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if any(isinstance(t, DTensor) for t in (query, key, value)):
             return original(*args[:6], scale=scale, enable_gqa=enable_gqa)
-        return _ring_sdpa_local(group, layout, algorithm, *args, seq_len=seq_len)
+        return _ring_sdpa_local(group, layout, algorithm, seq_len, *args)
 
     # torch caches the functions __torch_function__ can override on first use, Dynamo's first
     # trace included: built while the attribute is replaced, the cache would hold ours, not

@@ -63,7 +63,6 @@ from ..resolve import check_algorithm, placement
 from .context_parallel import (
     _check_buffer_args,
     _cp_group,
-    _layout_for,
     _ring_sdpa_local,
     cp_options,
     default_algorithm,
@@ -178,30 +177,12 @@ class _SDPAMode(TorchFunctionMode):
     def __torch_function__(
         self, func: Callable, types: tuple, args: tuple = (), kwargs: Mapping | None = None
     ) -> Any:
-        kwargs = dict(kwargs or {})
+        kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        sdpa = _sdpa_arguments(*args, **kwargs)
-        query = sdpa[0]
-        world_size = dist.get_world_size(self.group)
-        seq_len = query.shape[SDPA_SEQ_DIM] * world_size
-        layout = _layout_for(self.layout, seq_len, world_size)
-        algorithm = default_algorithm(self.algorithm)
-        return _ring_sdpa_local(self.group, layout, algorithm, *sdpa)
-
-
-def _sdpa_arguments(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple:
-    """SDPA's arguments, positional (its signature: an unknown keyword is a ``TypeError``)."""
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        algorithm = default_algorithm(self.algorithm)  # set_rotate_method's, read per call
+        # SDPA's own signature from here on (an unknown keyword is a TypeError)
+        return _ring_sdpa_local(self.group, self.layout, algorithm, None, *args, **kwargs)
 
 
 def context_parallel_shard(
