@@ -170,6 +170,7 @@ def check_errors(group: dist.ProcessGroup) -> list[str]:
         "balancer_type": lambda: dr.context_parallel_shard(mesh, [x], [2], 3),
         "both": lambda: dr.context_parallel_shard(mesh, [x], [2], "zigzag", layout="ring"),
         "dims": lambda: dr.context_parallel_shard(mesh, [x, x], [2]),
+        "dims_keys": lambda: dr.context_parallel_shard(mesh, {"a": x}, {"b": 2}),
         "replicated_input": lambda: parallelize_module(SDPAWrapper(), mesh, dr.ContextParallel())(
             *(DTensor.from_local(t, mesh, [Replicate()]) for t in (x, x, x))
         ),
@@ -342,3 +343,23 @@ def check_titan_sdpa(group: dist.ProcessGroup, balancer: str) -> None:
 @pytest.mark.parametrize("balancer", ["head_tail", "none"])
 def test_titan_sdpa_path(dist_pool, world_size, balancer):
     dist_pool.run(check_titan_sdpa, world_size, balancer=balancer)
+
+
+def check_shard_structures(group: dist.ProcessGroup) -> None:
+    """PyTorch's structures: a tuple of buffers with a list of dims, and a dict whose dims come
+    in another key order (matched by key), shard as a list of the same buffers does."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    ids, pos = torch.arange(2 * 4 * W).view(2, 4 * W), torch.arange(4 * W)
+    want = [dr.shard_local(ids, "zigzag", rank, W, 1), dr.shard_local(pos, "zigzag", rank, W, 0)]
+    got = dr.context_parallel_shard(mesh, (ids, pos), [1, 0], "zigzag")
+    buffers, dims = {"ids": ids, "pos": pos}, {"pos": 0, "ids": 1}
+    by_key = dr.context_parallel_shard(mesh, buffers, dims, "zigzag")
+    assert isinstance(got, tuple) and list(by_key) == ["ids", "pos"]
+    for a, b, c in zip(got, by_key.values(), want, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    dr.cp_options.enable_load_balance = True
+
+
+def test_shard_structures(dist_pool):
+    dist_pool.run(check_shard_structures, 3)

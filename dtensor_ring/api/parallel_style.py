@@ -216,9 +216,14 @@ def context_parallel_shard(
     """
     _cp_group(mesh)
     flat, spec = tree_flatten(buffers)
-    flat_dims, dims_spec = tree_flatten(seq_dims)
-    if dims_spec != spec and len(flat_dims) == len(flat):
-        raise ValueError("seq_dims must have the structure of buffers (a list, or dict keys)")
+    if isinstance(buffers, Mapping) and isinstance(seq_dims, Mapping):
+        if set(buffers) != set(seq_dims):
+            raise ValueError(
+                f"seq_dims has keys {sorted(seq_dims)}, buffers {sorted(buffers)}: one "
+                "sequence dim per buffer"
+            )
+        seq_dims = {key: seq_dims[key] for key in buffers}  # in the buffers' order
+    flat_dims, _ = tree_flatten(seq_dims)  # as PyTorch's: the flattened counts must agree
     _check_buffer_args(flat, flat_dims)
     for b in flat:
         if not isinstance(b, Tensor):
