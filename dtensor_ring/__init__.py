@@ -31,6 +31,8 @@ Public names:
       ``balancer_layout``, ``cp_options``, ``set_rotate_method``,
       ``enable_context_parallel_dispatcher`` / ``disable_context_parallel_dispatcher``
       (PyTorch's spellings, import-only: ``dtensor_ring.compat.torch_cp``);
+    * FlexAttention on the ring (docs/flex.md): ``flex_attention`` (any ``BlockMask`` /
+      ``mask_mod`` / ``score_mod`` of global positions), ``flex_balance``;
     * inference over a sharded KV cache (docs/inference.md): ``decode_attention_func``,
       ``KVCacheShard``, ``prefill_attention``, ``decode_step_attention``, ``split_prompt``.
 """
@@ -48,6 +50,7 @@ from .api.dtensor import (
     shard_sequence,
     unshard_sequence,
 )
+from .api.flex import flex_attention
 from .api.functional import ring_attention_func
 from .api.parallel_style import (
     ContextParallel,
@@ -144,6 +147,7 @@ __all__ = [
     "get_machine",
     "set_machine",
     "ring_attention_func",
+    "flex_attention",
     "ring_varlen_attention_func",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",

@@ -80,6 +80,9 @@ class Block:
     bottom-right aligned (key j visible to query i iff ``-left <= j - i - (S_k - S_q) <= right``,
     -1 unbounded); never together with ``causal``. ``init``: the block's result initialises the
     accumulator rows of ``q`` instead of merging into them (the diagonal blocks of step 0).
+    ``origin``: a FlexAttention block (Note [FlexAttention on the ring] in ``ops/flex.py``):
+    ``(global position of its first query, of its first key, stride)``; the user's mask and
+    score functions decide what it computes (``causal`` and ``window`` are then unset).
     """
 
     q: Part | Span
@@ -87,10 +90,17 @@ class Block:
     causal: bool
     window: tuple[int, int] | None = None
     init: bool = False
+    origin: tuple[int, int, int] | None = None
 
     def __str__(self) -> str:
         mask = (
-            " c" if self.causal else f" w({self.window[0]},{self.window[1]})" if self.window else ""
+            " c"
+            if self.causal
+            else f" w({self.window[0]},{self.window[1]})"
+            if self.window
+            else " m"
+            if self.origin
+            else ""
         )
         return f"{self.q.value}/{self.kv.value}{mask}"
 

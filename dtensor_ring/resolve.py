@@ -471,6 +471,8 @@ class Door:
         form: what the door needs of the layout ("dense", "varlen", "documents") and of the
             tensors (packed for "varlen" / "documents").
         ring_func: the function a ring call's mask error suggests for non-causal attention.
+        any_mask: the door computes a mask of its own (FlexAttention): the layout's mask
+            support (``causal_only``) does not apply.
         layout_world, head_split: the layout's ring has ``layout_world`` ranks (default W;
             hybrid: the ring group) and the kernel sees the heads of a ``head_split``-way head
             all-to-all (Ulysses, hybrid).
@@ -489,6 +491,7 @@ class Door:
     algorithm: str = "ring"
     form: Form = "dense"
     ring_func: str = "ring_flash_attn_func"
+    any_mask: bool = False
     layout_world: int | None = None
     head_split: int = 1
     global_len: int | None = None
@@ -553,7 +556,7 @@ def _resolve(call: Call, door: Door) -> AttentionSpec:
     lay = get_layout(layout, form)
     placement(layout, None, allowed=(algorithm,))  # "auto" where the algorithm is fixed: raise
     varlen = form in ("varlen", "documents")
-    if algorithm == "ring":
+    if algorithm == "ring" and not door.any_mask:
         lay.check_mask(causal, ring_func=ring_func)
     check_qkv_tensors(q, k, v, seq_dims="T_local" if varlen else "B, S_local")
     check_sinks(call.sinks, q)

@@ -168,3 +168,39 @@ def random_qkv(
     k = torch.randn(B, S, H_kv, D, generator=gen, dtype=torch.float64)
     v = torch.randn(B, S, H_kv, D, generator=gen, dtype=torch.float64)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def reference_flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask_mod=None,
+    score_mod=None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """FlexAttention of full sequences in float64, evaluating the functions by broadcasting.
+
+    ``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` (flex's layout); ``mask_mod(b, h, q_idx,
+    kv_idx)`` and ``score_mod(score, b, h, q_idx, kv_idx)`` are called once with index tensors
+    shaped ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,S,1]``, ``[1,1,1,S]`` (so they must be written
+    with broadcasting ops). Rows that see no key give 0 and lse -inf, as flex_attention.
+    Returns ``(out [B, H, S, D], lse [B, H, S])``.
+    """
+    B, H, S, D = q.shape
+    G = H // k.shape[1]
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))
+    scale = D**-0.5 if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    qi = torch.arange(S).view(1, 1, S, 1)
+    ki = torch.arange(S).view(1, 1, 1, S)
+    if score_mod is not None:
+        s = score_mod(s, b, h, qi, ki)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(b, h, qi, ki).expand_as(s), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return p @ v, lse

@@ -8,6 +8,7 @@ here, once per plan and set of documents (:func:`varlen_blocks`, cached).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,7 +17,8 @@ import torch
 from torch import Tensor
 
 from ..kernels import BlockKernel
-from ..kernels.merge import merge_
+from ..kernels.flex import FlexMods, flex_block_backward, flex_block_forward
+from ..kernels.merge import empty_rows_nan_, merge_
 from ..parts import Block, DocSpans, Part
 from ..schedule.plan import Plan
 
@@ -73,6 +75,11 @@ class Blocks(Protocol):
         self, kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, block: Block, scale: float
     ) -> tuple[Tensor, Tensor]:
         """``(out, lse)`` of ``block`` on parts already taken with :meth:`take`."""
+        ...
+
+    def finish_(self, out: Tensor, lse: Tensor, whole: bool) -> Tensor:
+        """The final ``out`` from the accumulated one (or, ``whole``, the one block's): rows
+        with ``lse = -inf`` (no visible key) as the attention being computed defines them."""
         ...
 
     def backward(
@@ -147,10 +154,55 @@ class DenseBlocks:
     def forward(self, kernel, q, k, v, block, scale):
         return kernel.forward(q, k, v, causal=block.causal, scale=scale, window=block.window)
 
+    def finish_(self, out, lse, whole):
+        return softmax_empty_rows_(out, lse, whole)
+
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
         return kernel.backward(
             dout, q, k, v, out, lse, causal=block.causal, scale=scale, window=block.window
         )
+
+
+def softmax_empty_rows_(out: Tensor, lse: Tensor, whole: bool) -> Tensor:
+    """SDPA's rows of nothing but -inf scores: NaN (the softmax of those is 0 / 0), set after
+    the merges (the math kernel's blocks give 0, for merging); a CUDA kernel's own answer for a
+    whole call is single-device attention's (docs/troubleshooting.md)."""
+    return out if whole and out.is_cuda else empty_rows_nan_(out, lse)
+
+
+class FlexBlocks(DenseBlocks):
+    """:class:`Blocks` of a FlexAttention call: dense ``[B, S, H, D]`` tensors, blocks with an
+    ``origin`` (Note [Flex schedules]) computed by :mod:`dtensor_ring.kernels.flex` with the
+    user's functions at the blocks' global positions. The engine's ``kernel`` argument is not
+    used. Rows without a visible key are 0 with ``lse = -inf``, as in ``flex_attention``: a
+    block's empty rows have weight 0 in a merge, also when the accumulator's rows are empty."""
+
+    def __init__(self, seq_local: int, mods: FlexMods, device: torch.device):
+        super().__init__(seq_local)
+        self.mods, self.device = mods, device
+
+    def _positions(self, block: Block, s_q: int, s_k: int) -> tuple[Tensor, Tensor]:
+        q0, k0, stride = block.origin
+        ar = functools.partial(torch.arange, dtype=torch.int64, device=self.device)
+        return ar(q0, q0 + s_q * stride, stride), ar(k0, k0 + s_k * stride, stride)
+
+    def forward(self, kernel, q, k, v, block, scale):
+        q_pos, kv_pos = self._positions(block, q.shape[1], k.shape[1])
+        return flex_block_forward(q, k, v, q_pos, kv_pos, scale, self.mods)
+
+    def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
+        q_pos, kv_pos = self._positions(block, q.shape[1], k.shape[1])
+        return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, self.mods)
+
+    def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        out_rows, lse_rows = _part(out_acc, part, 1), _part(lse_acc, part, 2)
+        neither = (lse_rows == float("-inf")) & (lse_b == float("-inf"))
+        lse_b = lse_b.masked_fill(neither, 0)  # weight 1 for the block's row of zeros
+        merge_(out_rows, lse_rows, out_b, lse_b)
+        lse_rows.masked_fill_(neither, float("-inf"))
+
+    def finish_(self, out, lse, whole):
+        return out.masked_fill_((lse == float("-inf")).transpose(-1, -2).unsqueeze(-1), 0)
 
 
 @dataclass(frozen=True)
@@ -221,6 +273,9 @@ class VarlenBlocks:
         if rows.index is not None:  # take made copies: write them back
             out_acc.index_copy_(0, rows.index, out_rows)
             lse_acc.index_copy_(1, rows.index, lse_rows)
+
+    def finish_(self, out, lse, whole):
+        return softmax_empty_rows_(out, lse, whole)
 
     def forward(self, kernel: BlockKernel, q, k, v, block, scale):
         rq, rk = self.rows[block.q], self.rows[block.kv]

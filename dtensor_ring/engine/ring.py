@@ -54,7 +54,6 @@ import torch
 from torch import Tensor
 
 from ..kernels import BlockKernel, accumulation_dtype
-from ..kernels.merge import empty_rows_nan_
 from ..parts import Block, Part
 from ..schedule.plan import Step
 from .blocks import Blocks, DenseBlocks, PartsOf
@@ -132,9 +131,7 @@ def ring_forward(
     if whole is not None:  # one block is the whole call: the kernel's result is the answer
         out, lse = blocks.forward(kernel, q_BSHD, k_BSHD, v_BSHD, whole, scale)
         lse, out = lse.contiguous(), out.contiguous()  # the layouts of the fakes (ops/common.py)
-        # Rows of nothing but -inf scores: NaN on CPU (the math kernel's blocks give 0, for
-        # merging); a CUDA kernel's own answer is single-device attention's (docs/troubleshooting)
-        return (out if out.is_cuda else empty_rows_nan_(out, lse)), lse
+        return blocks.finish_(out, lse, whole=True), lse
     acc = accumulation_dtype(q_BSHD.dtype)
     out_acc = torch.empty(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     lse_acc = blocks.new_lse(q_BSHD, acc)
@@ -165,8 +162,8 @@ def ring_forward(
         if pending is not None:
             kv = pending.wait()
     side.join()
-    # NaN rows after the cast: half the bytes of the fp32 accumulator for bf16/fp16 inputs
-    return empty_rows_nan_(out_acc.to(q_BSHD.dtype), lse_acc), lse_acc
+    # empty rows after the cast: half the bytes of the fp32 accumulator for bf16/fp16 inputs
+    return blocks.finish_(out_acc.to(q_BSHD.dtype), lse_acc, whole=False), lse_acc
 
 
 def _whole_block(steps: Sequence[Step]) -> Block | None:

@@ -1,0 +1,233 @@
+"""``dtensor_ring.flex_attention``: PyTorch's FlexAttention over a sequence sharded on a ring.
+
+Same signature and layout as ``torch.nn.attention.flex_attention.flex_attention``, on this
+rank's shard ``[B, H, S_local, D]``, plus the process group and the layout that placed the
+tokens. The ``BlockMask`` (or bare ``mask_mod``) and ``score_mod`` are the ones written for the
+whole sequence on one device: they see global token indices (Note [FlexAttention on the ring]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, create_block_mask
+
+from ..kernels import accumulation_dtype
+from ..kernels.flex import FlexMods
+from ..layouts import Layout, get_layout
+from ..ops.flex import RingFlex
+from ..resolve import Call, Door, check_bool, group_arg, resolve_call
+from ..schedule.flex import VisibleBlocks, flex_plan
+
+DEFAULT_TILE = 128  # the tile of a bare mask_mod's block sparsity (flex's default BLOCK_SIZE)
+
+
+@torch.compiler.disable
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    score_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict | None = None,
+    *,
+    return_aux: AuxRequest | None = None,
+    group: dist.ProcessGroup | None = None,
+    layout: str | Layout = "ring",
+    mask_mod: Callable | None = None,
+    algorithm: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, AuxOutput]:
+    """FlexAttention of this rank's queries over the whole sharded sequence.
+
+    Args:
+        query: ``[B, H, S_local, D]``; key, value: ``[B, H_kv, S_local, D]`` (this rank's
+            tokens, placed by ``layout``: "ring" = contiguous chunks, "zigzag", "stripe", or
+            any registered dense layout).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` with global ``q_idx``/``kv_idx``;
+            it must not close over tensors that require grad.
+        block_mask: a ``BlockMask`` built for the **global** sequence (``seq_lengths ==
+            (W * S_local, W * S_local)``, any ``BLOCK_SIZE``): its ``mask_mod`` decides
+            visibility, its tiles which blocks are computed and which ring steps run.
+        scale: the score scale (default ``1 / sqrt(D)``).
+        enable_gqa: allow ``H_kv < H`` (``H % H_kv == 0``), as in ``flex_attention``.
+        return_lse, return_aux: also return the log-sum-exp ``[B, H, S_local]`` (fp32; fp64
+            for fp64 inputs): ``(out, lse)``, or ``(out, AuxOutput(lse=...))`` for
+            ``return_aux=AuxRequest(lse=True)``.
+        kernel_options: must be None (PyTorch's Triton kernel options do not apply).
+        group: the context-parallel process group (None: the default group).
+        layout: the layout that placed the tokens (``dtensor_ring.shard_sequence``).
+        mask_mod: instead of ``block_mask``, a bare ``mask_mod(b, h, q_idx, kv_idx)``; its tiles
+            (128 x 128) are evaluated on every call.
+        algorithm: "ring" (or None); the only one that runs FlexAttention so far.
+
+    Returns:
+        ``out [B, H, S_local, D]`` in the input dtype (rows that see no key are 0), with the
+        lse as requested.
+
+    Raises:
+        ValueError / TypeError: on every rank, before any communication, for anything not
+            supported (see docs/flex.md).
+    """
+    group_name, world_size = group_arg(group)
+    if algorithm not in (None, "ring"):
+        raise ValueError(
+            f"dtensor_ring.flex_attention runs algorithm='ring' only, got algorithm={algorithm!r}"
+        )
+    want_lse = _wanted_lse(return_lse, return_aux)
+    q_BSHD, k_BSHD, v_BSHD = (t.transpose(1, 2) for t in _tensors(query, key, value))
+
+    found: dict[str, VisibleBlocks] = {}
+
+    def checks() -> tuple[VisibleBlocks, FlexMods]:
+        found["tiles"], mods = _check_flex(
+            q_BSHD, k_BSHD, score_mod, block_mask, mask_mod, enable_gqa, kernel_options,
+            world_size, get_layout(layout, "dense"),
+        )  # fmt: skip
+        return found["tiles"], mods
+
+    door = Door(
+        op="flex_attention",
+        any_mask=True,
+        checks=checks,
+        metadata=lambda: {
+            "mask tiles": found["tiles"].key,
+            **_names(score_mod, block_mask, mask_mod),
+        },
+    )
+    call = Call(q_BSHD, k_BSHD, v_BSHD, group_name, world_size, layout, softmax_scale=scale)
+    spec = resolve_call(call, door)
+    visible, mods = spec.door
+    plan = flex_plan(get_layout(spec.layout, "dense"), world_size, q_BSHD.shape[1], visible)
+    out_BSHD, lse_BHS = RingFlex.apply(q_BSHD, k_BSHD, v_BSHD, group_name, plan, mods, spec.scale)
+    out = out_BSHD.transpose(1, 2)
+    if not want_lse:
+        return out
+    return (out, AuxOutput(lse=lse_BHS)) if return_aux is not None else (out, lse_BHS)
+
+
+def _tensors(*tensors: object) -> tuple[Tensor, ...]:
+    for name, t in zip(("query", "key", "value"), tensors, strict=True):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor [B, H, S_local, D], got {type(t).__name__}")
+        if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
+            raise TypeError(
+                f"{name} is a {type(t).__name__}; dtensor_ring.flex_attention takes this rank's "
+                "local shards (plain tensors)"
+            )
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, S_local, D], got {tuple(t.shape)}")
+    return tensors
+
+
+def _wanted_lse(return_lse: object, return_aux: object) -> bool:
+    check_bool("return_lse", return_lse)
+    if return_aux is None:
+        return return_lse
+    if not isinstance(return_aux, AuxRequest):
+        raise TypeError(f"return_aux must be an AuxRequest or None, got {return_aux!r}")
+    if return_lse:
+        raise ValueError("pass return_lse or return_aux, not both")
+    if return_aux.max_scores:
+        raise ValueError("return_aux=AuxRequest(max_scores=True) is not supported")
+    return return_aux.lse
+
+
+def _names(score_mod, block_mask, mask_mod) -> dict[str, str | None]:
+    """What the ranks compare of the user's functions: their qualified names."""
+    mask_fn = block_mask.mask_mod if block_mask is not None else mask_mod
+    return {"score_mod": _qualname(score_mod), "mask_mod": _qualname(mask_fn)}
+
+
+def _qualname(fn: object) -> str | None:
+    if fn is None:
+        return None
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _check_flex(
+    q_BSHD: Tensor,
+    k_BSHD: Tensor,
+    score_mod: object,
+    block_mask: object,
+    mask_mod: object,
+    enable_gqa: object,
+    kernel_options: object,
+    world_size: int,
+    layout: Layout,
+) -> tuple[VisibleBlocks, FlexMods]:
+    """The flex-specific checks (after the shapes'): ``(visible tiles, mods)``."""
+    B, S, H, _ = q_BSHD.shape
+    H_kv = k_BSHD.shape[2]
+    seq_len = S * world_size
+    if kernel_options is not None:
+        raise ValueError(
+            "kernel_options are options of PyTorch's Triton flex kernel; dtensor_ring's blocks do "
+            f"not take them: pass kernel_options=None (got {kernel_options!r})"
+        )
+    if not check_bool("enable_gqa", enable_gqa) and H != H_kv:
+        raise ValueError(
+            f"query has {H} heads and key/value {H_kv}: pass enable_gqa=True for grouped-query "
+            "attention (as flex_attention requires)"
+        )
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a torch.nn.attention.flex_attention.BlockMask or None, got "
+            f"{type(block_mask).__name__}"
+        )
+    if block_mask is not None and mask_mod is not None:
+        raise ValueError("pass block_mask or mask_mod, not both (a BlockMask has its mask_mod)")
+    if block_mask is not None:
+        visible = _block_mask_tiles(block_mask, B, H, seq_len, world_size)
+        mask_mod = block_mask.mask_mod
+    elif mask_mod is not None:
+        visible = VisibleBlocks.of_block_mask(
+            create_block_mask(mask_mod, B, H, seq_len, seq_len, q_BSHD.device, DEFAULT_TILE)
+        )
+    else:
+        visible = VisibleBlocks(seq_len, seq_len, seq_len, torch.ones(1, 1, dtype=torch.bool))
+    if score_mod is not None:
+        _check_score_mod(score_mod, q_BSHD)
+    return visible, FlexMods(score_mod, mask_mod)
+
+
+def _block_mask_tiles(
+    block_mask: BlockMask, B: int, H: int, seq_len: int, world_size: int
+) -> VisibleBlocks:
+    if tuple(block_mask.seq_lengths) != (seq_len, seq_len):
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}; "
+            f"dtensor_ring.flex_attention takes the mask of the whole sequence: "
+            f"create_block_mask(mask_mod, B, H, {seq_len}, {seq_len}) (W = {world_size} ranks x "
+            f"{seq_len // world_size} local tokens), with global q_idx / kv_idx"
+        )
+    mask_B, mask_H = block_mask.shape[:2]
+    if mask_B not in (1, B) or mask_H not in (1, H):
+        raise ValueError(
+            f"block_mask has batch {mask_B} and heads {mask_H}; the call has B = {B}, H = {H} "
+            "(a mask's batch and heads must be 1 or the call's)"
+        )
+    return VisibleBlocks.of_block_mask(block_mask)
+
+
+def _check_score_mod(score_mod: Callable, q_BSHD: Tensor) -> None:
+    """A ``score_mod`` closing over tensors that require grad would need their gradient too:
+    refuse it when gradients are being recorded."""
+    if not torch.is_grad_enabled():
+        return
+    index = torch.zeros((), dtype=torch.int64, device=q_BSHD.device)
+    score = torch.zeros((), dtype=accumulation_dtype(q_BSHD.dtype), device=q_BSHD.device)
+    if score_mod(score, index, index, index, index).requires_grad:
+        raise ValueError(
+            "score_mod uses a tensor that requires grad (a learned bias?); "
+            "dtensor_ring.flex_attention cannot give gradients to a score_mod's captured tensors: "
+            "detach them, or compute that term outside attention"
+        )

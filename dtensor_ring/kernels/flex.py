@@ -1,0 +1,155 @@
+"""FlexAttention blocks: one block of queries against one block of keys/values under a
+``score_mod`` and a ``mask_mod`` that see *global* token positions.
+
+The ring computes a FlexAttention call block by block (Note [FlexAttention on the ring] in
+``ops/flex.py``); a block is a run of local queries against a run of visiting keys, and the
+positions of both runs in the global sequence are what the user's functions receive as
+``q_idx`` / ``kv_idx``. This kernel evaluates the functions on the block with ``torch.vmap``
+(as ``flex_attention``'s own eager path does) and computes exact attention with explicit
+score matrices in the accumulation dtype, on any device; the backward takes the *global*
+``out``/``lse`` of its query rows (Note [Ring backward]) and differentiates ``score_mod``
+with autograd.
+
+Semantics are ``flex_attention``'s: ``score_mod`` receives the scaled score; a pair the
+mask hides (or whose modified score is -inf) has probability 0; a row with no visible key
+has ``out = 0`` and ``lse = -inf``, and gradient 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .base import accumulation_dtype
+
+
+@dataclass(frozen=True, eq=False)
+class FlexMods:
+    """The user's FlexAttention functions: ``score_mod(score, b, h, q_idx, kv_idx)`` and
+    ``mask_mod(b, h, q_idx, kv_idx)`` (None: the identity / every pair visible)."""
+
+    score_mod: Callable | None = None
+    mask_mod: Callable | None = None
+
+
+def _vmap_bhqk(fn: Callable, with_score: bool) -> Callable:
+    """``fn`` mapped over ``b [B]``, ``h [H]``, ``q_idx [S_q]``, ``kv_idx [S_k]`` (and a
+    ``score [B, H, S_q, S_k]`` first when ``with_score``) -> ``[B, H, S_q, S_k]``."""
+    prefix = (0,) if with_score else ()
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None)):
+        fn = torch.vmap(fn, in_dims=prefix + dims)
+    return torch.vmap(fn, in_dims=prefix + (0, None, None, None))
+
+
+def _indices(B: int, H: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    return torch.arange(B, device=device), torch.arange(H, device=device)
+
+
+def visible(mods: FlexMods, B: int, H: int, q_pos: Tensor, kv_pos: Tensor) -> Tensor | None:
+    """``mask_mod`` on the block: bool ``[B, H, S_q, S_k]`` (None without a mask_mod)."""
+    if mods.mask_mod is None:
+        return None
+    b, h = _indices(B, H, q_pos.device)
+    return _vmap_bhqk(mods.mask_mod, with_score=False)(b, h, q_pos, kv_pos).to(torch.bool)
+
+
+def _scores(q_BSHD: Tensor, k_BSHD: Tensor, scale: float) -> Tensor:
+    """``q k^T * scale`` as ``[B, H, S_q, S_k]`` in the accumulation dtype (GQA: query head
+    ``h`` meets key head ``h // (H / H_kv)``)."""
+    B, S_q, H, D = q_BSHD.shape
+    H_kv = k_BSHD.shape[2]
+    acc = accumulation_dtype(q_BSHD.dtype)
+    q = q_BSHD.to(acc).view(B, S_q, H_kv, H // H_kv, D).permute(0, 2, 3, 1, 4)
+    k = k_BSHD.to(acc).permute(0, 2, 1, 3).unsqueeze(2)
+    return (q @ k.transpose(-1, -2) * scale).reshape(B, H, S_q, k_BSHD.shape[1])
+
+
+def _modified(s_BHQK: Tensor, mods: FlexMods, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+    if mods.score_mod is None:
+        return s_BHQK
+    B, H = s_BHQK.shape[:2]
+    b, h = _indices(B, H, s_BHQK.device)
+    return _vmap_bhqk(mods.score_mod, with_score=True)(s_BHQK, b, h, q_pos, kv_pos)
+
+
+def _probs(s_BHQK: Tensor, lse_BHQ: Tensor, mask: Tensor | None) -> Tensor:
+    """``exp(s - lse)``, 0 at hidden pairs and in rows with ``lse = -inf`` (no visible key)."""
+    if mask is not None:
+        s_BHQK = s_BHQK.masked_fill(~mask, float("-inf"))
+    empty = lse_BHQ == float("-inf")
+    return torch.exp(s_BHQK - lse_BHQ.masked_fill(empty, 0).unsqueeze(-1)).masked_fill(
+        empty.unsqueeze(-1), 0
+    )
+
+
+def _by_kv_head(x_BHSD: Tensor, H_kv: int) -> Tensor:
+    """``[B, H, S, D]`` summed over each key head's query heads: ``[B, S, H_kv, D]``."""
+    B, H, S, D = x_BHSD.shape
+    return x_BHSD.view(B, H_kv, H // H_kv, S, D).sum(2).transpose(1, 2)
+
+
+def _repeat_kv(x_BSHD: Tensor, H: int) -> Tensor:
+    """``[B, S, H_kv, D]`` -> ``[B, H, S, D]`` in the accumulation dtype (query head order)."""
+    x = x_BSHD.to(accumulation_dtype(x_BSHD.dtype)).transpose(1, 2)
+    return x.repeat_interleave(H // x.shape[1], dim=1)
+
+
+def flex_block_forward(
+    q_BSHD: Tensor,
+    k_BSHD: Tensor,
+    v_BSHD: Tensor,
+    q_pos: Tensor,
+    kv_pos: Tensor,
+    scale: float,
+    mods: FlexMods,
+) -> tuple[Tensor, Tensor]:
+    """``(out_BSHD, lse_BHS)`` of one block; ``q_pos [S_q]`` / ``kv_pos [S_k]`` are the
+    global positions (int64, on the tensors' device) of its queries and keys."""
+    B, _, H, _ = q_BSHD.shape
+    s = _modified(_scores(q_BSHD, k_BSHD, scale), mods, q_pos, kv_pos)
+    mask = visible(mods, B, H, q_pos, kv_pos)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = _probs(s, lse, None) @ _repeat_kv(v_BSHD, H)
+    return out.transpose(1, 2).to(q_BSHD.dtype), lse
+
+
+def flex_block_backward(
+    dout_BSHD: Tensor,
+    q_BSHD: Tensor,
+    k_BSHD: Tensor,
+    v_BSHD: Tensor,
+    out_BSHD: Tensor,
+    lse_BHS: Tensor,
+    q_pos: Tensor,
+    kv_pos: Tensor,
+    scale: float,
+    mods: FlexMods,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of one block, given the global ``out``/``lse`` of its query rows."""
+    B, _, H, _ = q_BSHD.shape
+    H_kv = k_BSHD.shape[2]
+    acc = accumulation_dtype(q_BSHD.dtype)
+    raw = _scores(q_BSHD, k_BSHD, scale)
+    with torch.enable_grad():
+        raw.requires_grad_(mods.score_mod is not None)
+        s = _modified(raw, mods, q_pos, kv_pos)
+    mask = visible(mods, B, H, q_pos, kv_pos)
+    p = _probs(s.detach(), lse_BHS.to(acc), mask)
+    do = dout_BSHD.to(acc).transpose(1, 2)  # [B, H, S_q, D]
+    dv = _by_kv_head(p.transpose(-1, -2) @ do, H_kv)
+    dp = do @ _repeat_kv(v_BSHD, H).transpose(-1, -2)
+    delta = (do * out_BSHD.to(acc).transpose(1, 2)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)  # the gradient of the modified scores; 0 where p is
+    if mods.score_mod is not None:
+        (ds,) = torch.autograd.grad(s, raw, ds)
+        if mask is not None:  # a hidden pair's score_mod derivative may be anything
+            ds = ds.masked_fill(~mask, 0)
+    ds = ds * scale
+    dq = ds @ _repeat_kv(k_BSHD, H)
+    dk = _by_kv_head(ds.transpose(-1, -2) @ q_BSHD.to(acc).transpose(1, 2), H_kv)
+    return dq.transpose(1, 2).to(q_BSHD.dtype), dk.to(k_BSHD.dtype), dv.to(v_BSHD.dtype)

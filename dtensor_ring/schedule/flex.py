@@ -1,0 +1,209 @@
+"""FlexAttention schedules: ring plans whose blocks come from the mask.
+
+Note [Flex schedules]
+~~~~~~~~~~~~~~~~~~~~~
+A FlexAttention mask is known block by block before any score is computed: the global
+``BlockMask`` (or, for a bare ``mask_mod``, one built once per shape) says which tiles of the
+S x S score matrix hold a visible pair. Every rank holds that same global mask, so every rank
+derives the same plan from it, without communicating:
+
+    global tiles (S = 16, W = 2,              rank 0's row of the plan (ring layout):
+    4-token tiles, two documents [0, 6),      step 0: own K/V, 0:8/0:8 (init, never trimmed)
+    [6, 16), causal within each):             step 1: K/V of rank 1 (keys 8..15): every
+                                                       query tile before them is hidden
+         k 0   4   8   12                             -> nothing, and if no rank needs a
+    q  0 [ x   .   .   . ]                               step, its K/V never travel
+       4 [ x   x   .   . ]                    rank 1 (queries 8..15), step 1 (keys 0..7):
+       8 [ .   x   x   . ]  <- keys 4..7 hold      the visible tiles' bounding box is
+      12 [ .   x   x   x ]     document 2's 6, 7  queries 8..15 x keys 4..7: 8:16/4:8 m
+
+For every pair of a query run of rank r and a key run of rank src (a layout's runs: Note
+[Sequence layouts]), the block is trimmed to the rows and columns of its tiles that hold a
+visible pair (a bounding box, at tile granularity; the kernel applies the exact mask inside),
+and dropped when no tile does. The diagonal pairs of step 0 stay whole: they initialise every
+query row's accumulators (a row that sees nothing there gets ``lse = -inf`` and weight 0 in
+later merges). Steps in which no rank computes are dropped from the plan (``Plan.offsets``),
+so their K/V are not sent, and the direct exchange serves sparse plans as it serves windows
+(Note [Direct exchange]). :func:`flex_balance` reports the work each rank is left with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..layouts import Layout
+from ..parts import Block, Span
+from .plan import Plan, plan_from_blocks
+
+
+@dataclass(frozen=True, eq=False)
+class VisibleBlocks:
+    """Which ``[q_block, kv_block]`` tiles of the global ``seq_len x seq_len`` score matrix
+    hold a visible pair (for some batch row and head): ``tiles`` bool
+    ``[ceil(S / q_block), ceil(S / kv_block)]`` on the host. ``key`` identifies the contents
+    (a digest of the tiles), for plan caches and the ranks' comparison."""
+
+    seq_len: int
+    q_block: int
+    kv_block: int
+    tiles: Tensor
+    key: tuple = field(init=False)
+
+    def __post_init__(self) -> None:
+        bits = self.tiles.to(torch.uint8).contiguous().numpy().tobytes()
+        digest = hashlib.blake2b(bits, digest_size=16).hexdigest()
+        object.__setattr__(
+            self,
+            "key",
+            (self.seq_len, self.q_block, self.kv_block, tuple(self.tiles.shape), digest),
+        )
+
+    @classmethod
+    def of_block_mask(cls, block_mask) -> VisibleBlocks:
+        """The tiles of a ``torch.nn.attention.flex_attention.BlockMask`` (partial or full
+        blocks, any batch row or head), for its ``seq_lengths`` (square)."""
+        q_block, kv_block = block_mask.BLOCK_SIZE
+        seq_len = block_mask.seq_lengths[0]
+        dense = block_mask.to_dense().to("cpu") != 0  # [B, H, n_q, n_kv]
+        n_q, n_kv = -(-seq_len // q_block), -(-seq_len // kv_block)
+        tiles = dense.flatten(0, 1).any(0)[:n_q, :n_kv]
+        return cls(seq_len, q_block, kv_block, tiles)
+
+    def trim(self, q_run, kv_run, stride: int) -> tuple[int, int, int, int] | None:
+        """The local rows ``[i0, i1)`` of ``q_run`` and columns ``[j0, j1)`` of ``kv_run``
+        (runs: ``(local start, length, global start)``, tokens ``stride`` apart) whose tiles
+        hold a visible pair, as a bounding box; None when none does."""
+        q_tiles = _tiles_of(q_run, stride, self.q_block)
+        kv_tiles = _tiles_of(kv_run, stride, self.kv_block)
+        sub = self.tiles[q_tiles.unique()][:, kv_tiles.unique()]
+        if not bool(sub.any()):
+            return None
+        rows = self.tiles[q_tiles][:, kv_tiles.unique()].any(1).nonzero().flatten()
+        cols = self.tiles[q_tiles.unique()][:, kv_tiles].any(0).nonzero().flatten()
+        return int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+
+    def pairs(self, q_run, kv_run, stride: int) -> int:
+        """Number of (query, key) pairs of the two runs that lie in visible tiles (the work
+        the balance report counts)."""
+        q_tiles, kv_tiles = (
+            _tiles_of(run, stride, size)
+            for run, size in ((q_run, self.q_block), (kv_run, self.kv_block))
+        )
+        q_ids, q_counts = q_tiles.unique(return_counts=True)
+        kv_ids, kv_counts = kv_tiles.unique(return_counts=True)
+        sub = self.tiles[q_ids][:, kv_ids].to(torch.int64)
+        return int(q_counts @ sub @ kv_counts)
+
+
+def _tiles_of(run, stride: int, block: int) -> Tensor:
+    _, length, pos = run
+    return (pos + torch.arange(length) * stride) // block
+
+
+def _block(q_run, kv_run, stride: int, box, init: bool) -> Block:
+    (q_start, _, q_pos), (k_start, _, k_pos) = q_run, kv_run
+    i0, i1, j0, j1 = box
+    return Block(
+        Span(q_start + i0, q_start + i1),
+        Span(k_start + j0, k_start + j1),
+        False,
+        init=init,
+        origin=(q_pos + i0 * stride, k_pos + j0 * stride, stride),
+    )
+
+
+def _flex_blocks(
+    layout: Layout, world_size: int, n: int, visible: VisibleBlocks, rank: int, src: int
+) -> tuple[Block, ...]:
+    q_runs, kv_runs = (layout.runs(n, r, world_size) for r in (rank, src))
+    stride = layout.stride(world_size)
+    diagonal = rank == src
+    pairs = sorted(
+        ((a, b) for a in range(len(q_runs)) for b in range(len(kv_runs))),
+        key=lambda ab: ab[0] != ab[1] or not diagonal,  # the init blocks first
+    )
+    blocks = []
+    for a, b in pairs:
+        q_run, kv_run = q_runs[a], kv_runs[b]
+        if diagonal and a == b:  # whole: it initialises these rows
+            blocks.append(_block(q_run, kv_run, stride, (0, q_run[1], 0, kv_run[1]), True))
+            continue
+        box = visible.trim(q_run, kv_run, stride)
+        if box is not None:
+            blocks.append(_block(q_run, kv_run, stride, box, False))
+    return tuple(blocks)
+
+
+_PLANS: dict[tuple, Plan] = {}
+_PLANS_SIZE = 64
+
+
+def flex_plan(layout: Layout, world_size: int, seq_local: int, visible: VisibleBlocks) -> Plan:
+    """The ring plan of a FlexAttention call (Note [Flex schedules]): ``seq_local`` tokens a
+    rank in ``layout``, the mask's visible tiles ``visible``. Cached by the tiles' digest."""
+    key = (layout.name, world_size, seq_local, visible.key)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = plan_from_blocks(
+            layout.name,
+            world_size,
+            False,
+            lambda r, src: _flex_blocks(layout, world_size, seq_local, visible, r, src),
+            seq_local=seq_local,
+        )
+        if len(_PLANS) >= _PLANS_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan
+
+
+@dataclass(frozen=True)
+class FlexBalance:
+    """What a FlexAttention plan computes and sends (:func:`flex_balance`).
+
+    Attributes:
+        work: per rank, the (query, key) pairs in visible tiles of the blocks it computes
+            (multiply by ``4 * B * H * D`` for forward FLOPs); the slowest rank sets the pace.
+        imbalance: ``max(work) / mean(work)`` (1.0 = balanced).
+        blocks: per rank, the blocks computed; ``skipped``: per rank, the (query run, key
+            run) pairs of the whole ring that the mask hides entirely.
+        kv_transfers: K/V chunks each rank receives in a forward (``W - 1`` without skipping).
+    """
+
+    work: list[int]
+    imbalance: float
+    blocks: list[int]
+    skipped: list[int]
+    kv_transfers: int
+
+
+def flex_balance(
+    layout: Layout, world_size: int, seq_local: int, visible: VisibleBlocks
+) -> FlexBalance:
+    """The work and traffic of :func:`flex_plan`'s plan, rank by rank."""
+    plan = flex_plan(layout, world_size, seq_local, visible)
+    runs = [layout.runs(seq_local, r, world_size) for r in range(world_size)]
+    stride = layout.stride(world_size)
+    work, blocks, skipped = [], [], []
+    for rank, row in enumerate(plan.steps):
+        computed = sum(len(st.blocks) for st in row)
+        pairs = sum(
+            visible.pairs(
+                (0, blk.q.size(seq_local), blk.origin[0]),
+                (0, blk.kv.size(seq_local), blk.origin[1]),
+                stride,
+            )
+            for st in row
+            for blk in st.blocks
+        )
+        work.append(pairs)
+        blocks.append(computed)
+        skipped.append(world_size * len(runs[rank]) * len(runs[0]) - computed)
+    mean = sum(work) / len(work)
+    return FlexBalance(
+        work, max(work) / mean if mean else 1.0, blocks, skipped, plan.kv_transfers()
+    )

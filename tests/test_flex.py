@@ -1,0 +1,281 @@
+"""``dtensor_ring.flex_attention``: FlexAttention masks and score mods on the ring.
+
+Numerics on the session's gloo pool (world sizes 1-4): every rank builds the same seeded
+global q, k, v in float64, the global ``BlockMask`` (4-token tiles, so blocks are skipped at
+these sizes), calls the library on its shard and compares out, lse and the gradients of its
+shard with ``reference.reference_flex`` on the full sequence (masks and score mods evaluated
+by broadcasting, the library's by ``torch.vmap``). The reference itself is checked against
+``torch``'s own ``flex_attention`` forward (CPU, eager).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import layout_indices, reference_flex
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    create_block_mask,
+    flex_attention,
+)
+
+import dtensor_ring as dr
+from dtensor_ring.layouts import get_layout
+from dtensor_ring.schedule.flex import VisibleBlocks, flex_balance, flex_plan
+
+TILE = 4
+S_LOCAL = 12
+
+
+def _doc_ids(seq_len: int) -> torch.Tensor:
+    """Documents of lengths 5, 11, 3, 9, ... (crossing every shard boundary), by position."""
+    lengths, total, i = [], 0, 0
+    while total < seq_len:
+        n = min((5, 11, 3, 9)[i % 4], seq_len - total)
+        lengths.append(n)
+        total, i = total + n, i + 1
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def make_mask(name: str, seq_len: int):
+    """The mask_mod of ``name`` over ``seq_len`` global tokens (None: no mask)."""
+    doc = _doc_ids(seq_len)
+    if name == "none":
+        return None
+    if name == "causal":
+        return causal
+    if name == "document":
+        return lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)
+    if name == "window":
+        return lambda b, h, q, kv: (q >= kv) & (q - kv <= 6)
+    if name == "document_window":
+        return lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv) & (q - kv <= 4)
+    if name == "prefix_lm":
+        return lambda b, h, q, kv: (kv < 7) | (q >= kv)
+    if name == "empty_rows":  # rows 3 and 20 see nothing; the last head sees only itself
+        return lambda b, h, q, kv: (q >= kv) & (q != 3) & (q != 20) & ((h < 3) | (q == kv))
+    raise AssertionError(name)
+
+
+def make_score(name: str):
+    if name == "none":
+        return None
+    if name == "softcap":
+        return lambda s, b, h, q, kv: 3.0 * torch.tanh(s / 3.0)
+    if name == "alibi":
+        return lambda s, b, h, q, kv: s - (h + 1) * 0.25 * (q - kv).abs() + 0.1 * b
+    raise AssertionError(name)
+
+
+CASES = [
+    # (mask, score, layout, H_kv)
+    ("causal", "none", "zigzag", 4),
+    ("causal", "none", "stripe", 4),
+    ("document", "none", "ring", 4),
+    ("document", "none", "zigzag", 2),
+    ("window", "none", "ring", 4),
+    ("document_window", "none", "zigzag", 4),
+    ("prefix_lm", "none", "ring", 1),
+    ("causal", "softcap", "ring", 4),
+    ("none", "alibi", "ring", 2),
+    ("document", "softcap", "stripe", 2),
+    ("empty_rows", "alibi", "zigzag", 4),
+]
+
+
+def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False) -> dict:
+    """Forward and backward of one case against the fp64 reference; returns the plan stats."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, H, D, S = 2, 4, 8, S_LOCAL * W
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv))
+    dout = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64)
+    mask_mod, score_mod = make_mask(mask, S), make_score(score)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_flex(*ref_in, mask_mod=mask_mod, score_mod=score_mod)
+    ref_out.backward(dout)
+    idx = layout_indices(layout, rank, W, S)
+    local = [t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v)]
+    kwargs = {}
+    if bare:
+        kwargs["mask_mod"] = mask_mod
+    elif mask_mod is not None:
+        kwargs["block_mask"] = create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+    out, lse = dr.flex_attention(
+        *local, score_mod=score_mod, enable_gqa=H != H_kv, return_lse=True, group=group,
+        layout=layout, **kwargs,
+    )  # fmt: skip
+    out.backward(dout[:, :, idx].to(dtype))
+    tol = {"atol": 1e-10, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 1e-4}
+    torch.testing.assert_close(out.double(), ref_out[:, :, idx], **tol)
+    torch.testing.assert_close(lse.double(), ref_lse[:, :, idx], **tol)
+    for name, got, ref in zip("qkv", local, ref_in, strict=True):
+        torch.testing.assert_close(got.grad.double(), ref.grad[:, :, idx], **tol, msg=name)
+    return {}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_flex_fp64(dist_pool, world_size, case):
+    mask, score, layout, H_kv = case
+    dist_pool.run(check_flex, world_size, mask=mask, score=score, layout=layout, H_kv=H_kv)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_flex_bare_mask_mod_fp32(dist_pool, world_size):
+    dist_pool.run(
+        check_flex, world_size, mask="document", score="softcap", layout="zigzag", H_kv=2,
+        dtype=torch.float32, bare=True,
+    )  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_reference_matches_torch_flex_forward():
+    """The broadcasting reference is torch's flex_attention (eager, CPU, fp64) forward."""
+    S = 24
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, S, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    for mask, score in [("document_window", "alibi"), ("empty_rows", "softcap")]:
+        mask_mod, score_mod = make_mask(mask, S), make_score(score)
+        bm = create_block_mask(mask_mod, 2, 4, S, S, "cpu", TILE)
+        out, aux = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=bm, return_aux=AuxRequest(lse=True)
+        )
+        ref_out, ref_lse = reference_flex(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+        torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(aux.lse, ref_lse, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hidden_blocks_are_skipped(world_size):
+    """Causal on the ring layout: rank r needs the K/V of ranks <= r only, and a document
+    mask with documents inside shards needs no exchange at all."""
+    S = S_LOCAL * world_size
+    ring = get_layout("ring")
+
+    def tiles(mask_mod):
+        return VisibleBlocks.of_block_mask(
+            create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+        )
+
+    plan = flex_plan(ring, world_size, S_LOCAL, tiles(causal))
+    for rank, row in enumerate(plan.steps):
+        computed = [st.src for st in row if st.blocks]
+        assert computed == [(rank - s) % world_size for s in range(rank + 1)], plan.table()
+    report = flex_balance(ring, world_size, S_LOCAL, tiles(causal))
+    assert report.skipped == [world_size - 1 - r for r in range(world_size)]
+    n = S_LOCAL // TILE  # work is counted in whole visible tiles
+    assert report.work == [(n * (n + 1) // 2 + r * n * n) * TILE**2 for r in range(world_size)]
+
+    def per_shard(b, h, q, kv):
+        return q // S_LOCAL == kv // S_LOCAL
+
+    plan = flex_plan(ring, world_size, S_LOCAL, tiles(per_shard))
+    assert plan.offsets == (0,) and plan.kv_transfers() == 0
+
+
+def check_skipped_steps_not_sent(group) -> None:
+    """A plan that needs only step 0 sends nothing: with every send/receive patched to fail,
+    the call still runs (per-shard documents)."""
+    W = dist.get_world_size(group)
+    S = S_LOCAL * W
+    q = torch.randn(1, 2, S_LOCAL, 8, dtype=torch.float64, requires_grad=True)
+
+    def per_shard(b, h, qi, kv):
+        return qi // S_LOCAL == kv // S_LOCAL
+
+    bm = create_block_mask(per_shard, None, None, S, S, "cpu", TILE)
+    originals = dist.batch_isend_irecv, dist.isend, dist.irecv
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a skipped step communicated")
+
+    dist.batch_isend_irecv = dist.isend = dist.irecv = refuse
+    try:
+        out = dr.flex_attention(q, q, q, block_mask=bm, group=group)
+        out.sum().backward()
+    finally:
+        dist.batch_isend_irecv, dist.isend, dist.irecv = originals
+    ref, _ = reference_flex(q.detach(), q.detach(), q.detach(), mask_mod=lambda b, h, i, j: i >= 0)
+    torch.testing.assert_close(out.detach(), ref)
+
+
+def test_skipped_steps_not_sent(dist_pool):
+    dist_pool.run(check_skipped_steps_not_sent, 3)
+
+
+def check_ranks_disagree_on_mask(group) -> None:
+    """Rank 0 passes a causal mask, the others a document mask: every rank raises before
+    communicating (the tiles' digest is compared)."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    S = S_LOCAL * W
+    mask_mod = causal if rank == 0 else make_mask("document", S)
+    bm = create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+    q = torch.randn(1, 2, S_LOCAL, 8)
+    with pytest.raises(ValueError, match="mask tiles"):
+        dr.flex_attention(q, q, q, block_mask=bm, group=group)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_disagree_on_mask(dist_pool, world_size):
+    dist_pool.run(check_ranks_disagree_on_mask, world_size, timeout_s=60)
+
+
+BAD = {
+    "local_block_mask": (
+        ValueError,
+        "takes the mask of the whole sequence",
+        lambda S, W: {"block_mask": create_block_mask(causal, None, None, S // W, S // W, "cpu")},
+    ),
+    "both_masks": (
+        ValueError,
+        "not both",
+        lambda S, W: {
+            "block_mask": create_block_mask(causal, None, None, S, S, "cpu"),
+            "mask_mod": causal,
+        },
+    ),
+    "kernel_options": (ValueError, "kernel_options", lambda S, W: {"kernel_options": {"x": 1}}),
+    "gqa_without_flag": (ValueError, "enable_gqa=True", lambda S, W: {"kv_heads": 1}),
+    "grad_capturing_score_mod": (
+        ValueError,
+        "requires grad",
+        lambda S, W: {"score_mod": functools.partial(_biased, torch.ones(S, requires_grad=True))},
+    ),
+    "max_scores": (
+        ValueError,
+        "max_scores",
+        lambda S, W: {"return_aux": AuxRequest(lse=True, max_scores=True)},
+    ),
+    "block_mask_type": (TypeError, "BlockMask", lambda S, W: {"block_mask": causal}),
+    "algorithm": (ValueError, "algorithm='ring'", lambda S, W: {"algorithm": "ulysses"}),
+}
+
+
+def _biased(bias, s, b, h, q, kv):
+    return s + bias[kv]
+
+
+def check_bad_flex(group, name: str) -> str:
+    W = dist.get_world_size(group)
+    S = S_LOCAL * W
+    error, match, make = BAD[name]
+    kwargs = make(S, W)
+    H_kv = kwargs.pop("kv_heads", 2)
+    q = torch.randn(1, 2, S_LOCAL, 8, requires_grad=True)
+    kv = torch.randn(1, H_kv, S_LOCAL, 8)
+    with pytest.raises(error, match=match) as info:
+        dr.flex_attention(q, kv, kv, group=group, **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_flex_call_raises_on_every_rank(dist_pool, name):
+    dist_pool.run(check_bad_flex, 2, timeout_s=60, name=name)
