@@ -32,7 +32,8 @@ Public names:
       ``enable_context_parallel_dispatcher`` / ``disable_context_parallel_dispatcher``
       (PyTorch's spellings, import-only: ``dtensor_ring.compat.torch_cp``);
     * FlexAttention on the ring (docs/flex.md): ``flex_attention`` (any ``BlockMask`` /
-      ``mask_mod`` / ``score_mod`` of global positions), ``flex_balance``;
+      ``mask_mod`` / ``score_mod`` of global positions), ``flex_layout`` (mask-aware balance),
+      ``flex_balance``;
     * inference over a sharded KV cache (docs/inference.md): ``decode_attention_func``,
       ``KVCacheShard``, ``prefill_attention``, ``decode_step_attention``, ``split_prompt``.
 """
@@ -50,7 +51,7 @@ from .api.dtensor import (
     shard_sequence,
     unshard_sequence,
 )
-from .api.flex import flex_attention
+from .api.flex import flex_attention, flex_balance, flex_layout
 from .api.functional import ring_attention_func
 from .api.parallel_style import (
     ContextParallel,
@@ -148,6 +149,8 @@ __all__ = [
     "set_machine",
     "ring_attention_func",
     "flex_attention",
+    "flex_balance",
+    "flex_layout",
     "ring_varlen_attention_func",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",

@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import (
 
 import dtensor_ring as dr
 from dtensor_ring.layouts import get_layout
-from dtensor_ring.schedule.flex import VisibleBlocks, flex_balance, flex_plan
+from dtensor_ring.schedule.flex import VisibleBlocks, balanced_layout, flex_balance, flex_plan
 
 TILE = 4
 S_LOCAL = 12
@@ -87,6 +87,8 @@ CASES = [
     ("none", "alibi", "ring", 2),
     ("document", "softcap", "stripe", 2),
     ("empty_rows", "alibi", "zigzag", 4),
+    ("document", "none", "balanced", 2),
+    ("prefix_lm", "softcap", "balanced", 4),
 ]
 
 
@@ -101,13 +103,18 @@ def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference_flex(*ref_in, mask_mod=mask_mod, score_mod=score_mod)
     ref_out.backward(dout)
-    idx = layout_indices(layout, rank, W, S)
+    bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+    if layout == "balanced":  # the mask-aware layout, built from the mask on every rank
+        layout = dr.flex_layout(bm, W, chunks_per_rank=2)
+        idx = layout.token_indices(S, rank, W)
+    else:
+        idx = layout_indices(layout, rank, W, S)
     local = [t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v)]
     kwargs = {}
     if bare:
         kwargs["mask_mod"] = mask_mod
     elif mask_mod is not None:
-        kwargs["block_mask"] = create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+        kwargs["block_mask"] = bm
     out, lse = dr.flex_attention(
         *local, score_mod=score_mod, enable_gqa=H != H_kv, return_lse=True, group=group,
         layout=layout, **kwargs,
@@ -179,6 +186,44 @@ def test_hidden_blocks_are_skipped(world_size):
 
     plan = flex_plan(ring, world_size, S_LOCAL, tiles(per_shard))
     assert plan.offsets == (0,) and plan.kv_transfers() == 0
+
+
+def test_balanced_layout_deals_largest_first():
+    """Note [Mask-aware balance]'s rule on a hand-made tile table (one tile a chunk): chunk
+    work 1, 3, 3, 4 tiles on 2 ranks -> rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2."""
+    tiles = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    visible = VisibleBlocks(16, 4, 4, tiles)
+    work = [visible.pairs((0, 4, 4 * i), (0, 16, 0), 1) // 16 for i in range(4)]
+    layout = balanced_layout(visible, 2, 2)
+    order = sorted(range(4), key=lambda i: -work[i])
+    load, held = [0, 0], [[], []]
+    for i in order:  # the rule, written out
+        r = min((r for r in (0, 1) if len(held[r]) < 2), key=lambda r: load[r])
+        load[r] += work[i]
+        held[r].append(i)
+    assert work == [1, 3, 3, 4]
+    assert layout.chunks == tuple(tuple(sorted(h)) for h in held) == ((0, 3), (1, 2))
+    assert [run[2] for run in layout.runs(8, 0, 2)] == [4 * c for c in sorted(held[0])]
+
+
+@pytest.mark.parametrize("ndocs", [3, 7])
+def test_balanced_layout_beats_fixed_layouts(ndocs):
+    """Packed causal documents on 4 ranks: the mask-aware layout's max/mean work is <= 1.05
+    and below ring's and zigzag's."""
+    W, S = 4, 512
+    gen = torch.Generator().manual_seed(ndocs)
+    cuts = torch.sort(torch.randperm(S - 1, generator=gen)[: ndocs - 1] + 1).values
+    doc = torch.repeat_interleave(
+        torch.arange(ndocs), torch.cat([cuts, torch.tensor([S])]).diff(prepend=torch.tensor([0]))
+    )
+
+    def document(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    bm = create_block_mask(document, None, None, S, S, "cpu", 8)
+    balanced = dr.flex_balance(bm, W, dr.flex_layout(bm, W)).imbalance
+    assert balanced <= 1.05
+    assert balanced < min(dr.flex_balance(bm, W, name).imbalance for name in ("ring", "zigzag"))
 
 
 def check_skipped_steps_not_sent(group) -> None:

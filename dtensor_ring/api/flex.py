@@ -20,7 +20,8 @@ from ..kernels.flex import FlexMods
 from ..layouts import Layout, get_layout
 from ..ops.flex import RingFlex
 from ..resolve import Call, Door, check_bool, group_arg, resolve_call
-from ..schedule.flex import VisibleBlocks, flex_plan
+from ..schedule.flex import FlexBalance, VisibleBlocks, balanced_layout, flex_plan
+from ..schedule.flex import flex_balance as _plan_balance
 
 DEFAULT_TILE = 128  # the tile of a bare mask_mod's block sparsity (flex's default BLOCK_SIZE)
 
@@ -103,7 +104,7 @@ def flex_attention(
     call = Call(q_BSHD, k_BSHD, v_BSHD, group_name, world_size, layout, softmax_scale=scale)
     spec = resolve_call(call, door)
     visible, mods = spec.door
-    plan = flex_plan(get_layout(spec.layout, "dense"), world_size, q_BSHD.shape[1], visible)
+    plan = flex_plan(get_layout(layout, "dense"), world_size, q_BSHD.shape[1], visible)
     out_BSHD, lse_BHS = RingFlex.apply(q_BSHD, k_BSHD, v_BSHD, group_name, plan, mods, spec.scale)
     out = out_BSHD.transpose(1, 2)
     if not want_lse:
@@ -231,3 +232,34 @@ def _check_score_mod(score_mod: Callable, q_BSHD: Tensor) -> None:
             "dtensor_ring.flex_attention cannot give gradients to a score_mod's captured tensors: "
             "detach them, or compute that term outside attention"
         )
+
+
+def flex_layout(block_mask: BlockMask, world_size: int, chunks_per_rank: int = 8) -> Layout:
+    """The mask-aware layout for ``block_mask`` (global) on ``world_size`` ranks (Note
+    [Mask-aware balance]): ``W * chunks_per_rank`` equal chunks dealt out so that every rank's
+    visible pairs are close to the mean. Every rank computes the same layout from the same
+    mask; shard with ``dtensor_ring.shard_local(x, layout, ...)`` / ``layout.token_indices``
+    and pass it as ``layout=`` to :func:`flex_attention`."""
+    visible = _global_tiles(block_mask, "flex_layout")
+    return balanced_layout(visible, world_size, chunks_per_rank)
+
+
+def flex_balance(
+    block_mask: BlockMask, world_size: int, layout: str | Layout = "ring"
+) -> FlexBalance:
+    """Per-rank work, blocks computed and skipped, and K/V transfers of
+    :func:`flex_attention` with ``block_mask`` (global) on ``world_size`` ranks in ``layout``
+    (no process group): the slowest rank sets the pace, compare ``imbalance``."""
+    visible = _global_tiles(block_mask, "flex_balance")
+    lay = get_layout(layout, "dense")
+    lay.check_length(visible.seq_len, world_size)
+    return _plan_balance(lay, world_size, visible.seq_len // world_size, visible)
+
+
+def _global_tiles(block_mask: object, fn: str) -> VisibleBlocks:
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"{fn} takes a BlockMask, got {type(block_mask).__name__}")
+    q_len, kv_len = block_mask.seq_lengths
+    if q_len != kv_len:
+        raise ValueError(f"{fn} takes a square (self-attention) BlockMask, got {(q_len, kv_len)}")
+    return VisibleBlocks.of_block_mask(block_mask)

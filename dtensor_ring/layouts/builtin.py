@@ -6,6 +6,8 @@ Their ``part_block`` tables are the schedules of Note [Ring schedules] in ``sche
 
 from __future__ import annotations
 
+import zlib
+
 from ..parts import Block, Part
 from .base import Layout, Run
 
@@ -94,3 +96,39 @@ BUILTIN_ALIASES: dict[str, tuple[str, str]] = {
 }
 """Layout names that also say how K/V move (Note [Layouts and algorithms] in
 ``dtensor_ring/algorithm.py``): kept as documented shorthands."""
+
+
+class ChunkLayout(Layout):
+    """A layout given as a table: the sequence is cut into ``W * k`` equal chunks and rank r
+    holds chunks ``chunks[r]`` (``k`` of them, in increasing order). Built for one world size;
+    not registered (it is data: e.g. the mask-aware layout of Note [Mask-aware balance] in
+    ``schedule/flex.py``): pass the object as ``layout=``. Its name holds a digest of the
+    table, so equal tables share plans."""
+
+    causal_only = False
+
+    def __init__(self, chunks: tuple[tuple[int, ...], ...], prefix: str = "chunks"):
+        k = len(chunks[0])
+        flat = sorted(c for row in chunks for c in row)
+        if any(len(row) != k or list(row) != sorted(row) for row in chunks) or flat != list(
+            range(k * len(chunks))
+        ):
+            raise ValueError(
+                f"chunks must give every rank k sorted chunk ids of 0..W*k-1: {chunks}"
+            )
+        self.chunks, self.chunks_per_rank = chunks, k
+        self.name = f"{prefix}_{zlib.crc32(repr(chunks).encode()):08x}"
+
+    def runs(self, seq_local: int, rank: int, world_size: int) -> tuple[Run, ...]:
+        if world_size != len(self.chunks):
+            raise ValueError(
+                f"layout {self.name!r} was built for {len(self.chunks)} ranks, not {world_size}"
+            )
+        c = seq_local // self.chunks_per_rank
+        runs: list[list[int]] = []  # [local start, length, global start], adjacent merged
+        for i, chunk in enumerate(self.chunks[rank]):
+            if runs and runs[-1][2] + runs[-1][1] == chunk * c:
+                runs[-1][1] += c
+            else:
+                runs.append([i * c, c, chunk * c])
+        return tuple(tuple(r) for r in runs)

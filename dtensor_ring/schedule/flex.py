@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..layouts import Layout
+from ..layouts.builtin import ChunkLayout
 from ..parts import Block, Span
 from .plan import Plan, plan_from_blocks
 
@@ -159,6 +160,46 @@ def flex_plan(layout: Layout, world_size: int, seq_local: int, visible: VisibleB
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
     return plan
+
+
+# Note [Mask-aware balance]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# On the ring every rank meets every key, so a rank's work is the visible pairs of the query
+# rows it holds. A mask fixes each row's work before anything runs; the layout that balances
+# it cuts the sequence into W * k equal chunks, weighs each by its rows' visible pairs (from
+# the mask's tiles), and deals them out largest first, each to the least loaded rank that still
+# has room for one (every rank holds k: shards stay equal):
+#
+#     packed documents, causal, W = 2, k = 2 (chunk work in visible tiles):
+#        chunks  0   1   2   3      largest first: 3 (7) -> rank 0, 1 (3) -> rank 1,
+#        work    1   3   3   7                     2 (3) -> rank 1, 0 (1) -> rank 0
+#                                   rank 0: chunks 0, 3 = 8;  rank 1: chunks 1, 2 = 6
+#
+# zigzag is this rule's answer for a plain causal mask (chunk i's work grows with i). The
+# result is a :class:`~dtensor_ring.layouts.builtin.ChunkLayout`: a rank's chunks are its runs,
+# so plans, sharding and the report follow as for any layout.
+
+
+def balanced_layout(visible: VisibleBlocks, world_size: int, chunks_per_rank: int) -> ChunkLayout:
+    """The layout of Note [Mask-aware balance] for the mask's tiles ``visible`` on
+    ``world_size`` ranks, ``chunks_per_rank`` chunks a rank (the sequence length must be a
+    multiple of ``world_size * chunks_per_rank``)."""
+    n_chunks = world_size * chunks_per_rank
+    if visible.seq_len % n_chunks:
+        raise ValueError(
+            f"a balanced layout of {chunks_per_rank} chunks a rank on {world_size} ranks needs a "
+            f"sequence length divisible by {n_chunks}, got {visible.seq_len}"
+        )
+    c = visible.seq_len // n_chunks
+    whole = (0, visible.seq_len, 0)
+    work = [visible.pairs((0, c, i * c), whole, 1) for i in range(n_chunks)]
+    load, held = [0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(n_chunks), key=lambda i: -work[i]):
+        r = min((r for r in range(world_size) if len(held[r]) < chunks_per_rank),
+                key=lambda r: load[r])  # fmt: skip
+        load[r] += work[i]
+        held[r].append(i)
+    return ChunkLayout(tuple(tuple(sorted(h)) for h in held), prefix="mask_balanced")
 
 
 @dataclass(frozen=True)
