@@ -161,7 +161,8 @@ def check_errors(group: dist.ProcessGroup) -> list[str]:
     x = torch.randn(B, H, S, D)
     reversed_order = _FixedOrder(torch.arange(S).flip(0))
     calls = {
-        "flex": lambda: dr.ContextParallel(seq_dim=2, attention_type="flex"),
+        "varlen": lambda: dr.ContextParallel(seq_dim=2, attention_type="varlen"),
+        "flex_algorithm": lambda: dr.ContextParallel(attention_type="flex", algorithm="ulysses"),
         "seq_dim": lambda: dr.ContextParallel(seq_dim=1),
         "layout": lambda: dr.ContextParallel(layout="nope"),
         "algorithm": lambda: dr.ContextParallel(algorithm="nope"),
@@ -194,7 +195,8 @@ def test_errors(dist_pool, world_size):
     for message in results[0]:
         assert "no error" not in message, message
     text = "\n".join(results[0])
-    assert "only 'sdpa'" in text and "sequence dim 2" in text and "neither contiguous" in text
+    assert "varlen attention modules are not" in text and "sequence dim 2" in text
+    assert "FlexAttention runs on the ring" in text and "neither contiguous" in text
     assert "placed (Replicate(),)" in text and "rotate_method" in text
 
 
@@ -363,3 +365,60 @@ def check_shard_structures(group: dist.ProcessGroup) -> None:
 
 def test_shard_structures(dist_pool):
     dist_pool.run(check_shard_structures, 3)
+
+
+class FlexWrapper(nn.Module):
+    """PyTorch's FLEX test module (torchtitan's FlexAttentionWrapper): flex_attention itself."""
+
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(*args, **kwargs)
+
+
+def check_flex_module(group: dist.ProcessGroup, balancer: str) -> None:
+    """``ContextParallel(attention_type=FLEX)`` (PyTorch's enum) on a flex wrapper, inputs and
+    the global document mask through ``context_parallel_shard``: equals the fp64 reference."""
+    from reference import reference_flex
+    from torch.distributed.tensor.experimental._attention import _ContextParallel
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    W = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    S = 8 * W
+    doc = torch.arange(S) * 3 // S  # three documents, across shard boundaries
+
+    def document(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    q, k, v = (t.transpose(1, 2) for t in random_qkv(B, S, H, H_KV, D, seed=5))
+    dout = torch.randn(B, H, S, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = reference_flex(*ref_leaves, mask_mod=document)
+    expected.backward(dout)
+    block_mask = create_block_mask(document, None, None, S, S, "cpu", BLOCK_SIZE=4)
+    lb = _balancer(balancer, S, W)
+    try:
+        style = dr.ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
+        attention = parallelize_module(FlexWrapper(), mesh, style)
+        *shards, cp_mask = dr.context_parallel_shard(
+            mesh, [q, k, v, dout, block_mask], [2, 2, 2, 2, 0], lb
+        )
+        assert cp_mask is block_mask  # the global mask: flex_attention's global indices
+        cp_q, cp_k, cp_v = (t.detach().requires_grad_() for t in shards[:3])
+        out = attention(cp_q, cp_k, cp_v, block_mask=cp_mask, enable_gqa=True)
+        out.backward(shards[3])
+        got = dr.context_parallel_unshard(
+            mesh, [out.detach(), cp_q.grad, cp_k.grad, cp_v.grad], [2] * 4, lb
+        )
+    finally:
+        dr.cp_options.enable_load_balance = True
+    want = [expected.detach(), *(t.grad for t in ref_leaves)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("balancer", ["none", "head_tail"])
+def test_flex_module(dist_pool, world_size, balancer):
+    dist_pool.run(check_flex_module, world_size, balancer=balancer)

@@ -29,6 +29,11 @@ exactly this module's forward, on this thread, and ``torch.compile(fullgraph=Tru
 it (the attribute swap is process-wide); a backward needs no mode (the graph holds ring
 attention), and a checkpoint's recomputation runs the forward again, or, checkpointed inside
 the forward, enters the mode again through Note [Recomputation outside the scope].
+``attention_type="flex"`` (PyTorch's FLEX): PyTorch's style requires the module's forward to
+have ``flex_attention``'s signature (it swaps in all-gathered K/V and keeps the forward); ours
+makes that forward :func:`dtensor_ring.flex_attention` on the shards, with K/V on the ring and
+the global ``BlockMask``, which :func:`context_parallel_shard` passes through whole (the
+user's functions see global indices: Note [FlexAttention on the ring]).
 The module form needs no dispatcher; :func:`enable_context_parallel_dispatcher` is PyTorch's
 other path (torchtitan's): SDPA on ``Shard``-ed DTensors anywhere, through a ``ring_sdpa``
 scope held open until :func:`disable_context_parallel_dispatcher`.
@@ -54,11 +59,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.nn.attention.flex_attention import BlockMask
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..algorithm import Algorithm, check_pair
-from ..layouts import balancer_layout, get_layout, shard_local
+from ..layouts import Layout, balancer_layout, get_layout, shard_local
 from ..resolve import check_algorithm, placement
 from .context_parallel import (
     _check_buffer_args,
@@ -69,21 +75,22 @@ from .context_parallel import (
 )
 from .dtensor import ring_sdpa
 from .dtensor.placements import SDPA_SEQ_DIM
+from .flex import flex_attention
 from .recompute import recompute_context
 
-ATTENTION_TYPES = ("sdpa",)
+ATTENTION_TYPES = ("sdpa", "flex")
 
 
 def _attention_type(attention_type: object) -> str:
-    """``"sdpa"`` from our string or PyTorch's ``_ContextParallel.AttentionType`` (by value);
-    ``ValueError`` for FlexAttention and varlen (not served by this style yet)."""
+    """``"sdpa"`` / ``"flex"`` from our string or PyTorch's ``_ContextParallel.AttentionType``
+    (by value); ``ValueError`` for varlen (not served by this style yet)."""
     value = attention_type.value if isinstance(attention_type, enum.Enum) else attention_type
     name = {"scaled_dot_product_attention": "sdpa", "flex_attention": "flex"}.get(value, value)
     if name not in ATTENTION_TYPES:
         raise ValueError(
-            f"ContextParallel(attention_type={attention_type!r}): only 'sdpa' "
-            "(F.scaled_dot_product_attention) is served; FlexAttention and varlen attention "
-            "modules are not (use the varlen functions, docs/varlen.md)"
+            f"ContextParallel(attention_type={attention_type!r}): 'sdpa' "
+            "(F.scaled_dot_product_attention) and 'flex' (a flex_attention module) are served; "
+            "varlen attention modules are not (use the varlen functions, docs/varlen.md)"
         )
     return name
 
@@ -118,7 +125,7 @@ class ContextParallel(ParallelStyle):
         seq_dim: int = SDPA_SEQ_DIM,
         attention_type: object = "sdpa",
         *,
-        layout: str | None = None,
+        layout: str | Layout | None = None,
         algorithm: Algorithm | None = None,
     ) -> None:
         super().__init__()
@@ -129,6 +136,11 @@ class ContextParallel(ParallelStyle):
                 f"are [B, H, S, D], sequence dim {SDPA_SEQ_DIM}"
             )
         check_algorithm(algorithm)
+        if self.attention_type == "flex" and algorithm not in (None, "ring"):
+            raise ValueError(
+                f"ContextParallel(attention_type='flex', algorithm={algorithm!r}): FlexAttention "
+                "runs on the ring (algorithm='ring' or None)"
+            )
         if layout is not None:
             get_layout(layout, "dense")
             lay, chosen = placement(layout, algorithm)
@@ -138,6 +150,9 @@ class ContextParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = _cp_group(device_mesh)
+        if self.attention_type == "flex":
+            module.forward = functools.partial(_flex_forward, self, group, device_mesh)
+            return module
         forward = module.forward
 
         @functools.wraps(forward)
@@ -149,6 +164,18 @@ class ContextParallel(ParallelStyle):
 
         module.forward = context_parallel_forward
         return module
+
+
+def _flex_forward(
+    style: ContextParallel, group: dist.ProcessGroup, mesh: DeviceMesh, *args: Any, **kwargs: Any
+) -> Any:
+    """A FlexAttention module's forward under :class:`ContextParallel`: the module is a
+    ``flex_attention`` wrapper (its forward has ``flex_attention``'s signature, as PyTorch's
+    FLEX style requires), so the call is :func:`dtensor_ring.flex_attention` on the shards,
+    with the global ``BlockMask`` that :func:`context_parallel_shard` passed through."""
+    args, kwargs = _local_inputs((args, kwargs), mesh, style.seq_dim)
+    layout = style.layout or _SHARDED[0] or ("zigzag" if cp_options.enable_load_balance else "ring")
+    return flex_attention(*args, group=group, layout=layout, algorithm=style.algorithm, **kwargs)
 
 
 def _local_inputs(inputs: Any, mesh: DeviceMesh, seq_dim: int) -> Any:
@@ -226,20 +253,21 @@ def context_parallel_shard(
     flat_dims, _ = tree_flatten(seq_dims)  # as PyTorch's: the flattened counts must agree
     _check_buffer_args(flat, flat_dims)
     for b in flat:
-        if not isinstance(b, Tensor):
-            raise ValueError(
-                f"context_parallel_shard shards tensors; got {type(b).__name__} (a BlockMask "
-                "is FlexAttention's, which this library does not serve yet)"
+        if not isinstance(b, (Tensor, BlockMask)):
+            raise TypeError(
+                f"context_parallel_shard shards tensors and BlockMasks; got {type(b).__name__}"
             )
-    if not flat:
-        return tree_unflatten([], spec)
+    tensors = [(i, b) for i, b in enumerate(flat) if isinstance(b, Tensor)]
+    if not tensors:
+        return tree_unflatten(flat, spec)
     world_size, rank = mesh.size(), mesh.get_local_rank()
-    seq_len = flat[0].shape[flat_dims[0]]
+    seq_len = tensors[0][1].shape[flat_dims[tensors[0][0]]]
     if layout is not None and load_balancer is not None:
         raise ValueError("pass load_balancer= or layout=, not both")
     layout = layout if layout is not None else balancer_layout(load_balancer, seq_len, world_size)
-    shards = [
-        shard_local(b, layout, rank, world_size, d) for b, d in zip(flat, flat_dims, strict=True)
+    shards = [  # a BlockMask stays whole: flex_attention takes the global mask
+        shard_local(b, layout, rank, world_size, d) if isinstance(b, Tensor) else b
+        for b, d in zip(flat, flat_dims, strict=True)
     ]
     cp_options.enable_load_balance = layout != "ring"  # PyTorch's: the default layout from now
     _SHARDED[0] = layout
