@@ -12,7 +12,9 @@ with autograd.
 
 Semantics are ``flex_attention``'s: ``score_mod`` receives the scaled score; a pair the
 mask hides (or whose modified score is -inf) has probability 0; a row with no visible key
-has ``out = 0`` and ``lse = -inf``, and gradient 0.
+has ``out = 0`` and ``lse = -inf``, and gradient 0. A NaN or Inf in a token reaches only the
+rows whose mask shows them that token (Note [Strict non-finite values] in ``math.py``), where
+a one-device kernel leaks it into the hidden pairs of the tiles it shares with them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .base import accumulation_dtype
+from .math import _visible_matmul
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,12 +80,10 @@ def _modified(s_BHQK: Tensor, mods: FlexMods, q_pos: Tensor, kv_pos: Tensor) -> 
 
 def _probs(s_BHQK: Tensor, lse_BHQ: Tensor, mask: Tensor | None) -> Tensor:
     """``exp(s - lse)``, 0 at hidden pairs and in rows with ``lse = -inf`` (no visible key)."""
-    if mask is not None:
-        s_BHQK = s_BHQK.masked_fill(~mask, float("-inf"))
     empty = lse_BHQ == float("-inf")
-    return torch.exp(s_BHQK - lse_BHQ.masked_fill(empty, 0).unsqueeze(-1)).masked_fill(
-        empty.unsqueeze(-1), 0
-    )
+    p = torch.exp(s_BHQK - lse_BHQ.masked_fill(empty, 0).unsqueeze(-1))
+    p = p.masked_fill(empty.unsqueeze(-1), 0)
+    return p if mask is None else p.masked_fill(~mask, 0)  # also in rows with a NaN lse
 
 
 def _by_kv_head(x_BHSD: Tensor, H_kv: int) -> Tensor:
@@ -114,7 +115,7 @@ def flex_block_forward(
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    out = _probs(s, lse, None) @ _repeat_kv(v_BSHD, H)
+    out = _visible_matmul(_probs(s, lse, None), _repeat_kv(v_BSHD, H), mask)
     return out.transpose(1, 2).to(q_BSHD.dtype), lse
 
 
@@ -140,16 +141,20 @@ def flex_block_backward(
         s = _modified(raw, mods, q_pos, kv_pos)
     mask = visible(mods, B, H, q_pos, kv_pos)
     p = _probs(s.detach(), lse_BHS.to(acc), mask)
+    mask_t = None if mask is None else mask.transpose(-1, -2)
     do = dout_BSHD.to(acc).transpose(1, 2)  # [B, H, S_q, D]
-    dv = _by_kv_head(p.transpose(-1, -2) @ do, H_kv)
+    dv = _by_kv_head(_visible_matmul(p.transpose(-1, -2), do, mask_t), H_kv)
     dp = do @ _repeat_kv(v_BSHD, H).transpose(-1, -2)
     delta = (do * out_BSHD.to(acc).transpose(1, 2)).sum(-1, keepdim=True)
-    ds = p * (dp - delta)  # the gradient of the modified scores; 0 where p is
+    ds = p * (dp - delta)  # the gradient of the modified scores
+    if mask is not None:  # 0 at hidden pairs, also where a hidden value made dp NaN
+        ds = ds.masked_fill(~mask, 0)
     if mods.score_mod is not None:
         (ds,) = torch.autograd.grad(s, raw, ds)
         if mask is not None:  # a hidden pair's score_mod derivative may be anything
             ds = ds.masked_fill(~mask, 0)
     ds = ds * scale
-    dq = ds @ _repeat_kv(k_BSHD, H)
-    dk = _by_kv_head(ds.transpose(-1, -2) @ q_BSHD.to(acc).transpose(1, 2), H_kv)
+    dq = _visible_matmul(ds, _repeat_kv(k_BSHD, H), mask)
+    q_BHSD = q_BSHD.to(acc).transpose(1, 2)
+    dk = _by_kv_head(_visible_matmul(ds.transpose(-1, -2), q_BHSD, mask_t), H_kv)
     return dq.transpose(1, 2).to(q_BSHD.dtype), dk.to(k_BSHD.dtype), dv.to(v_BSHD.dtype)

@@ -113,9 +113,10 @@ def _probs(scores: Tensor, lse_BKGS: Tensor, mask: Tensor | None, empty_rows: fl
 
 
 def _visible_matmul(a: Tensor, b: Tensor, mask: Tensor | None) -> Tensor:
-    """``a @ b`` over the pairs ``mask [M, N]`` makes visible, ``a [..., M, N]`` being 0 at
-    masked pairs, so that non-finite rows of ``b [..., N, D]`` reach only the rows of the
-    result that see them (Note [Strict non-finite values])."""
+    """``a @ b`` over the pairs ``mask [M, N]`` (or any shape broadcasting with ``a``) makes
+    visible, ``a [..., M, N]`` being 0 at masked pairs, so that non-finite rows of
+    ``b [..., N, D]`` reach only the rows of the result that see them (Note [Strict non-finite
+    values])."""
     if mask is None or b.is_meta:
         return a @ b
     finite = torch.isfinite(b)
@@ -125,7 +126,7 @@ def _visible_matmul(a: Tensor, b: Tensor, mask: Tensor | None) -> Tensor:
     cols = (~finite).any(-1).reshape(-1, b.shape[-2]).any(0).nonzero().flatten()
     a_c = a.index_select(-1, cols).unsqueeze(-1)  # [..., M, c, 1]
     b_c = b.masked_fill(finite, 0).index_select(-2, cols).unsqueeze(-3)  # [..., 1, c, D]
-    pairs = torch.where(mask[:, cols, None], a_c * b_c, 0)
+    pairs = torch.where(mask[..., cols, None], a_c * b_c, 0)
     return out + pairs.sum(-2)
 
 

@@ -66,7 +66,10 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   (:mod:`tests.adversarial.rank_local`);
 * ``shards``: packed documents sharded per document, head-tail over the row or in contiguous
   row chunks, the varlen door told their positions: exact on its own layout's tokens, a
-  clean error on every rank otherwise (:mod:`tests.adversarial.shards`).
+  clean error on every rank otherwise (:mod:`tests.adversarial.shards`);
+* ``flex``: ``dtensor_ring.flex_attention`` and ``ContextParallel(attention_type="flex")``:
+  masks on every layout, non-finite values, score mods, bad arguments, ranks that disagree,
+  double backward (:mod:`tests.adversarial.flex`).
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
@@ -1587,6 +1590,7 @@ def context_parallel_cases() -> list[Case]:
     return cases
 
 
+from .flex import flex_cases  # noqa: E402  (it imports this module)
 from .inference import decode_cases, kv_cache_cases  # noqa: E402  (it imports this module)
 from .rank_local import rank_local_cases  # noqa: E402  (it imports this module)
 from .recompute import recompute_cases  # noqa: E402  (it imports this module)
@@ -1616,6 +1620,7 @@ KINDS = {
     "double_backward": double_backward_cases,
     "rank_local": rank_local_cases,
     "shards": shards_cases,
+    "flex": flex_cases,
 }
 FAST_PER_KIND = 5  # the CI subset: 5 per kind
 
