@@ -15,17 +15,20 @@ record what the engine sends. Two uses:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
-from .engine.blocks import varlen_blocks
+from .engine.blocks import FlexBlocks, varlen_blocks
 from .engine.ring import ring_backward, ring_forward
-from .kernels import KernelCall, accumulation_dtype, select_kernel
-from .layouts import shard_local, shard_varlen, unshard_local, unshard_varlen
+from .kernels import KernelCall, accumulation_dtype, select_flex_kernel, select_kernel
+from .kernels.flex import FlexMods
+from .layouts import Layout, get_layout, shard_local, shard_varlen, unshard_local, unshard_varlen
 from .layouts.varlen import varlen_local_cu_seqlens
 from .resolve import normalize_window
+from .schedule.flex import VisibleBlocks, flex_plan
 from .schedule.plan import make_plan
 from .schedule.varlen import varlen_plan
 
@@ -75,7 +78,7 @@ class _Sequence:
     """How full tensors split into rank parts and back: dense ``[B, S, ...]`` or packed varlen
     ``[T, ...]`` with global ``cu_seqlens``."""
 
-    def __init__(self, layout: str, world_size: int, cu_seqlens: Sequence[int] | None):
+    def __init__(self, layout: str | Layout, world_size: int, cu_seqlens: Sequence[int] | None):
         self.layout, self.world_size, self.cu_seqlens = layout, world_size, cu_seqlens
         self.seq_dim = 1 if cu_seqlens is None else 0  # of q/k/v/out
         self.lse_seq_dim = 2 if cu_seqlens is None else 1  # lse [B, H, S] or [H, T]
@@ -103,6 +106,19 @@ class _Sequence:
         return plan, varlen_blocks(plan, local, device)
 
 
+def _flex_plan_and_blocks(layout, world_size, tokens, block_mask, score_mod, kernel):
+    """The plan and :class:`~dtensor_ring.engine.blocks.FlexBlocks` of a FlexAttention call."""
+    if block_mask is None:
+        visible = VisibleBlocks(tokens, tokens, tokens, torch.ones(1, 1, dtype=torch.bool))
+        mods = FlexMods(score_mod)
+    else:
+        visible = VisibleBlocks.of_block_mask(block_mask)
+        mods = FlexMods(score_mod, block_mask.mask_mod, block_mask)
+    n = tokens // world_size
+    plan = flex_plan(layout, world_size, n, visible, trim=kernel.trims)
+    return plan, FlexBlocks(n, mods)
+
+
 class RankSimulator:
     """Rank ``rank`` of a ``world_size``-rank ring, on the device of the given full tensors.
 
@@ -114,6 +130,10 @@ class RankSimulator:
         cu_seqlens: global document boundaries of packed inputs (ring / zigzag varlen,
             docs/varlen.md); None for dense inputs.
         window_size: flash-attn sliding window ``(left, right)`` (varlen: within documents).
+        block_mask, score_mod: a FlexAttention call instead (docs/flex.md): the global
+            ``BlockMask`` and ``score_mod`` of :func:`dtensor_ring.flex_attention` (``causal``
+            and ``window_size`` then unused; ``layout`` may be a layout object, e.g.
+            :func:`dtensor_ring.flex_layout`'s; ``backend`` a flex kernel name).
 
     ``forward()`` and ``backward(dout_local)`` run the engine exactly as a real rank would;
     the dK/dV that arrive from the "previous rank" are zeros, so ``backward`` returns this
@@ -126,7 +146,7 @@ class RankSimulator:
         k: Tensor,
         v: Tensor,
         *,
-        layout: str,
+        layout: str | Layout,
         world_size: int,
         rank: int,
         causal: bool = True,
@@ -134,16 +154,25 @@ class RankSimulator:
         scale: float | None = None,
         cu_seqlens: Sequence[int] | None = None,
         window_size: tuple[int, int] = (-1, -1),
+        block_mask: BlockMask | None = None,
+        score_mod: Callable | None = None,
     ):
         self.rank, self.world_size = rank, world_size
         self.sequence = _Sequence(layout, world_size, cu_seqlens)
         tokens = q.shape[self.sequence.seq_dim]
-        causal, window = normalize_window(window_size, causal, tokens)
-        self.plan, self.blocks = self.sequence.plan_and_blocks(causal, window, tokens, q.device)
-        varlen = cu_seqlens is not None
-        self.kernel = select_kernel(
-            KernelCall.of(q, k, varlen=varlen, window=window is not None), backend
-        )
+        if block_mask is not None or score_mod is not None:
+            self.kernel = select_flex_kernel(q.device, q.dtype, backend)
+            self.plan, self.blocks = _flex_plan_and_blocks(
+                get_layout(layout, "dense"), world_size, tokens, block_mask, score_mod,
+                self.kernel,
+            )  # fmt: skip
+        else:
+            causal, window = normalize_window(window_size, causal, tokens)
+            self.plan, self.blocks = self.sequence.plan_and_blocks(causal, window, tokens, q.device)
+            varlen = cu_seqlens is not None
+            self.kernel = select_kernel(
+                KernelCall.of(q, k, varlen=varlen, window=window is not None), backend
+            )
         self.scale = q.shape[-1] ** -0.5 if scale is None else scale
         local = [[self.sequence.shard(t, r) for t in (k, v)] for r in range(world_size)]
         self.q = self.sequence.shard(q, rank)
@@ -210,19 +239,23 @@ def simulate_ring(
     v: Tensor,
     dout: Tensor | None = None,
     *,
-    layout: str,
+    layout: str | Layout,
     world_size: int,
     causal: bool = True,
     backend: str | None = None,
     scale: float | None = None,
     cu_seqlens: Sequence[int] | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    block_mask: BlockMask | None = None,
+    score_mod: Callable | None = None,
 ):
     """Every rank of the ring in turn on one device; full-sequence results in token order.
 
     Args:
         q, k, v, dout: full ``[B, S, H(_kv), D]`` tensors (``dout`` optional); with
             ``cu_seqlens`` (global document boundaries), packed ``[T, H(_kv), D]``.
+        the others: as :class:`RankSimulator`'s (``block_mask`` / ``score_mod``: a
+            FlexAttention call).
 
     Returns:
         ``(out, lse)`` if ``dout`` is None, else ``(out, lse, dq, dk, dv)``; ``lse`` is
@@ -241,6 +274,8 @@ def simulate_ring(
             scale=scale,
             cu_seqlens=cu_seqlens,
             window_size=window_size,
+            block_mask=block_mask,
+            score_mod=score_mod,
         )
         for r in range(world_size)
     ]

@@ -10,6 +10,8 @@ tokens (varlen).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -193,10 +195,9 @@ def reference_flex(
     k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))
     scale = D**-0.5 if scale is None else scale
     s = q @ k.transpose(-1, -2) * scale
-    b = torch.arange(B).view(B, 1, 1, 1)
-    h = torch.arange(H).view(1, H, 1, 1)
-    qi = torch.arange(S).view(1, 1, S, 1)
-    ki = torch.arange(S).view(1, 1, 1, S)
+    ar = functools.partial(torch.arange, device=q.device)
+    b, h = ar(B).view(B, 1, 1, 1), ar(H).view(1, H, 1, 1)
+    qi, ki = ar(S).view(1, 1, S, 1), ar(S).view(1, 1, 1, S)
     if score_mod is not None:
         s = score_mod(s, b, h, qi, ki)
     if mask_mod is not None:

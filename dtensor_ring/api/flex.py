@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, create_block_mask
 
-from ..kernels import accumulation_dtype
-from ..kernels.flex import FlexMods
+from ..kernels import accumulation_dtype, select_flex_kernel
+from ..kernels.flex import FlexKernel, FlexMods
 from ..layouts import Layout, get_layout
 from ..ops.flex import RingFlex
 from ..resolve import Call, Door, check_bool, group_arg, resolve_call
@@ -43,6 +43,7 @@ def flex_attention(
     layout: str | Layout = "ring",
     mask_mod: Callable | None = None,
     algorithm: str | None = None,
+    backend: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, AuxOutput]:
     """FlexAttention of this rank's queries over the whole sharded sequence.
 
@@ -66,6 +67,9 @@ def flex_attention(
         mask_mod: instead of ``block_mask``, a bare ``mask_mod(b, h, q_idx, kv_idx)``; its tiles
             (128 x 128) are evaluated on every call.
         algorithm: "ring" (or None); the only one that runs FlexAttention so far.
+        backend: the block kernel: "flex_triton" (PyTorch's compiled flex kernels; CUDA,
+            bf16 / fp16 / fp32) or "flex_math" (any device and dtype); None: the first that
+            runs (docs/flex.md).
 
     Returns:
         ``out [B, H, S_local, D]`` in the input dtype (rows that see no key are 0), with the
@@ -83,14 +87,15 @@ def flex_attention(
     want_lse = _wanted_lse(return_lse, return_aux)
     q_BSHD, k_BSHD, v_BSHD = (t.transpose(1, 2) for t in _tensors(query, key, value))
 
-    found: dict[str, VisibleBlocks] = {}
+    found: dict = {}
 
-    def checks() -> tuple[VisibleBlocks, FlexMods]:
+    def checks() -> tuple[VisibleBlocks, FlexMods, FlexKernel]:
         found["tiles"], mods = _check_flex(
             q_BSHD, k_BSHD, score_mod, block_mask, mask_mod, enable_gqa, kernel_options,
             world_size, get_layout(layout, "dense"),
         )  # fmt: skip
-        return found["tiles"], mods
+        found["kernel"] = select_flex_kernel(q_BSHD.device, q_BSHD.dtype, backend)
+        return found["tiles"], mods, found["kernel"]
 
     door = Door(
         op="flex_attention",
@@ -103,9 +108,12 @@ def flex_attention(
     )
     call = Call(q_BSHD, k_BSHD, v_BSHD, group_name, world_size, layout, softmax_scale=scale)
     spec = resolve_call(call, door)
-    visible, mods = spec.door
-    plan = flex_plan(get_layout(layout, "dense"), world_size, q_BSHD.shape[1], visible)
-    out_BSHD, lse_BHS = RingFlex.apply(q_BSHD, k_BSHD, v_BSHD, group_name, plan, mods, spec.scale)
+    visible, mods, kernel = spec.door
+    lay = get_layout(layout, "dense")
+    plan = flex_plan(lay, world_size, q_BSHD.shape[1], visible, trim=kernel.trims)
+    out_BSHD, lse_BHS = RingFlex.apply(
+        q_BSHD, k_BSHD, v_BSHD, group_name, plan, mods, spec.scale, kernel
+    )
     out = out_BSHD.transpose(1, 2)
     if not want_lse:
         return out
@@ -197,7 +205,7 @@ def _check_flex(
         visible = VisibleBlocks(seq_len, seq_len, seq_len, torch.ones(1, 1, dtype=torch.bool))
     if score_mod is not None:
         _check_score_mod(score_mod, q_BSHD)
-    return visible, FlexMods(score_mod, mask_mod)
+    return visible, FlexMods(score_mod, mask_mod, block_mask)
 
 
 def _block_mask_tiles(

@@ -8,7 +8,6 @@ here, once per plan and set of documents (:func:`varlen_blocks`, cached).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import BlockKernel
-from ..kernels.flex import FlexMods, flex_block_backward, flex_block_forward
+from ..kernels.flex import FlexMods
 from ..kernels.merge import empty_rows_nan_, merge_
 from ..parts import Block, DocSpans, Part
 from ..schedule.plan import Plan
@@ -172,27 +171,20 @@ def softmax_empty_rows_(out: Tensor, lse: Tensor, whole: bool) -> Tensor:
 
 class FlexBlocks(DenseBlocks):
     """:class:`Blocks` of a FlexAttention call: dense ``[B, S, H, D]`` tensors, blocks with an
-    ``origin`` (Note [Flex schedules]) computed by :mod:`dtensor_ring.kernels.flex` with the
-    user's functions at the blocks' global positions. The engine's ``kernel`` argument is not
-    used. Rows without a visible key are 0 with ``lse = -inf``, as in ``flex_attention``: a
-    block's empty rows have weight 0 in a merge, also when the accumulator's rows are empty."""
+    ``origin`` (Note [Flex schedules]) computed by the engine's ``kernel``, a
+    :class:`~dtensor_ring.kernels.flex.FlexKernel`, with the user's functions ``mods``. Rows
+    without a visible key are 0 with ``lse = -inf``, as in ``flex_attention``: a block's empty
+    rows have weight 0 in a merge, also when the accumulator's rows are empty."""
 
-    def __init__(self, seq_local: int, mods: FlexMods, device: torch.device):
+    def __init__(self, seq_local: int, mods: FlexMods):
         super().__init__(seq_local)
-        self.mods, self.device = mods, device
-
-    def _positions(self, block: Block, s_q: int, s_k: int) -> tuple[Tensor, Tensor]:
-        q0, k0, stride = block.origin
-        ar = functools.partial(torch.arange, dtype=torch.int64, device=self.device)
-        return ar(q0, q0 + s_q * stride, stride), ar(k0, k0 + s_k * stride, stride)
+        self.mods = mods
 
     def forward(self, kernel, q, k, v, block, scale):
-        q_pos, kv_pos = self._positions(block, q.shape[1], k.shape[1])
-        return flex_block_forward(q, k, v, q_pos, kv_pos, scale, self.mods)
+        return kernel.forward(q, k, v, block.origin, scale, self.mods)
 
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
-        q_pos, kv_pos = self._positions(block, q.shape[1], k.shape[1])
-        return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, self.mods)
+        return kernel.backward(dout, q, k, v, out, lse, block.origin, scale, self.mods)
 
     def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         out_rows, lse_rows = _part(out_acc, part, 1), _part(lse_acc, part, 2)

@@ -15,6 +15,8 @@ from .cuda_flash import TorchFlashKernel
 from .cudnn import CudnnKernel
 from .flash_attn4 import FlashAttn4Kernel
 from .flash_attn_pkg import FlashAttnKernel
+from .flex import FlexKernel, FlexMathKernel
+from .flex_triton import FlexTritonKernel
 from .math import MathKernel
 
 # flash_attn4 first where installed (an optional extra): on an H200 (2026-12-03, torch 2.11,
@@ -107,3 +109,30 @@ __all__ = [
     "get_kernel",
     "select_kernel",
 ]
+
+
+# FlexAttention blocks (Note [FlexAttention on the ring]): PyTorch's Triton kernels where they
+# run (CUDA), else the math kernel.
+FLEX_KERNELS: tuple[FlexKernel, ...] = (FlexTritonKernel(), FlexMathKernel())
+FLEX_KERNEL_NAMES: tuple[str, ...] = tuple(k.name for k in FLEX_KERNELS)
+
+
+def select_flex_kernel(
+    device: torch.device, dtype: torch.dtype, backend: str | None = None
+) -> FlexKernel:
+    """The flex block kernel for ``device`` and ``dtype``: ``backend`` (a name of
+    ``FLEX_KERNEL_NAMES``) if given and able, else the first able one; ``ValueError`` naming
+    why otherwise."""
+    if backend is not None and backend not in FLEX_KERNEL_NAMES:
+        raise ValueError(
+            f"backend={backend!r} is no flex kernel; choose one of {FLEX_KERNEL_NAMES}"
+        )
+    reasons = []
+    for kernel in FLEX_KERNELS:
+        if backend not in (None, kernel.name):
+            continue
+        reason = kernel.unavailable(device, dtype)
+        if reason is None:
+            return kernel
+        reasons.append(f"{kernel.name}: {reason}")
+    raise ValueError(f"no flex kernel can run this call: {'; '.join(reasons)}")

@@ -19,6 +19,7 @@ a one-device kernel leaks it into the hidden pairs of the tiles it shares with t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,10 +33,51 @@ from .math import _visible_matmul
 @dataclass(frozen=True, eq=False)
 class FlexMods:
     """The user's FlexAttention functions: ``score_mod(score, b, h, q_idx, kv_idx)`` and
-    ``mask_mod(b, h, q_idx, kv_idx)`` (None: the identity / every pair visible)."""
+    ``mask_mod(b, h, q_idx, kv_idx)`` (None: the identity / every pair visible), and the
+    global ``BlockMask`` they came with (None: a bare ``mask_mod``, or none)."""
 
     score_mod: Callable | None = None
     mask_mod: Callable | None = None
+    block_mask: object = None
+
+
+class FlexKernel:
+    """A FlexAttention block kernel: ``forward(q, k, v, origin, scale, mods)`` ->
+    ``(out_BSHD, lse_BHS)`` and ``backward(dout, q, k, v, out, lse, origin, scale, mods)`` ->
+    ``(dq, dk, dv)`` with the global ``out``/``lse``, on ``[B, S, H(_kv), D]`` blocks whose
+    first query and key sit at global positions ``origin[:2]``, tokens ``origin[2]`` apart.
+
+    ``trims``: whether plans should trim blocks to their visible tiles (Note [Flex
+    schedules]); a kernel that skips hidden tiles itself keeps whole runs (fewer shapes)."""
+
+    name: str
+    trims: bool
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None when the kernel runs on ``device`` in ``dtype``, else why not."""
+        return None
+
+
+def positions(origin: tuple[int, int, int], s_q: int, s_k: int, device) -> tuple[Tensor, Tensor]:
+    """Global positions ``(q_pos [s_q], kv_pos [s_k])`` (int64) of a block at ``origin``."""
+    q0, k0, stride = origin
+    ar = functools.partial(torch.arange, dtype=torch.int64, device=device)
+    return ar(q0, q0 + s_q * stride, stride), ar(k0, k0 + s_k * stride, stride)
+
+
+class FlexMathKernel(FlexKernel):
+    """Explicit scores in the accumulation dtype, the functions evaluated with ``torch.vmap``:
+    any device, exact, strict for non-finite values; memory ``B * H * S_q * S_k``."""
+
+    name, trims = "flex_math", True
+
+    def forward(self, q, k, v, origin, scale, mods):
+        q_pos, kv_pos = positions(origin, q.shape[1], k.shape[1], q.device)
+        return flex_block_forward(q, k, v, q_pos, kv_pos, scale, mods)
+
+    def backward(self, dout, q, k, v, out, lse, origin, scale, mods):
+        q_pos, kv_pos = positions(origin, q.shape[1], k.shape[1], q.device)
+        return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, mods)
 
 
 def _vmap_bhqk(fn: Callable, with_score: bool) -> Callable:

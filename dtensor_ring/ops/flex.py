@@ -37,7 +37,7 @@ from .._compat import resolve_group
 from ..comm.p2p import backward_exchangers, forward_exchanger
 from ..engine.blocks import FlexBlocks
 from ..engine.ring import ring_backward, ring_forward
-from ..kernels.flex import FlexMods
+from ..kernels.flex import FlexKernel, FlexMods
 from ..schedule.plan import Plan
 from .common import check_first_order, without_autocast
 
@@ -51,13 +51,14 @@ def ring_flex_forward(
     plan: Plan,
     mods: FlexMods,
     scale: float,
+    kernel: FlexKernel,
 ) -> tuple[Tensor, Tensor]:
     """``(out_BSHD, lse_BHS)`` of local ``q [B, S, H, D]``, ``k, v [B, S, H_kv, D]``."""
     group = resolve_group(group_name)
     exchanger = forward_exchanger(group, plan) if plan.world_size > 1 else None
-    blocks = FlexBlocks(q_BSHD.shape[1], mods, q_BSHD.device)
+    blocks = FlexBlocks(q_BSHD.shape[1], mods)
     steps = plan.steps[group.rank()]
-    return ring_forward(q_BSHD, k_BSHD, v_BSHD, steps, exchanger, None, scale, blocks)
+    return ring_forward(q_BSHD, k_BSHD, v_BSHD, steps, exchanger, kernel, scale, blocks)
 
 
 @without_autocast
@@ -72,30 +73,31 @@ def ring_flex_backward(
     plan: Plan,
     mods: FlexMods,
     scale: float,
+    kernel: FlexKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`ring_flex_forward` given ``dout`` and its outputs."""
     group = resolve_group(group_name)
     kv_exchanger = dkv_exchanger = None
     if plan.world_size > 1:
         kv_exchanger, dkv_exchanger = backward_exchangers(group, plan)
-    blocks = FlexBlocks(q_BSHD.shape[1], mods, q_BSHD.device)
+    blocks = FlexBlocks(q_BSHD.shape[1], mods)
     steps = plan.steps[group.rank()]
     return ring_backward(
         dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, steps, kv_exchanger,
-        dkv_exchanger, None, scale, blocks,
+        dkv_exchanger, kernel, scale, blocks,
     )  # fmt: skip
 
 
 class RingFlex(torch.autograd.Function):
-    """``RingFlex.apply(q_BSHD, k_BSHD, v_BSHD, group_name, plan, mods, scale)`` ->
+    """``RingFlex.apply(q_BSHD, k_BSHD, v_BSHD, group_name, plan, mods, scale, kernel)`` ->
     ``(out_BSHD, lse_BHS)`` (Note [FlexAttention on the ring]); ``lse`` has no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group_name, plan, mods, scale):
-        out, lse = ring_flex_forward(q, k, v, group_name, plan, mods, scale)
+    def forward(ctx, q, k, v, group_name, plan, mods, scale, kernel):
+        out, lse = ring_flex_forward(q, k, v, group_name, plan, mods, scale, kernel)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group_name, plan, mods, scale)
+        ctx.args = (group_name, plan, mods, scale, kernel)
         return out, lse
 
     @staticmethod
@@ -103,4 +105,4 @@ class RingFlex(torch.autograd.Function):
         check_first_order()
         q, k, v, out, lse = ctx.saved_tensors
         grads = ring_flex_backward(dout, q, k, v, out, lse, *ctx.args)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)

@@ -15,16 +15,18 @@ derives the same plan from it, without communicating:
     q  0 [ x   .   .   . ]                               step, its K/V never travel
        4 [ x   x   .   . ]                    rank 1 (queries 8..15), step 1 (keys 0..7):
        8 [ .   x   x   . ]  <- keys 4..7 hold      the visible tiles' bounding box is
-      12 [ .   x   x   x ]     document 2's 6, 7  queries 8..15 x keys 4..7: 8:16/4:8 m
+      12 [ .   x   x   x ]     document 2's 6, 7  queries 8..15 x keys 4..7: 0:8/4:8 m
 
 For every pair of a query run of rank r and a key run of rank src (a layout's runs: Note
 [Sequence layouts]), the block is trimmed to the rows and columns of its tiles that hold a
 visible pair (a bounding box, at tile granularity; the kernel applies the exact mask inside),
-and dropped when no tile does. The diagonal pairs of step 0 stay whole: they initialise every
-query row's accumulators (a row that sees nothing there gets ``lse = -inf`` and weight 0 in
-later merges). Steps in which no rank computes are dropped from the plan (``Plan.offsets``),
-so their K/V are not sent, and the direct exchange serves sparse plans as it serves windows
-(Note [Direct exchange]). :func:`flex_balance` reports the work each rank is left with.
+and dropped when no tile does. A kernel that skips hidden tiles itself (PyTorch's) keeps the
+whole pair instead of the box: fewer block shapes to compile, the same work. The diagonal
+pairs of step 0 stay whole: they initialise every query row's accumulators (a row that sees
+nothing there gets ``lse = -inf`` and weight 0 in later merges). Steps in which no rank
+computes are dropped from the plan (``Plan.offsets``), so their K/V are not sent, and the
+direct exchange serves sparse plans as it serves windows (Note [Direct exchange]).
+:func:`flex_balance` reports the work each rank is left with.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def _block(q_run, kv_run, stride: int, box, init: bool) -> Block:
 
 
 def _flex_blocks(
-    layout: Layout, world_size: int, n: int, visible: VisibleBlocks, rank: int, src: int
+    layout: Layout, world_size: int, n: int, visible: VisibleBlocks, trim: bool, rank: int, src: int
 ) -> tuple[Block, ...]:
     q_runs, kv_runs = (layout.runs(n, r, world_size) for r in (rank, src))
     stride = layout.stride(world_size)
@@ -134,6 +136,8 @@ def _flex_blocks(
             blocks.append(_block(q_run, kv_run, stride, (0, q_run[1], 0, kv_run[1]), True))
             continue
         box = visible.trim(q_run, kv_run, stride)
+        if box is not None and not trim:  # whole runs: the kernel skips hidden tiles itself
+            box = (0, q_run[1], 0, kv_run[1])
         if box is not None:
             blocks.append(_block(q_run, kv_run, stride, box, False))
     return tuple(blocks)
@@ -143,17 +147,20 @@ _PLANS: dict[tuple, Plan] = {}
 _PLANS_SIZE = 64
 
 
-def flex_plan(layout: Layout, world_size: int, seq_local: int, visible: VisibleBlocks) -> Plan:
+def flex_plan(
+    layout: Layout, world_size: int, seq_local: int, visible: VisibleBlocks, trim: bool = True
+) -> Plan:
     """The ring plan of a FlexAttention call (Note [Flex schedules]): ``seq_local`` tokens a
-    rank in ``layout``, the mask's visible tiles ``visible``. Cached by the tiles' digest."""
-    key = (layout.name, world_size, seq_local, visible.key)
+    rank in ``layout``, the mask's visible tiles ``visible``; ``trim``: blocks cut to their
+    visible tiles (else whole run pairs, or nothing). Cached by the tiles' digest."""
+    key = (layout.name, world_size, seq_local, visible.key, trim)
     plan = _PLANS.get(key)
     if plan is None:
         plan = plan_from_blocks(
             layout.name,
             world_size,
             False,
-            lambda r, src: _flex_blocks(layout, world_size, seq_local, visible, r, src),
+            lambda r, src: _flex_blocks(layout, world_size, seq_local, visible, trim, r, src),
             seq_local=seq_local,
         )
         if len(_PLANS) >= _PLANS_SIZE:
@@ -223,10 +230,10 @@ class FlexBalance:
 
 
 def flex_balance(
-    layout: Layout, world_size: int, seq_local: int, visible: VisibleBlocks
+    layout: Layout, world_size: int, seq_local: int, visible: VisibleBlocks, trim: bool = True
 ) -> FlexBalance:
     """The work and traffic of :func:`flex_plan`'s plan, rank by rank."""
-    plan = flex_plan(layout, world_size, seq_local, visible)
+    plan = flex_plan(layout, world_size, seq_local, visible, trim)
     runs = [layout.runs(seq_local, r, world_size) for r in range(world_size)]
     stride = layout.stride(world_size)
     work, blocks, skipped = [], [], []

@@ -1,0 +1,155 @@
+"""FlexAttention blocks on PyTorch's own Triton kernels (CUDA): ``torch.compile``d
+``flex_attention`` per block, the user's functions shifted to the block's global positions.
+
+Note [Flex blocks on PyTorch's kernels]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Forward: ``flex_attention(q_blk, k_blk, v_blk, score_mod=shifted, block_mask=sub,
+return_lse=True)``, where ``shifted(s, b, h, i, j) = score_mod(s, b, h, q0 + i*stride,
+k0 + j*stride)`` (the offsets are captured tensors, so every block of a shape shares one
+compiled kernel) and ``sub`` is the global ``BlockMask``'s tiles under the block (sliced when
+the block starts on tile boundaries with stride 1, else built from the shifted ``mask_mod``):
+hidden tiles inside a block are skipped by the kernel itself.
+
+Backward with the *global* ``out``/``lse`` (Note [Ring backward]) through public autograd
+only: flex returns ``lse_b`` with a gradient, and for the block's softmax
+``P_b = exp(S - lse_b)`` = ``P * exp(lse - lse_b)``, so with ``w = exp(lse_b - lse)`` per row
+
+    grad_out_b = w * dO
+    grad_lse_b = w * (rowsum(dO * out_b) - rowsum(dO * out))
+
+the block's own backward (which computes ``dS_b = P_b * (dP_b - rowsum(grad_out_b * out_b))
++ P_b * grad_lse_b``) gives ``dS = P * (dP - rowsum(dO * out))``, the global block gradient,
+and ``dV = P_b^T grad_out_b = P^T dO``. It re-runs the block's forward (PyTorch's flex
+backward needs its own saved tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from .flex import FlexKernel, FlexMods
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention)  # static first; recompiled dynamic on a new shape
+
+
+def _dense_blocks(num: Tensor, indices: Tensor, n_kv: int) -> Tensor:
+    """``[B, H, n_q, n_kv]`` bool from a BlockMask's ordered ``(num_blocks, indices)``."""
+    ranks = torch.arange(indices.shape[-1], device=indices.device)
+    valid = ranks < num.unsqueeze(-1)
+    dense = torch.zeros(*indices.shape[:-1], n_kv + 1, dtype=torch.bool, device=indices.device)
+    dense.scatter_(-1, torch.where(valid, indices.long(), n_kv), valid)
+    return dense[..., :n_kv]
+
+
+def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """``(num_blocks int32 [B, H, n_q], indices int32 [B, H, n_q, n_kv])`` of a dense map."""
+    num = dense.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    return num, indices.to(torch.int32)
+
+
+def _shifted(fn, origin, device, with_score: bool):
+    """``fn`` (a mask_mod, or a score_mod ``with_score``) at the block's global positions;
+    the offsets are a captured tensor on ``device``, so blocks share compiled kernels."""
+    offsets = torch.tensor(origin[:2], dtype=torch.int64, device=device)
+    stride = origin[2]
+    if with_score:
+        return lambda s, b, h, i, j: fn(s, b, h, offsets[0] + i * stride, offsets[1] + j * stride)
+    return lambda b, h, i, j: fn(b, h, offsets[0] + i * stride, offsets[1] + j * stride)
+
+
+def _sub_block_mask(
+    mods: FlexMods, origin, B: int, H: int, s_q: int, s_k: int, device
+) -> BlockMask | None:
+    """The block's ``BlockMask`` (Note [Flex blocks on PyTorch's kernels])."""
+    if mods.mask_mod is None:
+        return None
+    bm = mods.block_mask
+    q0, k0, stride = origin
+    shifted = _shifted(mods.mask_mod, origin, device, with_score=False)
+    if bm is not None and stride == 1:
+        q_blk, kv_blk = bm.BLOCK_SIZE
+        if q0 % q_blk == 0 and k0 % kv_blk == 0 and s_q % q_blk == 0 and s_k % kv_blk == 0:
+            n_kv = -(-bm.seq_lengths[1] // kv_blk)
+            rows = slice(q0 // q_blk, (q0 + s_q) // q_blk)
+            cols = slice(k0 // kv_blk, (k0 + s_k) // kv_blk)
+            partial = _dense_blocks(bm.kv_num_blocks, bm.kv_indices, n_kv)[..., rows, cols]
+            full = None
+            if bm.full_kv_num_blocks is not None:
+                full = _dense_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
+                full = full[..., rows, cols]
+            return BlockMask.from_kv_blocks(
+                *(t.to(device) for t in _ordered(partial)),
+                *((t.to(device) for t in _ordered(full)) if full is not None else (None, None)),
+                BLOCK_SIZE=bm.BLOCK_SIZE,
+                mask_mod=shifted,
+                seq_lengths=(s_q, s_k),
+            )
+    if bm is not None:  # the mask's own batch and heads (1: it ignores b / h)
+        B, H = bm.shape[:2]
+    return create_block_mask(shifted, B, H, s_q, s_k, device, _compile=True)
+
+
+class FlexTritonKernel(FlexKernel):
+    """PyTorch's compiled flex kernels per block (CUDA, Triton); bf16 / fp16 / fp32
+    (Note [Flex blocks on PyTorch's kernels])."""
+
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+
+    name, trims = "flex_triton", False
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cuda":
+            return f"PyTorch's flex kernels run on CUDA here, not {device.type}"
+        if dtype not in self.dtypes:
+            return f"dtype {dtype} (it takes {', '.join(map(str, self.dtypes))})"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed"
+        return None
+
+    def _call(self, q, k, v, origin, scale, mods):
+        s_q, s_k = q.shape[1], k.shape[1]
+        score_mod = None
+        if mods.score_mod is not None:
+            score_mod = _shifted(mods.score_mod, origin, q.device, with_score=True)
+        out, lse = _compiled_flex()(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            score_mod=score_mod,
+            block_mask=_sub_block_mask(mods, origin, q.shape[0], q.shape[2], s_q, s_k, q.device),
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+            return_lse=True,
+        )
+        return out, lse
+
+    def forward(self, q, k, v, origin, scale, mods):
+        out, lse = self._call(q, k, v, origin, scale, mods)
+        return out.transpose(1, 2), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, origin, scale, mods):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with torch.enable_grad():
+            out_b, lse_b = self._call(*leaves, origin, scale, mods)
+        lse_b = lse_b.float()
+        empty = lse == float("-inf")  # rows that see nothing: no gradient
+        w = torch.exp(lse_b.detach() - lse.masked_fill(empty, 0)).masked_fill(empty, 0)
+        do = dout.transpose(1, 2).float()
+        delta_b = (do * out_b.detach().float()).sum(-1)
+        delta = (do * out.transpose(1, 2).float()).sum(-1)
+        grads = torch.autograd.grad(
+            (out_b, lse_b),
+            leaves,
+            ((w.unsqueeze(-1) * do).to(out_b.dtype), (w * (delta_b - delta)).to(lse_b.dtype)),
+        )
+        return tuple(g.contiguous() for g in grads)
