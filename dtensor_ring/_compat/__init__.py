@@ -22,6 +22,9 @@ version), and ``import dtensor_ring`` keeps working.
   :mod:`._compat.checkpoint` (checked on first use; ``context_parallel`` and ``ring_sdpa``
   raise without it, as they could not follow a recomputation: Note [Recomputation outside
   the scope]).
+* Dynamo's per-code-object recompile limit (``torch._dynamo.config.recompile_limit``, torch
+  2.6+; ``cache_size_limit`` before): :func:`recompile_limit` raises it for the duration of
+  the flex blocks' compiled calls only (Note [Flex blocks on PyTorch's kernels]).
 
 Every private aten op the library uses (:data:`PRIVATE_ATEN_OPS`; ``tests/test_compat.py``
 asserts that each resolves, and that no module outside ``_compat/`` names one directly).
@@ -148,3 +151,15 @@ def python_modes_active() -> bool:
     if dispatch is None or function is None:
         return True
     return dispatch() > 0 or function()
+
+
+def recompile_limit(limit: int):
+    """A context in which Dynamo recompiles a function up to ``limit`` times (its private
+    config, patched for the context only; the attribute's name by torch version)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if not hasattr(config, name):
+        raise RuntimeError(f"torch {torch.__version__} has no torch._dynamo.config.{name}")
+    return config.patch(**{name: max(limit, getattr(config, name))})

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,6 +39,7 @@ class FlexMods:
     score_mod: Callable | None = None
     mask_mod: Callable | None = None
     block_mask: object = None
+    cache: dict = field(default_factory=dict)  # what kernels derive once per call
 
 
 class FlexKernel:

@@ -31,12 +31,33 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from .._compat import recompile_limit
 from .flex import FlexKernel, FlexMods
+
+
+def _block_flex(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    return flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+        return_lse=True,
+    )  # fmt: skip
+
+
+# One compiled function of our own (Dynamo counts recompilations per code object: a user's own
+# torch.compile(flex_attention) keeps its count), recompiled per block shape (static, then
+# dynamic), grad mode and the user's functions (their code), within RECOMPILES (a limit that
+# holds during our calls only): past Dynamo's default of 8 it would fall back to flex's eager
+# path, which materialises every block's scores.
+RECOMPILES = 64
 
 
 @functools.cache
 def _compiled_flex():
-    return torch.compile(flex_attention)  # static first; recompiled dynamic on a new shape
+    return torch.compile(_block_flex)
+
+
+def _run_flex(*args):
+    with recompile_limit(RECOMPILES):
+        return _compiled_flex()(*args)
 
 
 def _dense_blocks(num: Tensor, indices: Tensor, n_kv: int) -> Tensor:
@@ -68,33 +89,53 @@ def _shifted(fn, origin, device, with_score: bool):
 def _sub_block_mask(
     mods: FlexMods, origin, B: int, H: int, s_q: int, s_k: int, device
 ) -> BlockMask | None:
-    """The block's ``BlockMask`` (Note [Flex blocks on PyTorch's kernels])."""
+    """The block's ``BlockMask`` (Note [Flex blocks on PyTorch's kernels]), made once per
+    call and block (``mods.cache``: the forward's serves the backward)."""
     if mods.mask_mod is None:
         return None
+    key = ("block mask", origin, s_q, s_k)
+    if key not in mods.cache:
+        mods.cache[key] = _make_sub_block_mask(mods, origin, B, H, s_q, s_k, device)
+    return mods.cache[key]
+
+
+def _make_sub_block_mask(mods: FlexMods, origin, B, H, s_q, s_k, device) -> BlockMask:
     bm = mods.block_mask
     q0, k0, stride = origin
     shifted = _shifted(mods.mask_mod, origin, device, with_score=False)
     if bm is not None and stride == 1:
         q_blk, kv_blk = bm.BLOCK_SIZE
         if q0 % q_blk == 0 and k0 % kv_blk == 0 and s_q % q_blk == 0 and s_k % kv_blk == 0:
-            n_kv = -(-bm.seq_lengths[1] // kv_blk)
             rows = slice(q0 // q_blk, (q0 + s_q) // q_blk)
             cols = slice(k0 // kv_blk, (k0 + s_k) // kv_blk)
-            partial = _dense_blocks(bm.kv_num_blocks, bm.kv_indices, n_kv)[..., rows, cols]
-            full = None
-            if bm.full_kv_num_blocks is not None:
-                full = _dense_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
-                full = full[..., rows, cols]
+            partial, full = _dense_tiles(mods, device)
+            full = None if full is None else _ordered(full[..., rows, cols])
             return BlockMask.from_kv_blocks(
-                *(t.to(device) for t in _ordered(partial)),
-                *((t.to(device) for t in _ordered(full)) if full is not None else (None, None)),
+                *_ordered(partial[..., rows, cols]),
+                *(full or (None, None)),
                 BLOCK_SIZE=bm.BLOCK_SIZE,
                 mask_mod=shifted,
                 seq_lengths=(s_q, s_k),
             )
     if bm is not None:  # the mask's own batch and heads (1: it ignores b / h)
         B, H = bm.shape[:2]
-    return create_block_mask(shifted, B, H, s_q, s_k, device, _compile=True)
+    with recompile_limit(RECOMPILES):
+        return create_block_mask(shifted, B, H, s_q, s_k, device, _compile=True)
+
+
+def _dense_tiles(mods: FlexMods, device) -> tuple[Tensor, Tensor | None]:
+    """The global mask's partial and full tiles as dense bool maps, once per call."""
+    if "dense tiles" not in mods.cache:
+        bm = mods.block_mask
+        n_kv = -(-bm.seq_lengths[1] // bm.BLOCK_SIZE[1])
+        partial = _dense_blocks(bm.kv_num_blocks.to(device), bm.kv_indices.to(device), n_kv)
+        full = None
+        if bm.full_kv_num_blocks is not None:
+            full = _dense_blocks(
+                bm.full_kv_num_blocks.to(device), bm.full_kv_indices.to(device), n_kv
+            )
+        mods.cache["dense tiles"] = (partial, full)
+    return mods.cache["dense tiles"]
 
 
 class FlexTritonKernel(FlexKernel):
@@ -119,19 +160,20 @@ class FlexTritonKernel(FlexKernel):
     def _call(self, q, k, v, origin, scale, mods):
         s_q, s_k = q.shape[1], k.shape[1]
         score_mod = None
-        if mods.score_mod is not None:
-            score_mod = _shifted(mods.score_mod, origin, q.device, with_score=True)
-        out, lse = _compiled_flex()(
+        if mods.score_mod is not None:  # once per call and block, as the block mask
+            key = ("score_mod", origin)
+            if key not in mods.cache:
+                mods.cache[key] = _shifted(mods.score_mod, origin, q.device, with_score=True)
+            score_mod = mods.cache[key]
+        return _run_flex(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            score_mod=score_mod,
-            block_mask=_sub_block_mask(mods, origin, q.shape[0], q.shape[2], s_q, s_k, q.device),
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-            return_lse=True,
+            score_mod,
+            _sub_block_mask(mods, origin, q.shape[0], q.shape[2], s_q, s_k, q.device),
+            scale,
+            q.shape[2] != k.shape[2],
         )
-        return out, lse
 
     def forward(self, q, k, v, origin, scale, mods):
         out, lse = self._call(q, k, v, origin, scale, mods)
