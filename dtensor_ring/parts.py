@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+GlobalRuns = tuple[tuple[int, int, int], ...]  # (global start, length, stride), local order
 UNBOUNDED = 1 << 62  # a band edge that never bites (exact integer arithmetic throughout)
 
 
@@ -81,8 +82,9 @@ class Block:
     -1 unbounded); never together with ``causal``. ``init``: the block's result initialises the
     accumulator rows of ``q`` instead of merging into them (the diagonal blocks of step 0).
     ``origin``: a FlexAttention block (Note [FlexAttention on the ring] in ``ops/flex.py``):
-    ``(global position of its first query, of its first key, stride)``; the user's mask and
-    score functions decide what it computes (``causal`` and ``window`` are then unset).
+    the global positions of its queries and of its keys, each as runs ``(global start, length,
+    stride)`` in local order (:data:`GlobalRuns`); the user's mask and score functions decide
+    what it computes (``causal`` and ``window`` are then unset).
     """
 
     q: Part | Span
@@ -90,7 +92,7 @@ class Block:
     causal: bool
     window: tuple[int, int] | None = None
     init: bool = False
-    origin: tuple[int, int, int] | None = None
+    origin: tuple[GlobalRuns, GlobalRuns] | None = None
 
     def __str__(self) -> str:
         mask = (

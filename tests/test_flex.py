@@ -346,3 +346,58 @@ def test_simulate_ring_flex(layout):
     ):
         torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=1e-10)
+
+
+def _stand_in_flex(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    """An exact, differentiable flex_attention forward (explicit scores) standing in for
+    PyTorch's compiled kernel; it also asserts that the block's BlockMask hides no visible
+    pair (the tiles it skips must be hidden ones)."""
+    from torch.nn.attention.flex_attention import _vmap_for_bhqkv, create_mask
+
+    B, H, S_q, _ = q.shape
+    S_k = k.shape[2]
+    G = H // k.shape[1]
+    k, v = (t.repeat_interleave(G, 1) for t in (k, v))
+    s = q @ k.transpose(-1, -2) * scale
+    idx = [torch.arange(n) for n in (B, H, S_q, S_k)]
+    if score_mod is not None:
+        s = _vmap_for_bhqkv(score_mod, prefix=(0,))(s, *idx)
+    if block_mask is not None:
+        mask = create_mask(block_mask.mask_mod, B, H, S_q, S_k, "cpu")
+        q_blk, kv_blk = block_mask.BLOCK_SIZE
+        tiles = block_mask.to_dense().repeat_interleave(q_blk, -2).repeat_interleave(kv_blk, -1)
+        assert not (mask & (tiles[..., :S_q, :S_k] == 0)).any(), "a skipped tile is visible"
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return p @ v, lse
+
+
+@pytest.mark.parametrize("layout", ["ring", "zigzag", "stripe", "balanced"])
+def test_flex_triton_host_logic(monkeypatch, layout):
+    """flex_triton's own code on CPU, PyTorch's compiled kernel replaced by an exact stand-in:
+    positions, gathered and rebuilt block masks (stripe: not tile-aligned), shifted functions
+    and the backward through the block's lse (Note [Flex blocks on PyTorch's kernels]) give
+    attention over the whole sequence in fp64."""
+    import dtensor_ring.kernels.flex_triton as flex_triton
+
+    monkeypatch.setattr(flex_triton, "_compiled_flex", lambda: _stand_in_flex)
+    monkeypatch.setattr(flex_triton.FlexTritonKernel, "unavailable", lambda self, d, t: None)
+    W, S = 4, 4 * 16
+    gen = torch.Generator().manual_seed(4)
+    q, dout = (torch.randn(1, S, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, S, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask_mod, score_mod = make_mask("document_window", S), make_score("alibi")
+    bm = create_block_mask(mask_mod, None, None, S, S, "cpu", 8)
+    lay = dr.flex_layout(bm, W, chunks_per_rank=2) if layout == "balanced" else layout
+    out, lse, dq, dk, dv = dr.simulate_ring(
+        q, k, v, dout, layout=lay, world_size=W, block_mask=bm, score_mod=score_mod,
+        backend="flex_triton",
+    )  # fmt: skip
+    leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_flex(*leaves, mask_mod=mask_mod, score_mod=score_mod)
+    ref_out.backward(dout.transpose(1, 2))
+    want = (ref_out.detach(), *(t.grad for t in leaves))
+    for got, ref in zip((out, dq, dk, dv), want, strict=True):
+        torch.testing.assert_close(got, ref.transpose(1, 2), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=1e-10)

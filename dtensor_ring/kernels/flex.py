@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..parts import GlobalRuns
 from .base import accumulation_dtype
 from .math import _visible_matmul
 
@@ -46,10 +47,11 @@ class FlexKernel:
     """A FlexAttention block kernel: ``forward(q, k, v, origin, scale, mods)`` ->
     ``(out_BSHD, lse_BHS)`` and ``backward(dout, q, k, v, out, lse, origin, scale, mods)`` ->
     ``(dq, dk, dv)`` with the global ``out``/``lse``, on ``[B, S, H(_kv), D]`` blocks whose
-    first query and key sit at global positions ``origin[:2]``, tokens ``origin[2]`` apart.
+    queries and keys sit at the global positions ``origin = (q_runs, kv_runs)``
+    (:data:`~dtensor_ring.parts.GlobalRuns`).
 
     ``trims``: whether plans should trim blocks to their visible tiles (Note [Flex
-    schedules]); a kernel that skips hidden tiles itself keeps whole runs (fewer shapes)."""
+    schedules]); a kernel that skips hidden tiles itself takes whole shards instead."""
 
     name: str
     trims: bool
@@ -59,11 +61,13 @@ class FlexKernel:
         return None
 
 
-def positions(origin: tuple[int, int, int], s_q: int, s_k: int, device) -> tuple[Tensor, Tensor]:
-    """Global positions ``(q_pos [s_q], kv_pos [s_k])`` (int64) of a block at ``origin``."""
-    q0, k0, stride = origin
-    ar = functools.partial(torch.arange, dtype=torch.int64, device=device)
-    return ar(q0, q0 + s_q * stride, stride), ar(k0, k0 + s_k * stride, stride)
+def positions(runs: GlobalRuns, mods: FlexMods, device) -> Tensor:
+    """The global positions (int64, on ``device``) of ``runs``, made once per call."""
+    key = ("positions", runs)
+    if key not in mods.cache:
+        ar = functools.partial(torch.arange, dtype=torch.int64, device=device)
+        mods.cache[key] = torch.cat([ar(p, p + n * st, st) for p, n, st in runs])
+    return mods.cache[key]
 
 
 class FlexMathKernel(FlexKernel):
@@ -73,11 +77,11 @@ class FlexMathKernel(FlexKernel):
     name, trims = "flex_math", True
 
     def forward(self, q, k, v, origin, scale, mods):
-        q_pos, kv_pos = positions(origin, q.shape[1], k.shape[1], q.device)
+        q_pos, kv_pos = (positions(runs, mods, q.device) for runs in origin)
         return flex_block_forward(q, k, v, q_pos, kv_pos, scale, mods)
 
     def backward(self, dout, q, k, v, out, lse, origin, scale, mods):
-        q_pos, kv_pos = positions(origin, q.shape[1], k.shape[1], q.device)
+        q_pos, kv_pos = (positions(runs, mods, q.device) for runs in origin)
         return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, mods)
 
 

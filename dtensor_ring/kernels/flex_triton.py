@@ -4,11 +4,12 @@
 Note [Flex blocks on PyTorch's kernels]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Forward: ``flex_attention(q_blk, k_blk, v_blk, score_mod=shifted, block_mask=sub,
-return_lse=True)``, where ``shifted(s, b, h, i, j) = score_mod(s, b, h, q0 + i*stride,
-k0 + j*stride)`` (the offsets are captured tensors, so every block of a shape shares one
-compiled kernel) and ``sub`` is the global ``BlockMask``'s tiles under the block (sliced when
-the block starts on tile boundaries with stride 1, else built from the shifted ``mask_mod``):
-hidden tiles inside a block are skipped by the kernel itself.
+return_lse=True)``, where ``shifted(s, b, h, i, j) = score_mod(s, b, h, q_pos[i], kv_pos[j])``
+(``q_pos``, ``kv_pos``: the block's global positions, captured tensors, so every block of a
+shape shares one compiled kernel) and ``sub`` is the global ``BlockMask``'s tiles under the
+block (gathered when the block's runs start and end on tile boundaries with stride 1, else
+built from the shifted ``mask_mod``). A block is a whole step (Note [Flex schedules]): one
+large call, hidden tiles skipped by the kernel itself.
 
 Backward with the *global* ``out``/``lse`` (Note [Ring backward]) through public autograd
 only: flex returns ``lse_b`` with a gradient, and for the block's softmax
@@ -32,7 +33,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .._compat import recompile_limit
-from .flex import FlexKernel, FlexMods
+from .base import accumulation_dtype
+from .flex import FlexKernel, FlexMods, positions
 
 
 def _block_flex(q, k, v, score_mod, block_mask, scale, enable_gqa):
@@ -53,6 +55,11 @@ RECOMPILES = 64
 @functools.cache
 def _compiled_flex():
     return torch.compile(_block_flex)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    return torch.compile(create_block_mask)
 
 
 def _run_flex(*args):
@@ -76,51 +83,61 @@ def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
     return num, indices.to(torch.int32)
 
 
-def _shifted(fn, origin, device, with_score: bool):
-    """``fn`` (a mask_mod, or a score_mod ``with_score``) at the block's global positions;
-    the offsets are a captured tensor on ``device``, so blocks share compiled kernels."""
-    offsets = torch.tensor(origin[:2], dtype=torch.int64, device=device)
-    stride = origin[2]
+def _at_positions(fn, q_pos: Tensor, kv_pos: Tensor, with_score: bool):
+    """``fn`` (a mask_mod, or a score_mod ``with_score``) seeing the block's global positions
+    (lookup tables captured as tensors: blocks of one shape share a compiled kernel)."""
     if with_score:
-        return lambda s, b, h, i, j: fn(s, b, h, offsets[0] + i * stride, offsets[1] + j * stride)
-    return lambda b, h, i, j: fn(b, h, offsets[0] + i * stride, offsets[1] + j * stride)
+        return lambda s, b, h, i, j: fn(s, b, h, q_pos[i], kv_pos[j])
+    return lambda b, h, i, j: fn(b, h, q_pos[i], kv_pos[j])
 
 
-def _sub_block_mask(
-    mods: FlexMods, origin, B: int, H: int, s_q: int, s_k: int, device
-) -> BlockMask | None:
+def _tile_rows(runs, block: int) -> Tensor | None:
+    """The global tile index of each ``block`` tokens of ``runs``, in local order, when every
+    run has stride 1 and starts and ends on tile boundaries; else None."""
+    if any(st != 1 or p % block or n % block for p, n, st in runs):
+        return None
+    return torch.cat([torch.arange(p // block, (p + n) // block) for p, n, _ in runs])
+
+
+def _sub_block_mask(mods: FlexMods, origin, B: int, H: int, device) -> BlockMask | None:
     """The block's ``BlockMask`` (Note [Flex blocks on PyTorch's kernels]), made once per
     call and block (``mods.cache``: the forward's serves the backward)."""
     if mods.mask_mod is None:
         return None
-    key = ("block mask", origin, s_q, s_k)
+    key = ("block mask", origin)
     if key not in mods.cache:
-        mods.cache[key] = _make_sub_block_mask(mods, origin, B, H, s_q, s_k, device)
+        mods.cache[key] = _make_sub_block_mask(mods, origin, B, H, device)
     return mods.cache[key]
 
 
-def _make_sub_block_mask(mods: FlexMods, origin, B, H, s_q, s_k, device) -> BlockMask:
+def _make_sub_block_mask(mods: FlexMods, origin, B: int, H: int, device) -> BlockMask:
     bm = mods.block_mask
-    q0, k0, stride = origin
-    shifted = _shifted(mods.mask_mod, origin, device, with_score=False)
-    if bm is not None and stride == 1:
-        q_blk, kv_blk = bm.BLOCK_SIZE
-        if q0 % q_blk == 0 and k0 % kv_blk == 0 and s_q % q_blk == 0 and s_k % kv_blk == 0:
-            rows = slice(q0 // q_blk, (q0 + s_q) // q_blk)
-            cols = slice(k0 // kv_blk, (k0 + s_k) // kv_blk)
+    q_pos, kv_pos = (positions(runs, mods, device) for runs in origin)
+    s_q, s_k = len(q_pos), len(kv_pos)
+    shifted = _at_positions(mods.mask_mod, q_pos, kv_pos, with_score=False)
+    if bm is not None:
+        rows, cols = (
+            _tile_rows(runs, size) for runs, size in zip(origin, bm.BLOCK_SIZE, strict=True)
+        )
+        if rows is not None and cols is not None:  # the global tiles, gathered
+            rows, cols = rows.to(device), cols.to(device)
             partial, full = _dense_tiles(mods, device)
-            full = None if full is None else _ordered(full[..., rows, cols])
+
+            full = None if full is None else _ordered(_gathered(full, rows, cols))
             return BlockMask.from_kv_blocks(
-                *_ordered(partial[..., rows, cols]),
+                *_ordered(_gathered(partial, rows, cols)),
                 *(full or (None, None)),
                 BLOCK_SIZE=bm.BLOCK_SIZE,
                 mask_mod=shifted,
                 seq_lengths=(s_q, s_k),
             )
-    if bm is not None:  # the mask's own batch and heads (1: it ignores b / h)
-        B, H = bm.shape[:2]
+        B, H = bm.shape[:2]  # the mask's own batch and heads (1: it ignores b / h)
     with recompile_limit(RECOMPILES):
-        return create_block_mask(shifted, B, H, s_q, s_k, device, _compile=True)
+        return _compiled_create_block_mask()(shifted, B, H, s_q, s_k, device)
+
+
+def _gathered(tiles: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    return tiles.index_select(-2, rows).index_select(-1, cols)
 
 
 def _dense_tiles(mods: FlexMods, device) -> tuple[Tensor, Tensor | None]:
@@ -158,37 +175,38 @@ class FlexTritonKernel(FlexKernel):
         return None
 
     def _call(self, q, k, v, origin, scale, mods):
-        s_q, s_k = q.shape[1], k.shape[1]
         score_mod = None
         if mods.score_mod is not None:  # once per call and block, as the block mask
             key = ("score_mod", origin)
             if key not in mods.cache:
-                mods.cache[key] = _shifted(mods.score_mod, origin, q.device, with_score=True)
+                q_pos, kv_pos = (positions(runs, mods, q.device) for runs in origin)
+                mods.cache[key] = _at_positions(mods.score_mod, q_pos, kv_pos, with_score=True)
             score_mod = mods.cache[key]
         return _run_flex(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
             score_mod,
-            _sub_block_mask(mods, origin, q.shape[0], q.shape[2], s_q, s_k, q.device),
+            _sub_block_mask(mods, origin, q.shape[0], q.shape[2], q.device),
             scale,
             q.shape[2] != k.shape[2],
         )
 
     def forward(self, q, k, v, origin, scale, mods):
         out, lse = self._call(q, k, v, origin, scale, mods)
-        return out.transpose(1, 2), lse.float()
+        return out.transpose(1, 2), lse.to(accumulation_dtype(q.dtype))
 
     def backward(self, dout, q, k, v, out, lse, origin, scale, mods):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         with torch.enable_grad():
             out_b, lse_b = self._call(*leaves, origin, scale, mods)
-        lse_b = lse_b.float()
+        acc = accumulation_dtype(q.dtype)
+        lse_b = lse_b.to(acc)
         empty = lse == float("-inf")  # rows that see nothing: no gradient
         w = torch.exp(lse_b.detach() - lse.masked_fill(empty, 0)).masked_fill(empty, 0)
-        do = dout.transpose(1, 2).float()
-        delta_b = (do * out_b.detach().float()).sum(-1)
-        delta = (do * out.transpose(1, 2).float()).sum(-1)
+        do = dout.transpose(1, 2).to(acc)
+        delta_b = (do * out_b.detach().to(acc)).sum(-1)
+        delta = (do * out.transpose(1, 2).to(acc)).sum(-1)
         grads = torch.autograd.grad(
             (out_b, lse_b),
             leaves,

@@ -20,8 +20,9 @@ derives the same plan from it, without communicating:
 For every pair of a query run of rank r and a key run of rank src (a layout's runs: Note
 [Sequence layouts]), the block is trimmed to the rows and columns of its tiles that hold a
 visible pair (a bounding box, at tile granularity; the kernel applies the exact mask inside),
-and dropped when no tile does. A kernel that skips hidden tiles itself (PyTorch's) keeps the
-whole pair instead of the box: fewer block shapes to compile, the same work. The diagonal
+and dropped when no tile does. For a kernel that skips hidden tiles itself (PyTorch's), a step
+is instead one block of the whole shards, its positions the layout's runs, or none: one large
+kernel call a step, whatever the layout. The diagonal
 pairs of step 0 stay whole: they initialise every query row's accumulators (a row that sees
 nothing there gets ``lse = -inf`` and weight 0 in later merges). Steps in which no rank
 computes are dropped from the plan (``Plan.offsets``), so their K/V are not sent, and the
@@ -39,7 +40,7 @@ from torch import Tensor
 
 from ..layouts import Layout
 from ..layouts.builtin import ChunkLayout
-from ..parts import Block, Span
+from ..parts import Block, GlobalRuns, Part, Span
 from .plan import Plan, plan_from_blocks
 
 
@@ -108,6 +109,7 @@ def _tiles_of(run, stride: int, block: int) -> Tensor:
 
 
 def _block(q_run, kv_run, stride: int, box, init: bool) -> Block:
+    """The block of rows ``[i0, i1)`` of ``q_run`` and columns ``[j0, j1)`` of ``kv_run``."""
     (q_start, _, q_pos), (k_start, _, k_pos) = q_run, kv_run
     i0, i1, j0, j1 = box
     return Block(
@@ -115,8 +117,15 @@ def _block(q_run, kv_run, stride: int, box, init: bool) -> Block:
         Span(k_start + j0, k_start + j1),
         False,
         init=init,
-        origin=(q_pos + i0 * stride, k_pos + j0 * stride, stride),
+        origin=(
+            ((q_pos + i0 * stride, i1 - i0, stride),),
+            ((k_pos + j0 * stride, j1 - j0, stride),),
+        ),
     )
+
+
+def _global_runs(runs, stride: int) -> GlobalRuns:
+    return tuple((pos, length, stride) for _, length, pos in runs)
 
 
 def _flex_blocks(
@@ -125,6 +134,10 @@ def _flex_blocks(
     q_runs, kv_runs = (layout.runs(n, r, world_size) for r in (rank, src))
     stride = layout.stride(world_size)
     diagonal = rank == src
+    if not trim:  # one block of the whole shards, or none: the kernel skips hidden tiles
+        seen = diagonal or any(visible.trim(a, b, stride) for a in q_runs for b in kv_runs)
+        origin = (_global_runs(q_runs, stride), _global_runs(kv_runs, stride))
+        return (Block(Part.ALL, Part.ALL, False, init=diagonal, origin=origin),) if seen else ()
     pairs = sorted(
         ((a, b) for a in range(len(q_runs)) for b in range(len(kv_runs))),
         key=lambda ab: ab[0] != ab[1] or not diagonal,  # the init blocks first
@@ -136,8 +149,6 @@ def _flex_blocks(
             blocks.append(_block(q_run, kv_run, stride, (0, q_run[1], 0, kv_run[1]), True))
             continue
         box = visible.trim(q_run, kv_run, stride)
-        if box is not None and not trim:  # whole runs: the kernel skips hidden tiles itself
-            box = (0, q_run[1], 0, kv_run[1])
         if box is not None:
             blocks.append(_block(q_run, kv_run, stride, box, False))
     return tuple(blocks)
@@ -240,13 +251,11 @@ def flex_balance(
     for rank, row in enumerate(plan.steps):
         computed = sum(len(st.blocks) for st in row)
         pairs = sum(
-            visible.pairs(
-                (0, blk.q.size(seq_local), blk.origin[0]),
-                (0, blk.kv.size(seq_local), blk.origin[1]),
-                stride,
-            )
+            visible.pairs((0, q_len, q_pos), (0, kv_len, kv_pos), stride)
             for st in row
             for blk in st.blocks
+            for q_pos, q_len, _ in blk.origin[0]
+            for kv_pos, kv_len, _ in blk.origin[1]
         )
         work.append(pairs)
         blocks.append(computed)
