@@ -101,8 +101,10 @@ def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False
     dout = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64)
     mask_mod, score_mod = make_mask(mask, S), make_score(score)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    dlse = torch.randn(B, H, S, generator=gen, dtype=torch.float64)  # flex's lse has a gradient
     ref_out, ref_lse = reference_flex(*ref_in, mask_mod=mask_mod, score_mod=score_mod)
-    ref_out.backward(dout)
+    visible_rows = ref_lse > float("-inf")
+    ((ref_out * dout).sum() + (ref_lse.where(visible_rows, 0) * dlse).sum()).backward()
     bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
     if layout == "balanced":  # the mask-aware layout, built from the mask on every rank
         layout = dr.flex_layout(bm, W, chunks_per_rank=2)
@@ -119,7 +121,8 @@ def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False
         *local, score_mod=score_mod, enable_gqa=H != H_kv, return_lse=True, group=group,
         layout=layout, **kwargs,
     )  # fmt: skip
-    out.backward(dout[:, :, idx].to(dtype))
+    lse_term = (lse.where(visible_rows[:, :, idx], 0) * dlse[:, :, idx].to(lse.dtype)).sum()
+    ((out * dout[:, :, idx].to(dtype)).sum() + lse_term).backward()
     tol = {"atol": 1e-10, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 1e-4}
     torch.testing.assert_close(out.double(), ref_out[:, :, idx], **tol)
     torch.testing.assert_close(lse.double(), ref_lse[:, :, idx], **tol)

@@ -172,19 +172,22 @@ def softmax_empty_rows_(out: Tensor, lse: Tensor, whole: bool) -> Tensor:
 class FlexBlocks(DenseBlocks):
     """:class:`Blocks` of a FlexAttention call: dense ``[B, S, H, D]`` tensors, blocks with an
     ``origin`` (Note [Flex schedules]) computed by the engine's ``kernel``, a
-    :class:`~dtensor_ring.kernels.flex.FlexKernel`, with the user's functions ``mods``. Rows
+    :class:`~dtensor_ring.kernels.flex.FlexKernel`, with the user's functions ``mods`` (and, in
+    the backward, the gradient ``dlse`` of the lse the call returned, flex's being
+    differentiable). Rows
     without a visible key are 0 with ``lse = -inf``, as in ``flex_attention``: a block's empty
     rows have weight 0 in a merge, also when the accumulator's rows are empty."""
 
-    def __init__(self, seq_local: int, mods: FlexMods):
+    def __init__(self, seq_local: int, mods: FlexMods, dlse_BHS: Tensor | None = None):
         super().__init__(seq_local)
-        self.mods = mods
+        self.mods, self.dlse_BHS = mods, dlse_BHS
 
     def forward(self, kernel, q, k, v, block, scale):
         return kernel.forward(q, k, v, block.origin, scale, self.mods)
 
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
-        return kernel.backward(dout, q, k, v, out, lse, block.origin, scale, self.mods)
+        dlse = None if self.dlse_BHS is None else self.take_lse(self.dlse_BHS, block.q)
+        return kernel.backward(dout, q, k, v, out, lse, block.origin, scale, self.mods, dlse)
 
     def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         out_rows, lse_rows = _part(out_acc, part, 1), _part(lse_acc, part, 2)

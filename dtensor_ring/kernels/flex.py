@@ -45,8 +45,9 @@ class FlexMods:
 
 class FlexKernel:
     """A FlexAttention block kernel: ``forward(q, k, v, origin, scale, mods)`` ->
-    ``(out_BSHD, lse_BHS)`` and ``backward(dout, q, k, v, out, lse, origin, scale, mods)`` ->
-    ``(dq, dk, dv)`` with the global ``out``/``lse``, on ``[B, S, H(_kv), D]`` blocks whose
+    ``(out_BSHD, lse_BHS)`` and ``backward(dout, q, k, v, out, lse, origin, scale, mods,
+    dlse=None)`` -> ``(dq, dk, dv)`` with the global ``out``/``lse`` (and the gradient of the
+    global lse, which flex's lse has), on ``[B, S, H(_kv), D]`` blocks whose
     queries and keys sit at the global positions ``origin = (q_runs, kv_runs)``
     (:data:`~dtensor_ring.parts.GlobalRuns`).
 
@@ -80,9 +81,9 @@ class FlexMathKernel(FlexKernel):
         q_pos, kv_pos = (positions(runs, mods, q.device) for runs in origin)
         return flex_block_forward(q, k, v, q_pos, kv_pos, scale, mods)
 
-    def backward(self, dout, q, k, v, out, lse, origin, scale, mods):
+    def backward(self, dout, q, k, v, out, lse, origin, scale, mods, dlse=None):
         q_pos, kv_pos = (positions(runs, mods, q.device) for runs in origin)
-        return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, mods)
+        return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, mods, dlse)
 
 
 def _vmap_bhqk(fn: Callable, with_score: bool) -> Callable:
@@ -177,8 +178,10 @@ def flex_block_backward(
     kv_pos: Tensor,
     scale: float,
     mods: FlexMods,
+    dlse_BHS: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of one block, given the global ``out``/``lse`` of its query rows."""
+    """``(dq, dk, dv)`` of one block, given the global ``out``/``lse`` of its query rows and
+    the gradient ``dlse`` of the global lse (None: 0)."""
     B, _, H, _ = q_BSHD.shape
     H_kv = k_BSHD.shape[2]
     acc = accumulation_dtype(q_BSHD.dtype)
@@ -193,6 +196,8 @@ def flex_block_backward(
     dv = _by_kv_head(_visible_matmul(p.transpose(-1, -2), do, mask_t), H_kv)
     dp = do @ _repeat_kv(v_BSHD, H).transpose(-1, -2)
     delta = (do * out_BSHD.to(acc).transpose(1, 2)).sum(-1, keepdim=True)
+    if dlse_BHS is not None:  # d lse_i / d s_ij = p_ij: one more term of every row's dS
+        delta = delta - dlse_BHS.to(acc).unsqueeze(-1)
     ds = p * (dp - delta)  # the gradient of the modified scores
     if mask is not None:  # 0 at hidden pairs, also where a hidden value made dp NaN
         ds = ds.masked_fill(~mask, 0)

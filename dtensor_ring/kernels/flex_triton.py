@@ -20,8 +20,9 @@ only: flex returns ``lse_b`` with a gradient, and for the block's softmax
 
 the block's own backward (which computes ``dS_b = P_b * (dP_b - rowsum(grad_out_b * out_b))
 + P_b * grad_lse_b``) gives ``dS = P * (dP - rowsum(dO * out))``, the global block gradient,
-and ``dV = P_b^T grad_out_b = P^T dO``. It re-runs the block's forward (PyTorch's flex
-backward needs its own saved tensors).
+and ``dV = P_b^T grad_out_b = P^T dO``. A gradient of the global lse (flex's lse is
+differentiable: ``d lse / d S = P``) enters as ``rowsum(dO * out) - dlse``. It re-runs the
+block's forward (PyTorch's flex backward needs its own saved tensors).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class FlexTritonKernel(FlexKernel):
         out, lse = self._call(q, k, v, origin, scale, mods)
         return out.transpose(1, 2), lse.to(accumulation_dtype(q.dtype))
 
-    def backward(self, dout, q, k, v, out, lse, origin, scale, mods):
+    def backward(self, dout, q, k, v, out, lse, origin, scale, mods, dlse=None):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         with torch.enable_grad():
             out_b, lse_b = self._call(*leaves, origin, scale, mods)
@@ -207,6 +208,8 @@ class FlexTritonKernel(FlexKernel):
         do = dout.transpose(1, 2).to(acc)
         delta_b = (do * out_b.detach().to(acc)).sum(-1)
         delta = (do * out.transpose(1, 2).to(acc)).sum(-1)
+        if dlse is not None:  # the global lse's own gradient: d lse / d s = P
+            delta = delta - dlse.to(acc)
         grads = torch.autograd.grad(
             (out_b, lse_b),
             leaves,

@@ -69,18 +69,20 @@ def ring_flex_backward(
     v_BSHD: Tensor,
     out_BSHD: Tensor,
     lse_BHS: Tensor,
+    dlse_BHS: Tensor | None,
     group_name: str,
     plan: Plan,
     mods: FlexMods,
     scale: float,
     kernel: FlexKernel,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of :func:`ring_flex_forward` given ``dout`` and its outputs."""
+    """``(dq, dk, dv)`` of :func:`ring_flex_forward` given ``dout``, the gradient of its lse
+    (None: 0) and its outputs."""
     group = resolve_group(group_name)
     kv_exchanger = dkv_exchanger = None
     if plan.world_size > 1:
         kv_exchanger, dkv_exchanger = backward_exchangers(group, plan)
-    blocks = FlexBlocks(q_BSHD.shape[1], mods)
+    blocks = FlexBlocks(q_BSHD.shape[1], mods, dlse_BHS)
     steps = plan.steps[group.rank()]
     return ring_backward(
         dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, steps, kv_exchanger,
@@ -90,19 +92,22 @@ def ring_flex_backward(
 
 class RingFlex(torch.autograd.Function):
     """``RingFlex.apply(q_BSHD, k_BSHD, v_BSHD, group_name, plan, mods, scale, kernel)`` ->
-    ``(out_BSHD, lse_BHS)`` (Note [FlexAttention on the ring]); ``lse`` has no gradient."""
+    ``(out_BSHD, lse_BHS)`` (Note [FlexAttention on the ring]); both differentiable, as
+    ``flex_attention``'s out and lse are."""
 
     @staticmethod
     def forward(ctx, q, k, v, group_name, plan, mods, scale, kernel):
         out, lse = ring_flex_forward(q, k, v, group_name, plan, mods, scale, kernel)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused lse (or out) gets no gradient: None
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group_name, plan, mods, scale, kernel)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         check_first_order()
         q, k, v, out, lse = ctx.saved_tensors
-        grads = ring_flex_backward(dout, q, k, v, out, lse, *ctx.args)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        grads = ring_flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args)
         return (*grads, None, None, None, None, None)
