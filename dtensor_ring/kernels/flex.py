@@ -62,9 +62,12 @@ class FlexKernel:
         return None
 
 
-def positions(runs: GlobalRuns, mods: FlexMods, device) -> Tensor:
-    """The global positions (int64, on ``device``) of ``runs``, made once per call."""
-    key = ("positions", runs)
+def positions(runs: GlobalRuns, mods: FlexMods, device, side: str) -> Tensor:
+    """The global positions (int64, on ``device``) of ``runs``, made once per call and
+    ``side`` ("q" or "kv": a diagonal block's two tables are distinct tensors, as Dynamo's
+    guards on PyTorch's kernels want them: aliased inputs made torch 2.11 crash when
+    recompiling for the next block)."""
+    key = ("positions", side, runs)
     if key not in mods.cache:
         ar = functools.partial(torch.arange, dtype=torch.int64, device=device)
         mods.cache[key] = torch.cat([ar(p, p + n * st, st) for p, n, st in runs])
@@ -78,11 +81,15 @@ class FlexMathKernel(FlexKernel):
     name, trims = "flex_math", True
 
     def forward(self, q, k, v, origin, scale, mods):
-        q_pos, kv_pos = (positions(runs, mods, q.device) for runs in origin)
+        q_pos, kv_pos = (
+            positions(r, mods, q.device, side) for r, side in zip(origin, "qk", strict=True)
+        )
         return flex_block_forward(q, k, v, q_pos, kv_pos, scale, mods)
 
     def backward(self, dout, q, k, v, out, lse, origin, scale, mods, dlse=None):
-        q_pos, kv_pos = (positions(runs, mods, q.device) for runs in origin)
+        q_pos, kv_pos = (
+            positions(r, mods, q.device, side) for r, side in zip(origin, "qk", strict=True)
+        )
         return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, mods, dlse)
 
 

@@ -113,7 +113,7 @@ def _sub_block_mask(mods: FlexMods, origin, B: int, H: int, device) -> BlockMask
 
 def _make_sub_block_mask(mods: FlexMods, origin, B: int, H: int, device) -> BlockMask:
     bm = mods.block_mask
-    q_pos, kv_pos = (positions(runs, mods, device) for runs in origin)
+    q_pos, kv_pos = (positions(r, mods, device, side) for r, side in zip(origin, "qk", strict=True))
     s_q, s_k = len(q_pos), len(kv_pos)
     shifted = _at_positions(mods.mask_mod, q_pos, kv_pos, with_score=False)
     if bm is not None:
@@ -180,7 +180,9 @@ class FlexTritonKernel(FlexKernel):
         if mods.score_mod is not None:  # once per call and block, as the block mask
             key = ("score_mod", origin)
             if key not in mods.cache:
-                q_pos, kv_pos = (positions(runs, mods, q.device) for runs in origin)
+                q_pos, kv_pos = (
+                    positions(r, mods, q.device, side) for r, side in zip(origin, "qk", strict=True)
+                )
                 mods.cache[key] = _at_positions(mods.score_mod, q_pos, kv_pos, with_score=True)
             score_mod = mods.cache[key]
         return _run_flex(
