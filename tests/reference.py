@@ -184,9 +184,10 @@ def reference_flex(
     """FlexAttention of full sequences in float64, evaluating the functions by broadcasting.
 
     ``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` (flex's layout); ``mask_mod(b, h, q_idx,
-    kv_idx)`` and ``score_mod(score, b, h, q_idx, kv_idx)`` are called once with index tensors
-    shaped ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,S,1]``, ``[1,1,1,S]`` (so they must be written
-    with broadcasting ops). Rows that see no key give 0 and lse -inf, as flex_attention.
+    kv_idx)`` is evaluated by torch's ``create_mask``, ``score_mod(score, b, h, q_idx,
+    kv_idx)`` called once with index tensors shaped ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,S,1]``,
+    ``[1,1,1,S]`` (so it must be written with broadcasting ops). Rows that see no key give 0
+    and lse -inf, as flex_attention.
     Returns ``(out [B, H, S, D], lse [B, H, S])``.
     """
     B, H, S, D = q.shape
@@ -200,8 +201,10 @@ def reference_flex(
     qi, ki = ar(S).view(1, 1, S, 1), ar(S).view(1, 1, 1, S)
     if score_mod is not None:
         s = score_mod(s, b, h, qi, ki)
-    if mask_mod is not None:
-        s = s.masked_fill(~mask_mod(b, h, qi, ki).expand_as(s), float("-inf"))
+    if mask_mod is not None:  # torch's own evaluation (vmap over b, h, q, kv)
+        from torch.nn.attention.flex_attention import create_mask
+
+        s = s.masked_fill(~create_mask(mask_mod, B, H, S, S, q.device), float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
     return p @ v, lse

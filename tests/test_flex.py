@@ -205,8 +205,10 @@ def test_balanced_layout_deals_largest_first():
         load[r] += work[i]
         held[r].append(i)
     assert work == [1, 3, 3, 4]
-    assert layout.chunks == tuple(tuple(sorted(h)) for h in held) == ((0, 3), (1, 2))
-    assert [run[2] for run in layout.runs(8, 0, 2)] == [4 * c for c in sorted(held[0])]
+    assert [sorted(h) for h in held] == [[0, 3], [1, 2]]
+    for rank in (0, 1):  # a rank's chunks, in order, are its tokens
+        want = torch.cat([torch.arange(4 * c, 4 * c + 4) for c in sorted(held[rank])])
+        assert torch.equal(layout.token_indices(16, rank, 2), want)
 
 
 @pytest.mark.parametrize("ndocs", [3, 7])

@@ -62,7 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..algorithm import Algorithm
-from ..layouts import balancer_layout, gather_sequence, get_layout, shard_local
+from ..layouts import Layout, balancer_layout, gather_sequence, get_layout, shard_local
 from ..resolve import check_bool, check_unsupported, placement
 from .attend import dense_attention
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
@@ -120,7 +120,7 @@ def default_algorithm(algorithm: Algorithm | None) -> Algorithm | None:
     return "all_gather" if cp_options.rotate_method is RotateMethod.ALL_GATHER else "ring"
 
 
-def _layout_for(layout: str | None, seq_len: int, world_size: int) -> str:
+def _layout_for(layout: str | Layout | None, seq_len: int, world_size: int) -> str | Layout:
     """``layout``, or for None PyTorch's default: head-tail ("zigzag") when
     ``cp_options.enable_load_balance`` and ``seq_len % 2W == 0``, else no reordering
     ("ring")."""

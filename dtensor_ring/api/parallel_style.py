@@ -208,8 +208,9 @@ class _SDPAMode(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         algorithm = default_algorithm(self.algorithm)  # set_rotate_method's, read per call
+        layout = self.layout if self.layout is not None else _SHARDED[0]  # the shards' own
         # SDPA's own signature from here on (an unknown keyword is a TypeError)
-        return _ring_sdpa_local(self.group, self.layout, algorithm, None, *args, **kwargs)
+        return _ring_sdpa_local(self.group, layout, algorithm, None, *args, **kwargs)
 
 
 def context_parallel_shard(
@@ -305,4 +306,4 @@ def disable_context_parallel_dispatcher() -> None:
 
 
 _DISPATCHER: list[tuple[contextlib.ExitStack, str, Algorithm | None]] = []
-_SHARDED: list[str | None] = [None]  # the layout context_parallel_shard last used
+_SHARDED: list[str | Layout | None] = [None]  # the layout context_parallel_shard last used

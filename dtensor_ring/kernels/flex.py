@@ -6,7 +6,8 @@ The ring computes a FlexAttention call block by block (Note [FlexAttention on th
 positions of both runs in the global sequence are what the user's functions receive as
 ``q_idx`` / ``kv_idx``. This kernel evaluates the functions on the block with ``torch.vmap``
 (as ``flex_attention``'s own eager path does) and computes exact attention with explicit
-score matrices in the accumulation dtype, on any device; the backward takes the *global*
+score matrices (in float64 on CPU, else the accumulation dtype: :func:`compute_dtype`), on
+any device; the backward takes the *global*
 ``out``/``lse`` of its query rows (Note [Ring backward]) and differentiates ``score_mod``
 with autograd.
 
@@ -75,8 +76,8 @@ def positions(runs: GlobalRuns, mods: FlexMods, device, side: str) -> Tensor:
 
 
 class FlexMathKernel(FlexKernel):
-    """Explicit scores in the accumulation dtype, the functions evaluated with ``torch.vmap``:
-    any device, exact, strict for non-finite values; memory ``B * H * S_q * S_k``."""
+    """Explicit scores (float64 on CPU), the functions evaluated with ``torch.vmap``: any
+    device, exact, strict for non-finite values; memory ``B * H * S_q * S_k``."""
 
     name, trims = "flex_math", True
 
@@ -91,6 +92,12 @@ class FlexMathKernel(FlexKernel):
             positions(r, mods, q.device, side) for r, side in zip(origin, "qk", strict=True)
         )
         return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, mods, dlse)
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """What :class:`FlexMathKernel` computes a block in: float64 on CPU (its exact path: a
+    block's result then rounds once, to the input dtype), else the accumulation dtype."""
+    return torch.float64 if x.device.type == "cpu" else accumulation_dtype(x.dtype)
 
 
 def _vmap_bhqk(fn: Callable, with_score: bool) -> Callable:
@@ -115,11 +122,11 @@ def visible(mods: FlexMods, B: int, H: int, q_pos: Tensor, kv_pos: Tensor) -> Te
 
 
 def _scores(q_BSHD: Tensor, k_BSHD: Tensor, scale: float) -> Tensor:
-    """``q k^T * scale`` as ``[B, H, S_q, S_k]`` in the accumulation dtype (GQA: query head
+    """``q k^T * scale`` as ``[B, H, S_q, S_k]`` in :func:`compute_dtype` (GQA: query head
     ``h`` meets key head ``h // (H / H_kv)``)."""
     B, S_q, H, D = q_BSHD.shape
     H_kv = k_BSHD.shape[2]
-    acc = accumulation_dtype(q_BSHD.dtype)
+    acc = compute_dtype(q_BSHD)
     q = q_BSHD.to(acc).view(B, S_q, H_kv, H // H_kv, D).permute(0, 2, 3, 1, 4)
     k = k_BSHD.to(acc).permute(0, 2, 1, 3).unsqueeze(2)
     return (q @ k.transpose(-1, -2) * scale).reshape(B, H, S_q, k_BSHD.shape[1])
@@ -148,8 +155,8 @@ def _by_kv_head(x_BHSD: Tensor, H_kv: int) -> Tensor:
 
 
 def _repeat_kv(x_BSHD: Tensor, H: int) -> Tensor:
-    """``[B, S, H_kv, D]`` -> ``[B, H, S, D]`` in the accumulation dtype (query head order)."""
-    x = x_BSHD.to(accumulation_dtype(x_BSHD.dtype)).transpose(1, 2)
+    """``[B, S, H_kv, D]`` -> ``[B, H, S, D]`` in :func:`compute_dtype` (query head order)."""
+    x = x_BSHD.to(compute_dtype(x_BSHD)).transpose(1, 2)
     return x.repeat_interleave(H // x.shape[1], dim=1)
 
 
@@ -171,7 +178,7 @@ def flex_block_forward(
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     out = _visible_matmul(_probs(s, lse, None), _repeat_kv(v_BSHD, H), mask)
-    return out.transpose(1, 2).to(q_BSHD.dtype), lse
+    return out.transpose(1, 2).to(q_BSHD.dtype), lse.to(accumulation_dtype(q_BSHD.dtype))
 
 
 def flex_block_backward(
@@ -191,7 +198,7 @@ def flex_block_backward(
     the gradient ``dlse`` of the global lse (None: 0)."""
     B, _, H, _ = q_BSHD.shape
     H_kv = k_BSHD.shape[2]
-    acc = accumulation_dtype(q_BSHD.dtype)
+    acc = compute_dtype(q_BSHD)
     raw = _scores(q_BSHD, k_BSHD, scale)
     with torch.enable_grad():
         raw.requires_grad_(mods.score_mod is not None)

@@ -20,6 +20,7 @@ A new layout is one :class:`Layout` subclass passed to :func:`register_layout`.
 from __future__ import annotations
 
 from .base import Layout, Run, VarlenForm
+from .builtin import TokenLayout
 from .registry import (
     LAYOUTS,
     VARLEN_LAYOUTS,
@@ -55,6 +56,7 @@ __all__ = [
     "Layout",
     "LayoutName",
     "Run",
+    "TokenLayout",
     "VarlenForm",
     "alias_algorithm",
     "find_layout",

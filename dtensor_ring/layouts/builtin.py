@@ -6,7 +6,10 @@ Their ``part_block`` tables are the schedules of Note [Ring schedules] in ``sche
 
 from __future__ import annotations
 
-import zlib
+import hashlib
+
+import torch
+from torch import Tensor
 
 from ..parts import Block, Part
 from .base import Layout, Run
@@ -98,37 +101,52 @@ BUILTIN_ALIASES: dict[str, tuple[str, str]] = {
 ``dtensor_ring/algorithm.py``): kept as documented shorthands."""
 
 
-class ChunkLayout(Layout):
-    """A layout given as a table: the sequence is cut into ``W * k`` equal chunks and rank r
-    holds chunks ``chunks[r]`` (``k`` of them, in increasing order). Built for one world size;
-    not registered (it is data: e.g. the mask-aware layout of Note [Mask-aware balance] in
-    ``schedule/flex.py``): pass the object as ``layout=``. Its name holds a digest of the
-    table, so equal tables share plans."""
+class TokenLayout(Layout):
+    """A layout given as data, for one sequence of ``S`` tokens on ``W`` ranks: rank r holds
+    the global tokens ``indices[r]``, in that local order (``indices``: int64 ``[W, S / W]``,
+    a permutation of ``0 .. S-1``). Its runs are the stretches of consecutive tokens. Made by
+    :func:`~dtensor_ring.layouts.balancer_layout` from any load balancer's permutation and by
+    the mask-aware balance (Note [Mask-aware balance] in ``schedule/flex.py``); not registered
+    (it is data): pass the object as ``layout=``. Its name holds a digest of the indices, so
+    equal layouts share plans."""
 
-    causal_only = False
-
-    def __init__(self, chunks: tuple[tuple[int, ...], ...], prefix: str = "chunks"):
-        k = len(chunks[0])
-        flat = sorted(c for row in chunks for c in row)
-        if any(len(row) != k or list(row) != sorted(row) for row in chunks) or flat != list(
-            range(k * len(chunks))
+    def __init__(self, indices: Tensor, prefix: str = "tokens"):
+        indices = torch.as_tensor(indices, dtype=torch.int64).cpu().contiguous()
+        if indices.ndim != 2 or not torch.equal(
+            indices.flatten().sort().values, torch.arange(indices.numel())
         ):
             raise ValueError(
-                f"chunks must give every rank k sorted chunk ids of 0..W*k-1: {chunks}"
+                f"a token layout takes [W, S / W] indices forming a permutation of 0 .. S-1, got "
+                f"shape {tuple(indices.shape)}"
             )
-        self.chunks, self.chunks_per_rank = chunks, k
-        self.name = f"{prefix}_{zlib.crc32(repr(chunks).encode()):08x}"
+        self.indices = indices
+        self.world_size, self.seq_local = indices.shape
+        digest = hashlib.blake2b(indices.numpy().tobytes(), digest_size=6).hexdigest()
+        self.name = f"{prefix}_{digest}"
+        self._runs = tuple(_consecutive_runs(row) for row in indices)
 
     def runs(self, seq_local: int, rank: int, world_size: int) -> tuple[Run, ...]:
-        if world_size != len(self.chunks):
+        self._check(seq_local * world_size, world_size)
+        return self._runs[rank]
+
+    def check_length(self, seq_len: int, world_size: int) -> None:
+        self._check(seq_len, world_size)
+
+    def check_local_length(self, seq_local: int, world_size: int, what: str = "") -> None:
+        self._check(seq_local * world_size, world_size, what)
+
+    def _check(self, seq_len: int, world_size: int, what: str = "") -> None:
+        W, n = self.world_size, self.seq_local
+        if (seq_len, world_size) != (W * n, W):
             raise ValueError(
-                f"layout {self.name!r} was built for {len(self.chunks)} ranks, not {world_size}"
+                f"{what}layout {self.name!r} places {W * n} tokens on {W} ranks "
+                f"({n} a rank); got {seq_len} tokens on {world_size} ranks"
             )
-        c = seq_local // self.chunks_per_rank
-        runs: list[list[int]] = []  # [local start, length, global start], adjacent merged
-        for i, chunk in enumerate(self.chunks[rank]):
-            if runs and runs[-1][2] + runs[-1][1] == chunk * c:
-                runs[-1][1] += c
-            else:
-                runs.append([i * c, c, chunk * c])
-        return tuple(tuple(r) for r in runs)
+
+
+def _consecutive_runs(row: Tensor) -> tuple[Run, ...]:
+    """``(local start, length, global start)`` of each stretch of consecutive tokens."""
+    breaks = (torch.nonzero(row.diff() != 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    stops = [*breaks, len(row)]
+    return tuple((a, b - a, int(row[a])) for a, b in zip(starts, stops, strict=True))

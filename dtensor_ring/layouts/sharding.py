@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import Layout
+from .builtin import TokenLayout
 from .registry import LayoutName, get_layout
 
 
@@ -71,15 +72,16 @@ def gather_sequence(
     return unshard_local(parts, layout, seq_dim)
 
 
-def balancer_layout(load_balancer: object, seq_len: int, world_size: int) -> str:
+def balancer_layout(load_balancer: object, seq_len: int, world_size: int) -> str | Layout:
     """The layout of the shards a load balancer makes for ``seq_len`` tokens on
     ``world_size`` ranks: None -> "ring"; a layout name -> itself; an object with PyTorch's
-    ``_generate_indices()`` (its ``_LoadBalancer`` protocol) -> the layout whose rank-order
-    permutation equals the one it gives (identity: "ring", head-tail: "zigzag").
+    ``_generate_indices()`` (its ``_LoadBalancer`` protocol) -> by the rank-order permutation
+    it gives: identity "ring", head-tail "zigzag", any other (PyTorch's PTRR and per-document
+    balancers) a :class:`~dtensor_ring.layouts.builtin.TokenLayout` holding it.
 
     Raises:
-        ValueError: a permutation no such layout makes (PyTorch's PTRR and per-document
-            balancers), or a length the layout cannot split.
+        ValueError: a permutation that differs between batch rows (per-document balancing of a
+            batch: no one layout), or a length the layout cannot split.
         TypeError: anything else.
     """
     if load_balancer is None:
@@ -99,13 +101,16 @@ def balancer_layout(load_balancer: object, seq_len: int, world_size: int) -> str
     order = torch.as_tensor(order).cpu()
     if order.ndim == 2 and all(torch.equal(row, order[0]) for row in order):
         order = order[0]
+    if order.shape != (seq_len,) or seq_len % world_size:
+        raise ValueError(
+            f"load_balancer {type(load_balancer).__name__} gives a permutation of shape "
+            f"{tuple(order.shape)}; one order of {seq_len} tokens for every batch row, "
+            f"divisible by {world_size} ranks, is what a layout can hold (per-document "
+            "balancing of rows with different documents is not one layout)"
+        )
     for name in ("ring", "zigzag"):
         layout = get_layout(name, "dense")
-        if order.shape == (seq_len,) and seq_len % layout.divisor(world_size) == 0:
+        if seq_len % layout.divisor(world_size) == 0:
             if torch.equal(order, layout.order(seq_len, world_size)[0]):
                 return name
-    raise ValueError(
-        f"load_balancer {type(load_balancer).__name__} places tokens in an order no dense "
-        "layout matches (it is neither contiguous nor head-tail, e.g. PTRR or per-document "
-        "balancing, which need FlexAttention's masks); use load_balancer=None or head-tail"
-    )
+    return TokenLayout(order.view(world_size, seq_len // world_size), prefix="balancer")

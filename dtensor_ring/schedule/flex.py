@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..layouts import Layout
-from ..layouts.builtin import ChunkLayout
+from ..layouts.builtin import TokenLayout
 from ..parts import Block, GlobalRuns, Part, Span
 from .plan import Plan, plan_from_blocks
 
@@ -194,11 +194,11 @@ def flex_plan(
 #                                   rank 0: chunks 0, 3 = 8;  rank 1: chunks 1, 2 = 6
 #
 # zigzag is this rule's answer for a plain causal mask (chunk i's work grows with i). The
-# result is a :class:`~dtensor_ring.layouts.builtin.ChunkLayout`: a rank's chunks are its runs,
-# so plans, sharding and the report follow as for any layout.
+# result is a :class:`~dtensor_ring.layouts.builtin.TokenLayout` (a rank's chunks, in order,
+# are its tokens), so plans, sharding and the report follow as for any layout.
 
 
-def balanced_layout(visible: VisibleBlocks, world_size: int, chunks_per_rank: int) -> ChunkLayout:
+def balanced_layout(visible: VisibleBlocks, world_size: int, chunks_per_rank: int) -> TokenLayout:
     """The layout of Note [Mask-aware balance] for the mask's tiles ``visible`` on
     ``world_size`` ranks, ``chunks_per_rank`` chunks a rank (the sequence length must be a
     multiple of ``world_size * chunks_per_rank``)."""
@@ -217,7 +217,10 @@ def balanced_layout(visible: VisibleBlocks, world_size: int, chunks_per_rank: in
                 key=lambda r: load[r])  # fmt: skip
         load[r] += work[i]
         held[r].append(i)
-    return ChunkLayout(tuple(tuple(sorted(h)) for h in held), prefix="mask_balanced")
+    indices = torch.stack(
+        [torch.cat([torch.arange(i * c, (i + 1) * c) for i in sorted(h)]) for h in held]
+    )
+    return TokenLayout(indices, prefix="mask_balanced")
 
 
 @dataclass(frozen=True)
