@@ -131,7 +131,7 @@ def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False
     return {}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_flex_fp64(dist_pool, world_size, case):
     mask, score, layout, H_kv = case
@@ -378,7 +378,9 @@ def _stand_in_flex(q, k, v, score_mod, block_mask, scale, enable_gqa):
     return p @ v, lse
 
 
-@pytest.mark.parametrize("layout", ["ring", "zigzag", "stripe", "balanced"])
+@pytest.mark.parametrize(
+    "layout", ["ring", "zigzag", pytest.param("stripe", marks=pytest.mark.slow), "balanced"]
+)
 def test_flex_triton_host_logic(monkeypatch, layout):
     """flex_triton's own code on CPU, PyTorch's compiled kernel replaced by an exact stand-in:
     positions, gathered and rebuilt block masks (stripe: not tile-aligned), shifted functions

@@ -60,7 +60,8 @@ class _FixedOrder:
         self.order = order
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
-        return (self.order.argsort() if restore else self.order)[None]
+        order = self.order if self.order.ndim == 2 else self.order[None]  # one per batch row
+        return order.argsort(-1) if restore else order
 
 
 def _balancer(kind: str, S: int, W: int) -> object:
@@ -70,6 +71,8 @@ def _balancer(kind: str, S: int, W: int) -> object:
         )
 
         return _HeadTailLoadBalancer(S, W, torch.device("cpu"))
+    if kind == "permuted":  # any other balancer: a TokenLayout of its permutation
+        return _FixedOrder(torch.randperm(S, generator=torch.Generator().manual_seed(S)))
     return {"none": None, "stripe": "stripe"}[kind]
 
 
@@ -127,7 +130,7 @@ WORLDS = (1, 2, 3, pytest.param(4, marks=pytest.mark.slow))  # W = 4 in the slow
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("balancer", ["none", "head_tail", "stripe"])
+@pytest.mark.parametrize("balancer", ["none", "head_tail", "stripe", "permuted"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_module(dist_pool, world_size, balancer, causal):
     dist_pool.run(check_module, world_size, balancer=balancer, causal=causal, rotate=None)
@@ -159,7 +162,7 @@ def check_errors(group: dist.ProcessGroup) -> list[str]:
     mesh = DeviceMesh.from_group(group, "cpu")
     S = 4 * W
     x = torch.randn(B, H, S, D)
-    reversed_order = _FixedOrder(torch.arange(S).flip(0))
+    per_row = _FixedOrder(torch.stack([torch.arange(S), torch.arange(S).flip(0)]))
     calls = {
         "varlen": lambda: dr.ContextParallel(seq_dim=2, attention_type="varlen"),
         "flex_algorithm": lambda: dr.ContextParallel(attention_type="flex", algorithm="ulysses"),
@@ -167,7 +170,7 @@ def check_errors(group: dist.ProcessGroup) -> list[str]:
         "layout": lambda: dr.ContextParallel(layout="nope"),
         "algorithm": lambda: dr.ContextParallel(algorithm="nope"),
         "pair": lambda: dr.ContextParallel(layout="stripe", algorithm="all_gather"),
-        "balancer_order": lambda: dr.context_parallel_shard(mesh, [x], [2], reversed_order),
+        "balancer_rows": lambda: dr.context_parallel_shard(mesh, [x], [2], per_row),
         "balancer_type": lambda: dr.context_parallel_shard(mesh, [x], [2], 3),
         "both": lambda: dr.context_parallel_shard(mesh, [x], [2], "zigzag", layout="ring"),
         "dims": lambda: dr.context_parallel_shard(mesh, [x, x], [2]),
@@ -196,7 +199,7 @@ def test_errors(dist_pool, world_size):
         assert "no error" not in message, message
     text = "\n".join(results[0])
     assert "varlen attention modules are not" in text and "sequence dim 2" in text
-    assert "FlexAttention runs on the ring" in text and "neither contiguous" in text
+    assert "FlexAttention runs on the ring" in text and "not one layout" in text
     assert "placed (Replicate(),)" in text and "rotate_method" in text
 
 
@@ -208,8 +211,14 @@ def test_balancer_layout():
     assert dr.balancer_layout(None, 16, 2) == "ring"
     assert dr.balancer_layout(_HeadTailLoadBalancer(16, 2, "cpu"), 16, 2) == "zigzag"
     assert dr.balancer_layout(_FixedOrder(torch.arange(12)), 12, 3) == "ring"
-    with pytest.raises(ValueError, match="neither contiguous nor head-tail"):
-        dr.balancer_layout(_FixedOrder(torch.arange(12).flip(0)), 12, 3)
+    reverse = dr.balancer_layout(_FixedOrder(torch.arange(12).flip(0)), 12, 3)
+    assert isinstance(reverse, dr.layouts.TokenLayout)
+    for rank in range(3):  # rank r holds the r-th third of the reversed order
+        want = torch.arange(12).flip(0)[4 * rank : 4 * rank + 4]
+        assert torch.equal(reverse.token_indices(12, rank, 3), want)
+    with pytest.raises(ValueError, match="not one layout"):
+        per_row = torch.stack([torch.arange(12), torch.arange(12).flip(0)])
+        dr.balancer_layout(_FixedOrder(per_row), 12, 3)
 
 
 def check_torch_names(group: dist.ProcessGroup, load_balance: bool) -> None:

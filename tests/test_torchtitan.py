@@ -80,7 +80,7 @@ def check_prepare_and_flex(group: dist.ProcessGroup, balancer: str | None) -> No
         )
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("balancer", ["headtail", "ptrr", None])
 def test_prepare_and_flex_forward(dist_pool, world_size, balancer):
     dist_pool.run(check_prepare_and_flex, world_size, balancer=balancer)

@@ -39,10 +39,11 @@ other path (torchtitan's): SDPA on ``Shard``-ed DTensors anywhere, through a ``r
 scope held open until :func:`disable_context_parallel_dispatcher`.
 
 Shards made by someone else's balancer: a balancer is mapped by the permutation it makes
-(``_generate_indices()``), not by its class: identity = "ring", head-tail = "zigzag"; any
-other permutation (PyTorch's PTRR and per-document balancers) raises ``ValueError``: dense
-ring attention needs a layout it can schedule. A module told a layout other than the one its
-inputs were sharded in by :func:`context_parallel_shard` raises before any communication.
+(``_generate_indices()``), not by its class: identity = "ring", head-tail = "zigzag", any
+other single permutation (PyTorch's PTRR and per-document balancers) a ``TokenLayout``
+holding it, whose runs the ring schedules like any layout's; a permutation that differs
+between batch rows raises ``ValueError``. The modules use the layout the inputs were last
+sharded in (or the one they were told).
 """
 
 from __future__ import annotations
@@ -239,8 +240,7 @@ def context_parallel_shard(
 
     Raises:
         ValueError: mismatched ``seq_dims``, a length the layout cannot split, a balancer
-            whose permutation is no layout ring attention can schedule (PTRR, per-document),
-            a BlockMask buffer.
+            whose permutation differs between batch rows.
     """
     _cp_group(mesh)
     flat, spec = tree_flatten(buffers)

@@ -13,9 +13,8 @@ Every name is the public dtensor_ring one under PyTorch's spelling (docs/migrati
 ``_HeadTailLoadBalancer`` gives PyTorch's head-tail permutation (our "zigzag"),
 ``_cp_options`` / ``set_rotate_method`` / ``_RotateMethod`` are the options the CP doors read,
 and the dispatcher switches hold a ``ring_sdpa`` scope open (SDPA on sequence-sharded
-DTensors, torchtitan's path). PyTorch's PTRR and
-per-document balancers have no counterpart: their shards are refused (FlexAttention masks:
-``dtensor_ring.flex_layout``).
+DTensors, torchtitan's path). PyTorch's PTRR and per-document balancers are served by the
+permutation they make (a ``TokenLayout``).
 """
 
 from __future__ import annotations

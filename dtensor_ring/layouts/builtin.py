@@ -125,6 +125,12 @@ class TokenLayout(Layout):
         self.name = f"{prefix}_{digest}"
         self._runs = tuple(_consecutive_runs(row) for row in indices)
 
+    def __eq__(self, other: object) -> bool:  # the same tokens on the same ranks
+        return isinstance(other, TokenLayout) and torch.equal(self.indices, other.indices)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
     def runs(self, seq_local: int, rank: int, world_size: int) -> tuple[Run, ...]:
         self._check(seq_local * world_size, world_size)
         return self._runs[rank]

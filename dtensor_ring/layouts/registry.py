@@ -74,7 +74,7 @@ def find_layout(name: object) -> Layout | None:
     caller passed)."""
     if not isinstance(name, str):
         return None
-    return _ALIAS_LAYOUTS.get(name) or _REGISTRY.get(name)
+    return _ALIAS_LAYOUTS.get(name) or _REGISTRY.get(name) or _PASSED.get(name)
 
 
 def home_layout(layout: Layout) -> str:
@@ -101,6 +101,7 @@ def get_layout(layout: str | Layout, form: Form = "any") -> Layout:
     """
     if isinstance(layout, Layout):
         found = layout
+        _remember(layout)
     elif isinstance(layout, str):
         found = find_layout(layout)
     else:
@@ -110,6 +111,28 @@ def get_layout(layout: str | Layout, form: Form = "any") -> Layout:
             f"layout={layout!r} is not a {_FORM_WORDS[form]}; choose one of {layout_names(form)}"
         )
     return found
+
+
+# Layout objects passed to a door without being registered (a TokenLayout of a balancer's
+# permutation or of the mask-aware balance, a user's own): the custom ops carry layouts by
+# name, so the last _PASSED_SIZE such names resolve to their objects.
+_PASSED: dict[str, Layout] = {}
+_PASSED_SIZE = 256
+
+
+def _remember(layout: Layout) -> None:
+    if _REGISTRY.get(layout.name) is layout or _ALIAS_LAYOUTS.get(layout.name) is layout:
+        return
+    if layout.name in _REGISTRY or layout.name in _ALIASES:
+        raise ValueError(
+            f"a layout object named {layout.name!r} is not the registered layout of that name"
+        )
+    known = _PASSED.pop(layout.name, None)
+    if known is not None and known is not layout and known != layout:
+        raise ValueError(f"two different layout objects are named {layout.name!r}")
+    _PASSED[layout.name] = layout  # most recent last
+    if len(_PASSED) > _PASSED_SIZE:
+        _PASSED.pop(next(iter(_PASSED)))
 
 
 for _layout in BUILTIN_LAYOUTS:
