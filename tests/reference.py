@@ -180,6 +180,7 @@ def reference_flex(
     mask_mod=None,
     score_mod=None,
     scale: float | None = None,
+    mask_batch_heads: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """FlexAttention of full sequences in float64, evaluating the functions by broadcasting.
 
@@ -187,7 +188,8 @@ def reference_flex(
     kv_idx)`` is evaluated by torch's ``create_mask``, ``score_mod(score, b, h, q_idx,
     kv_idx)`` called once with index tensors shaped ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,S,1]``,
     ``[1,1,1,S]`` (so it must be written with broadcasting ops). Rows that see no key give 0
-    and lse -inf, as flex_attention.
+    and lse -inf, as flex_attention. ``mask_batch_heads``: evaluate the mask at this batch and
+    head count (1: it ignores ``b`` / ``h``) and broadcast.
     Returns ``(out [B, H, S, D], lse [B, H, S])``.
     """
     B, H, S, D = q.shape
@@ -204,7 +206,8 @@ def reference_flex(
     if mask_mod is not None:  # torch's own evaluation (vmap over b, h, q, kv)
         from torch.nn.attention.flex_attention import create_mask
 
-        s = s.masked_fill(~create_mask(mask_mod, B, H, S, S, q.device), float("-inf"))
+        mask_B, mask_H = (B, H) if mask_batch_heads is None else mask_batch_heads
+        s = s.masked_fill(~create_mask(mask_mod, mask_B, mask_H, S, S, q.device), float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
     return p @ v, lse
