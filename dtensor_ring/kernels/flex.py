@@ -114,13 +114,11 @@ def _indices(B: int, H: int, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def visible(mods: FlexMods, B: int, H: int, q_pos: Tensor, kv_pos: Tensor) -> Tensor | None:
-    """``mask_mod`` on the block: bool ``[B or 1, H or 1, S_q, S_k]`` (None without a
-    mask_mod), evaluated at the ``BlockMask``'s own batch and heads (1 where it was built
-    without them: the mask does not depend on ``b`` / ``h``) and broadcast over the rest."""
+    """``mask_mod`` on the block: bool ``[B, H, S_q, S_k]`` (None without a mask_mod), at
+    every batch row and head, as flex's kernels call it (a ``BlockMask`` built without batch
+    or heads still has its ``mask_mod`` called with each ``b`` and ``h``)."""
     if mods.mask_mod is None:
         return None
-    if mods.block_mask is not None:
-        B, H = mods.block_mask.shape[:2]
     b, h = _indices(B, H, q_pos.device)
     return _vmap_bhqk(mods.mask_mod, with_score=False)(b, h, q_pos, kv_pos).to(torch.bool)
 
