@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -37,23 +36,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_single_gpu import timed  # noqa: E402  (median of CUDA-event timings)
+
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.simulate import RankSimulator  # noqa: E402
-
-
-def timed(fn, reps: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
 
 
 def documents(seq_len: int, n: int, device) -> tuple[torch.Tensor, list[int]]:
