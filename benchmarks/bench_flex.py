@@ -14,7 +14,9 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
   (``dtensor_ring.simulate.RankSimulator``, kernel flex_triton), forward and forward +
   backward; the slowest rank sets the ring's pace (communication hidden behind compute), so
   efficiency = ideal / slowest rank;
-* the balance report of the plan (``flex_balance``: max/mean work, K/V transfers a rank);
+* the balance report of the plan (``flex_balance``: max/mean work, K/V transfers a rank),
+  and the slowest rank's block kernels alone, back to back (forward, forward + backward):
+  the rank's time minus everything outside the kernels;
 * for the document masks, the library's own varlen path (zigzag varlen, ``RankSimulator``
   with ``cu_seqlens``, its default kernel) against the same ideal.
 
@@ -67,8 +69,8 @@ def masks(seq_len: int, device) -> dict:
     }
 
 
-def slowest_rank(sims, reps) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of the slowest simulated rank."""
+def slowest_rank(sims, reps) -> tuple[float, float, int]:
+    """(forward, forward + backward) seconds of the slowest simulated rank, and that rank."""
     fwd, fwd_bwd = [], []
     for sim in sims:
         dout = torch.randn_like(sim.q)
@@ -79,7 +81,35 @@ def slowest_rank(sims, reps) -> tuple[float, float]:
             sim.backward(dout)
 
         fwd_bwd.append(timed(step, reps))
-    return max(fwd), max(fwd_bwd)
+    return max(fwd), max(fwd_bwd), max(range(len(sims)), key=fwd_bwd.__getitem__)
+
+
+def kernels_alone(sim, reps) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of a flex rank's block kernels alone, called
+    back to back on the blocks of its plan (no merges, accumulations or engine): what the
+    rank's time would be if everything else were free."""
+    out, lse = sim.forward()
+    dout = torch.randn_like(sim.q)
+    kvs = [(sim.k, sim.v), *sim.kv_deliveries]
+    take, take_lse = sim.blocks.take, sim.blocks.take_lse
+    calls = [
+        (blk, *(take(x, blk.q) for x in (sim.q, out, dout)), take_lse(lse, blk.q),
+         *(take(x, blk.kv) for x in kvs[i]))
+        for i, step in enumerate(sim.steps)
+        for blk in step.blocks
+    ]  # fmt: skip
+    mods, kernel = sim.blocks.mods, sim.kernel
+
+    def fwd():
+        for blk, q, _, _, _, k, v in calls:
+            kernel.forward(q, k, v, blk.origin, sim.scale, mods)
+
+    def fwd_bwd():
+        fwd()
+        for blk, q, o, do, lse_b, k, v in calls:
+            kernel.backward(do, q, k, v, o, lse_b, blk.origin, sim.scale, mods)
+
+    return timed(fwd, reps), timed(fwd_bwd, reps)
 
 
 def main() -> None:
@@ -134,7 +164,8 @@ def main() -> None:
                 )  # fmt: skip
                 for r in range(W)
             ]
-            fwd, fwd_bwd = slowest_rank(sims, a.reps)
+            fwd, fwd_bwd, slowest = slowest_rank(sims, a.reps)
+            kernel_fwd, kernel_fwd_bwd = kernels_alone(sims[slowest], a.reps)
             report = dr.flex_balance(bm, W, layout)
             rows.append(
                 {
@@ -146,6 +177,9 @@ def main() -> None:
                     "eff_fwd_bwd": ideal[1] / fwd_bwd,
                     "imbalance": report.imbalance,
                     "kv_transfers": report.kv_transfers,
+                    "slowest_rank": slowest,
+                    "kernels_alone_fwd_s": kernel_fwd,
+                    "kernels_alone_fwd_bwd_s": kernel_fwd_bwd,
                 }  # fmt: skip
             )
             del sims
@@ -164,7 +198,7 @@ def main() -> None:
                 )  # fmt: skip
                 for r in range(W)
             ]
-            fwd, fwd_bwd = slowest_rank(sims, a.reps)
+            fwd, fwd_bwd, _ = slowest_rank(sims, a.reps)
             rows.append(
                 {
                     "mask": name,
@@ -184,6 +218,12 @@ def main() -> None:
                     + (
                         f"{row['imbalance']:>7.3f}{row['kv_transfers']:>5}"
                         if "imbalance" in row
+                        else ""
+                    )
+                    + (
+                        f"  kernels alone {row['kernels_alone_fwd_s'] * 1e3:.3f} | "
+                        f"{row['kernels_alone_fwd_bwd_s'] * 1e3:.3f} ms"
+                        if "kernels_alone_fwd_s" in row
                         else ""
                     )
                 )
