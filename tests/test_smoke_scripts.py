@@ -114,3 +114,30 @@ def test_bench_decode_smoke(tmp_path):
     rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
     assert {(r["cache"], r["world"]) for r in rows} == {(256, 2), (256, 4), (512, 2), (512, 4)}
     assert all(r["full_ms"] > 0 and r["step_ms"] > 0 for r in rows)
+
+
+def test_flex_balance_smoke(tmp_path):
+    """benchmarks/flex_balance.py at a small size: every mask's rows, and the mask-aware layout
+    at least as balanced as ring and zigzag."""
+    out = tmp_path / "flex_balance.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/flex_balance.py"),
+            "--seq-len",
+            "1024",
+            "--world-size",
+            "4",
+            "--chunks",
+            "4",
+            "--out",
+            str(out),
+        ],  # fmt: skip
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    for mask in {r["mask"] for r in rows}:
+        by_layout = {r["layout"]: r["imbalance"] for r in rows if r["mask"] == mask}
+        assert by_layout["mask-aware k=4"] <= min(by_layout["ring"], by_layout["zigzag"]) + 1e-9
