@@ -353,7 +353,7 @@ def _sdpa_numerics(group, layout):
     return errors
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sdpa_numerics(dist_pool, layout, world_size):
     for rank, errors in enumerate(dist_pool.run(_sdpa_numerics, world_size, layout=layout)):

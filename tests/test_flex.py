@@ -131,14 +131,18 @@ def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False
     return {}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+SLOW = pytest.mark.slow
+FLEX_WORLDS = [1, 2, pytest.param(3, marks=SLOW), pytest.param(4, marks=SLOW)]  # 3, 4: slow tier
+
+
+@pytest.mark.parametrize("world_size", FLEX_WORLDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_flex_fp64(dist_pool, world_size, case):
     mask, score, layout, H_kv = case
     dist_pool.run(check_flex, world_size, mask=mask, score=score, layout=layout, H_kv=H_kv)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=SLOW)])
 def test_flex_bare_mask_mod_fp32(dist_pool, world_size):
     dist_pool.run(
         check_flex, world_size, mask="document", score="softcap", layout="zigzag", H_kv=2,

@@ -427,7 +427,10 @@ def check_flex_module(group: dist.ProcessGroup, balancer: str) -> None:
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world_size",
+    [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("balancer", ["none", "head_tail"])
 def test_flex_module(dist_pool, world_size, balancer):
     dist_pool.run(check_flex_module, world_size, balancer=balancer)

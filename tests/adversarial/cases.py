@@ -1622,7 +1622,7 @@ KINDS = {
     "shards": shards_cases,
     "flex": flex_cases,
 }
-FAST_PER_KIND = 5  # the CI subset: 5 per kind
+FAST_PER_KIND = 4  # the CI subset: 4 per kind
 
 
 def _mark_fast(cases: list[Case], n: int) -> None:
