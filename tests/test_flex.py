@@ -119,7 +119,7 @@ def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False
         kwargs["block_mask"] = bm
     out, lse = dr.flex_attention(
         *local, score_mod=score_mod, enable_gqa=H != H_kv, return_lse=True, group=group,
-        layout=layout, **kwargs,
+        layout=layout, kernel_options={}, **kwargs,
     )  # fmt: skip
     lse_term = (lse.where(visible_rows[:, :, idx], 0) * dlse[:, :, idx].to(lse.dtype)).sum()
     ((out * dout[:, :, idx].to(dtype)).sum() + lse_term).backward()

@@ -61,7 +61,7 @@ def flex_attention(
         return_lse, return_aux: also return the log-sum-exp ``[B, H, S_local]`` (fp32; fp64
             for fp64 inputs): ``(out, lse)``, or ``(out, AuxOutput(lse=...))`` for
             ``return_aux=AuxRequest(lse=True)``.
-        kernel_options: must be None (PyTorch's Triton kernel options do not apply).
+        kernel_options: None or ``{}`` (PyTorch's Triton kernel options do not apply).
         group: the context-parallel process group (None: the default group).
         layout: the layout that placed the tokens (``dtensor_ring.shard_sequence``).
         mask_mod: instead of ``block_mask``, a bare ``mask_mod(b, h, q_idx, kv_idx)``; its tiles
@@ -174,10 +174,10 @@ def _check_flex(
     B, S, H, _ = q_BSHD.shape
     H_kv = k_BSHD.shape[2]
     seq_len = S * world_size
-    if kernel_options is not None:
+    if kernel_options is not None and kernel_options != {}:  # {}: no options (torchtitan's)
         raise ValueError(
             "kernel_options are options of PyTorch's Triton flex kernel; dtensor_ring's blocks do "
-            f"not take them: pass kernel_options=None (got {kernel_options!r})"
+            f"not take them: pass kernel_options=None or {{}} (got {kernel_options!r})"
         )
     if not check_bool("enable_gqa", enable_gqa) and H != H_kv:
         raise ValueError(
