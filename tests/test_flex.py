@@ -412,3 +412,24 @@ def test_flex_triton_host_logic(monkeypatch, layout):
     for got, ref in zip((out, dq, dk, dv), want, strict=True):
         torch.testing.assert_close(got, ref.transpose(1, 2), atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=1e-10)
+
+
+def test_balance_report_counts_each_ranks_own_runs():
+    """``skipped`` is, per rank, the (query run, key run) pairs its mask hides, counted over
+    every source rank's own runs: on the mask-aware layout ranks hold different numbers of
+    runs (a count from rank 0's runs was wrong there)."""
+    W, S = 4, 64
+    bm = create_block_mask(make_mask("document", S), None, None, S, S, "cpu", TILE)
+    visible = VisibleBlocks.of_block_mask(bm)
+    layout = dr.flex_layout(bm, W, chunks_per_rank=4)
+    runs = [layout.runs(S // W, r, W) for r in range(W)]
+    assert len({len(r) for r in runs}) > 1  # the case the report must get right
+    report = flex_balance(layout, W, S // W, visible)
+    for rank in range(W):
+        hidden = sum(
+            visible.trim(q_run, kv_run, 1) is None and not (src == rank and a == b)
+            for src in range(W)
+            for a, q_run in enumerate(runs[rank])
+            for b, kv_run in enumerate(runs[src])
+        )
+        assert report.skipped[rank] == hidden

@@ -244,10 +244,10 @@ class FlexBalance:
 
 
 def flex_balance(
-    layout: Layout, world_size: int, seq_local: int, visible: VisibleBlocks, trim: bool = True
+    layout: Layout, world_size: int, seq_local: int, visible: VisibleBlocks
 ) -> FlexBalance:
-    """The work and traffic of :func:`flex_plan`'s plan, rank by rank."""
-    plan = flex_plan(layout, world_size, seq_local, visible, trim)
+    """The work and traffic of :func:`flex_plan`'s (trimmed) plan, rank by rank."""
+    plan = flex_plan(layout, world_size, seq_local, visible)
     runs = [layout.runs(seq_local, r, world_size) for r in range(world_size)]
     stride = layout.stride(world_size)
     work, blocks, skipped = [], [], []
@@ -262,7 +262,8 @@ def flex_balance(
         )
         work.append(pairs)
         blocks.append(computed)
-        skipped.append(world_size * len(runs[rank]) * len(runs[0]) - computed)
+        run_pairs = len(runs[rank]) * sum(len(src_runs) for src_runs in runs)
+        skipped.append(run_pairs - computed)
     mean = sum(work) / len(work)
     return FlexBalance(
         work, max(work) / mean if mean else 1.0, blocks, skipped, plan.kv_transfers()
