@@ -92,7 +92,7 @@ def flex_attention(
     def checks() -> tuple[VisibleBlocks, FlexMods, FlexKernel]:
         found["tiles"], mods = _check_flex(
             q_BSHD, k_BSHD, score_mod, block_mask, mask_mod, enable_gqa, kernel_options,
-            world_size, get_layout(layout, "dense"),
+            world_size,
         )  # fmt: skip
         found["kernel"] = select_flex_kernel(q_BSHD.device, q_BSHD.dtype, backend)
         return found["tiles"], mods, found["kernel"]
@@ -103,6 +103,7 @@ def flex_attention(
         checks=checks,
         metadata=lambda: {
             "mask tiles": found["tiles"].key,
+            "flex kernel": found["kernel"].name,
             **_names(score_mod, block_mask, mask_mod),
         },
     )
@@ -168,7 +169,6 @@ def _check_flex(
     enable_gqa: object,
     kernel_options: object,
     world_size: int,
-    layout: Layout,
 ) -> tuple[VisibleBlocks, FlexMods]:
     """The flex-specific checks (after the shapes'): ``(visible tiles, mods)``."""
     B, S, H, _ = q_BSHD.shape

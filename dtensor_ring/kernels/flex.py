@@ -75,6 +75,13 @@ def positions(runs: GlobalRuns, mods: FlexMods, device, side: str) -> Tensor:
     return mods.cache[key]
 
 
+def block_positions(origin, mods: FlexMods, device) -> tuple[Tensor, Tensor]:
+    """``(q_pos, kv_pos)``: the global positions of a block's queries and keys (its
+    ``origin``), made once per call."""
+    q_runs, kv_runs = origin
+    return positions(q_runs, mods, device, "q"), positions(kv_runs, mods, device, "kv")
+
+
 class FlexMathKernel(FlexKernel):
     """Explicit scores (float64 on CPU), the functions evaluated with ``torch.vmap``: any
     device, exact, strict for non-finite values; memory ``B * H * S_q * S_k``."""
@@ -82,15 +89,11 @@ class FlexMathKernel(FlexKernel):
     name, trims = "flex_math", True
 
     def forward(self, q, k, v, origin, scale, mods):
-        q_pos, kv_pos = (
-            positions(r, mods, q.device, side) for r, side in zip(origin, "qk", strict=True)
-        )
+        q_pos, kv_pos = block_positions(origin, mods, q.device)
         return flex_block_forward(q, k, v, q_pos, kv_pos, scale, mods)
 
     def backward(self, dout, q, k, v, out, lse, origin, scale, mods, dlse=None):
-        q_pos, kv_pos = (
-            positions(r, mods, q.device, side) for r, side in zip(origin, "qk", strict=True)
-        )
+        q_pos, kv_pos = block_positions(origin, mods, q.device)
         return flex_block_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale, mods, dlse)
 
 

@@ -35,7 +35,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from .._compat import recompile_limit
 from .base import accumulation_dtype
-from .flex import FlexKernel, FlexMods, positions
+from .flex import FlexKernel, FlexMods, block_positions
 
 
 def _block_flex(q, k, v, score_mod, block_mask, scale, enable_gqa):
@@ -113,7 +113,7 @@ def _sub_block_mask(mods: FlexMods, origin, B: int, H: int, device) -> BlockMask
 
 def _make_sub_block_mask(mods: FlexMods, origin, B: int, H: int, device) -> BlockMask:
     bm = mods.block_mask
-    q_pos, kv_pos = (positions(r, mods, device, side) for r, side in zip(origin, "qk", strict=True))
+    q_pos, kv_pos = block_positions(origin, mods, device)
     s_q, s_k = len(q_pos), len(kv_pos)
     shifted = _at_positions(mods.mask_mod, q_pos, kv_pos, with_score=False)
     if bm is not None:
@@ -180,9 +180,7 @@ class FlexTritonKernel(FlexKernel):
         if mods.score_mod is not None:  # once per call and block, as the block mask
             key = ("score_mod", origin)
             if key not in mods.cache:
-                q_pos, kv_pos = (
-                    positions(r, mods, q.device, side) for r, side in zip(origin, "qk", strict=True)
-                )
+                q_pos, kv_pos = block_positions(origin, mods, q.device)
                 mods.cache[key] = _at_positions(mods.score_mod, q_pos, kv_pos, with_score=True)
             score_mod = mods.cache[key]
         return _run_flex(
