@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import create_block_mask
 
 import dtensor_ring as dr
+from dtensor_ring.api.parallel_style import _SHARDED
 from dtensor_ring.integrations.torchtitan import _FlexForward, prepare_context_parallel_input
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +41,16 @@ def _document_mask(L: int):
 
 
 def check_prepare_and_flex(group: dist.ProcessGroup, balancer: str | None) -> None:
+    """The check below, leaving the process-wide CP state (``cp_options``, the recorded
+    layout) as it found it: later tests on the pool's other ranks must see the same."""
+    load_balance, sharded = dr.cp_options.enable_load_balance, _SHARDED[0]
+    try:
+        _check_prepare_and_flex(group, balancer)
+    finally:
+        dr.cp_options.enable_load_balance, _SHARDED[0] = load_balance, sharded
+
+
+def _check_prepare_and_flex(group: dist.ProcessGroup, balancer: str | None) -> None:
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
     mask_mod = _document_mask(L)
