@@ -175,8 +175,16 @@ def _flex_forward(
     FLEX style requires), so the call is :func:`dtensor_ring.flex_attention` on the shards,
     with the global ``BlockMask`` that :func:`context_parallel_shard` passed through."""
     args, kwargs = _local_inputs((args, kwargs), mesh, style.seq_dim)
-    layout = style.layout or _SHARDED[0] or ("zigzag" if cp_options.enable_load_balance else "ring")
+    layout = sharded_layout(style.layout)
     return flex_attention(*args, group=group, layout=layout, algorithm=style.algorithm, **kwargs)
+
+
+def sharded_layout(layout: str | Layout | None = None) -> str | Layout:
+    """``layout``, else the one :func:`context_parallel_shard` last sharded in, else
+    PyTorch's default by ``cp_options.enable_load_balance`` ("zigzag" / "ring")."""
+    if layout is not None:
+        return layout
+    return _SHARDED[0] or ("zigzag" if cp_options.enable_load_balance else "ring")
 
 
 def _local_inputs(inputs: Any, mesh: DeviceMesh, seq_dim: int) -> Any:
@@ -291,8 +299,7 @@ def enable_context_parallel_dispatcher(
     none of it (Note [Module-level context parallel]). Call both on the same thread; enable
     again replaces the scope."""
     disable_context_parallel_dispatcher()
-    if layout is None:
-        layout = _SHARDED[0] or ("zigzag" if cp_options.enable_load_balance else "ring")
+    layout = sharded_layout(layout)
     scope = contextlib.ExitStack()
     scope.enter_context(ring_sdpa(layout=layout, algorithm=default_algorithm(algorithm)))
     _DISPATCHER.append((scope, layout, algorithm))

@@ -27,8 +27,9 @@ q, k, v) and shards each batch:
                                                    ring; masks are passed through whole
 
 The layout the inputs were sharded in is the one the modules use (``context_parallel_shard``
-records it), unless ``apply_cp_to_forward(..., layout=)`` fixes one. torchtitan is not
-imported by ``dtensor_ring``; this module imports it when called.
+records it; nothing recorded: PyTorch's default), unless ``apply_cp_to_forward(...,
+layout=)`` fixes one. torchtitan is not imported by ``dtensor_ring``; this module imports
+it when called.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ..api.context_parallel import _cp_group
 from ..api.flex import flex_attention, flex_layout
-from ..api.parallel_style import _SHARDED, ContextParallel, context_parallel_shard
+from ..api.parallel_style import ContextParallel, context_parallel_shard, sharded_layout
 from ..layouts import Layout
 
 
@@ -111,11 +112,10 @@ class _FlexForward:
     ) -> Tensor:
         if kwargs:
             raise TypeError(f"torchtitan FlexAttention on the ring: unexpected {sorted(kwargs)}")
-        layout = self.layout or _SHARDED[0] or "ring"
         out, lse = flex_attention(
             *(t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH)),
             score_mod=score_mod, block_mask=attention_masks, scale=scale, enable_gqa=enable_gqa,
-            return_lse=True, group=self.group, layout=layout,
+            return_lse=True, group=self.group, layout=sharded_layout(self.layout),
         )  # fmt: skip
         out_BLNH = out.transpose(1, 2)
         return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
