@@ -174,9 +174,9 @@ class FlexBlocks(DenseBlocks):
     ``origin`` (Note [Flex schedules]) computed by the engine's ``kernel``, a
     :class:`~dtensor_ring.kernels.flex.FlexKernel`, with the user's functions ``mods`` (and, in
     the backward, the gradient ``dlse`` of the lse the call returned, flex's being
-    differentiable). Rows
-    without a visible key are 0 with ``lse = -inf``, as in ``flex_attention``: a block's empty
-    rows have weight 0 in a merge, also when the accumulator's rows are empty."""
+    differentiable). Rows without a visible key are 0 with ``lse = -inf``, as in
+    ``flex_attention``: a block's empty rows have weight 0 in a merge, also when the
+    accumulator's rows are empty."""
 
     def __init__(self, seq_local: int, mods: FlexMods, dlse_BHS: Tensor | None = None):
         super().__init__(seq_local)
