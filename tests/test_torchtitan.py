@@ -5,16 +5,20 @@ Without torchtitan (CI): ``prepare_context_parallel_input`` shards a batch in th
 each balancer ("headtail" = zigzag, None = ring, "ptrr" = the mask-aware layout of the batch's
 BlockMask) and passes the mask through whole, and torchtitan's FlexAttention forward on the
 ring (``[B, L, N, H]``, ``attention_masks=``, ``out_transform`` with the lse) equals the fp64
-reference, on the gloo pool at 1-3 ranks. With torchtitan installed (the ``torchtitan`` extra),
+reference, on the gloo pool at 1-3 ranks; so does its VarlenAttention forward (a stand-in for
+its ``VarlenMetadata``: rows of different documents, causal, windowed and bidirectional), and
+metadata no per-row mask expresses raises. With torchtitan installed (the ``torchtitan`` extra),
 the slow tier trains its Llama 3 debug model with ``examples/torchtitan_cp.py`` and compares
 losses and gradients with the model without CP.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -25,7 +29,12 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 import dtensor_ring as dr
 from dtensor_ring.api.parallel_style import _SHARDED
-from dtensor_ring.integrations.torchtitan import _FlexForward, prepare_context_parallel_input
+from dtensor_ring.integrations.torchtitan import (
+    _FlexForward,
+    _VarlenForward,
+    prepare_context_parallel_input,
+    varlen_block_mask,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L = 48
@@ -97,6 +106,99 @@ def test_prepare_and_flex_forward(dist_pool, world_size, balancer):
     dist_pool.run(check_prepare_and_flex, world_size, balancer=balancer)
 
 
+class VarlenMetadata(NamedTuple):
+    """torchtitan's ``VarlenMetadata`` (the fields its VarlenAttention reads)."""
+
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _varlen_metadata(rows: list[list[int]]) -> VarlenMetadata:
+    """The packed boundaries of ``rows`` (document lengths per row), as torchtitan's
+    ``create_varlen_metadata_for_document`` builds them."""
+    lengths = [n for row in rows for n in row]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return VarlenMetadata(cu, cu.clone(), max(lengths), max(lengths))
+
+
+ROWS = [[20, 17, 11], [5, 30, 0, 13]]  # rows of L = 48 tokens (documents cross the shards; an
+# empty one, which varlen attention allows)
+
+
+def _window_mask(rows: list[list[int]], window_size: tuple[int, int]):
+    doc = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows]
+    )
+    left, right = window_size
+
+    def varlen_window(b, h, q, kv):
+        keep = doc[b, q] == doc[b, kv]
+        if left >= 0:
+            keep = keep & (kv >= q - left)
+        if right >= 0:
+            keep = keep & (kv <= q + right)
+        return keep
+
+    return varlen_window
+
+
+def check_varlen_forward(group: dist.ProcessGroup, layout: str) -> None:
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    idx = dr.token_indices(layout, L, rank, W)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, L, 4, 8, generator=gen, dtype=torch.float64)  # [B, L, N, H]
+    k, v = (torch.randn(2, L, 2, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+    metadata = _varlen_metadata(ROWS)
+    for window_size in [(-1, 0), (5, 0), (-1, -1), (3, 2)]:
+        leaves = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+        forward = _VarlenForward(group, layout, window_size)
+        out = forward(
+            *leaves,
+            attention_masks=metadata,
+            enable_gqa=True,
+            out_transform=lambda o, lse: o * lse.exp()[..., None],
+        )
+        assert forward(*leaves, attention_masks=metadata, enable_gqa=True) is not None
+        assert forward._last[0] is metadata.cu_seq_q  # the batch's mask, built once
+        out.sum().backward()
+        ref_leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = reference_flex(*ref_leaves, mask_mod=_window_mask(ROWS, window_size))
+        ref = (ref_out * ref_lse.exp()[..., None]).transpose(1, 2)
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref[:, idx].detach(), atol=1e-10, rtol=1e-10)
+        for got, want in zip(leaves, ref_leaves, strict=True):
+            torch.testing.assert_close(
+                got.grad, want.grad.transpose(1, 2)[:, idx], atol=1e-10, rtol=1e-10
+            )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["zigzag", "ring"])
+def test_varlen_forward(dist_pool, world_size, layout):
+    dist_pool.run(check_varlen_forward, world_size, layout=layout)
+
+
+@pytest.mark.parametrize(
+    "metadata, message",
+    [
+        (None, "VarlenMetadata"),
+        (VarlenMetadata(torch.tensor([0, 48]), torch.tensor([0, 48]), 48, 48), "whole batch"),
+        (_varlen_metadata([[30, 30, 36]]), "crosses into row 1"),
+        (VarlenMetadata(torch.tensor([0, 48, 96]), torch.tensor([0, 40, 96]), 56, 56), "equal"),
+        (
+            VarlenMetadata(torch.tensor([0, 60, 48, 96]), torch.tensor([0, 60, 48, 96]), 60, 60),
+            "not fall",
+        ),
+    ],  # fmt: skip
+    ids=["not-metadata", "short", "crosses-rows", "q-k-differ", "falling"],
+)
+def test_varlen_metadata_refused(metadata, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        varlen_block_mask(metadata, 2, L, (-1, 0), torch.device("cpu"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
@@ -104,8 +206,9 @@ def test_prepare_and_flex_forward(dist_pool, world_size, balancer):
         ("--world-size", "2"),
         ("--attention", "sdpa", "--world-size", "3"),
         ("--balancer", "ptrr", "--world-size", "4"),
+        ("--attention", "varlen", "--world-size", "3"),
     ],  # fmt: skip
-    ids=["flex-headtail-W2", "sdpa-W3", "flex-ptrr-W4"],
+    ids=["flex-headtail-W2", "sdpa-W3", "flex-ptrr-W4", "varlen-W3"],
 )
 def test_torchtitan_example(args):
     pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")

@@ -19,8 +19,10 @@ q, k, v) and shards each batch:
     SDPA: inputs as Shard(1) DTensors, the       ContextParallel's scoped SDPA mode: the
       dispatcher on                                module's F.scaled_dot_product_attention
                                                    runs ring attention on the local shards
-    varlen: NotImplementedError                  NotImplementedError (the varlen functions
-                                                   take documents: docs/varlen.md)
+    varlen: NotImplementedError                  dtensor_ring.flex_attention with the
+                                                   documents of its VarlenMetadata (and its
+                                                   window_size) as the mask: the same rows,
+                                                   any balancer, in the inputs' dtype
     prepare_context_parallel_input:              the same arguments; "headtail" = zigzag,
       "headtail" | "ptrr" | None                   "ptrr" = the mask-aware layout of the batch's
                                                    BlockMask (dtensor_ring.flex_layout), None =
@@ -34,13 +36,14 @@ it when called.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from ..api.context_parallel import _cp_group
 from ..api.flex import flex_attention, flex_layout
@@ -59,13 +62,13 @@ def apply_cp_to_forward(
 
     Args:
         attention_modules: torchtitan's inner attention modules (all of one type:
-            ``FlexAttention`` or ``ScaledDotProductAttention``).
+            ``FlexAttention``, ``VarlenAttention`` or ``ScaledDotProductAttention``).
         cp_mesh: 1-D mesh of the context-parallel ranks.
         layout: our extension: the layout of the shards (None: the one
             :func:`prepare_context_parallel_input` sharded in).
 
     Raises:
-        NotImplementedError: ``VarlenAttention`` (as torchtitan's) or another module type.
+        NotImplementedError: another module type.
     """
     from torchtitan.models.common.attention import (
         FlexAttention,
@@ -83,10 +86,8 @@ def apply_cp_to_forward(
         for module in attention_modules:
             style._apply(module, cp_mesh)
     elif isinstance(first, VarlenAttention):
-        raise NotImplementedError(
-            "torchtitan's VarlenAttention under context parallelism: shard documents with "
-            "dtensor_ring.shard_varlen and call dtensor_ring's varlen functions (docs/varlen.md)"
-        )
+        for module in attention_modules:
+            module.forward = _VarlenForward(group, layout, module.window_size)
     else:
         raise NotImplementedError(f"no context-parallel form for {type(first).__name__}")
 
@@ -121,6 +122,98 @@ class _FlexForward:
         return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
 
 
+class _VarlenForward:
+    """torchtitan's ``VarlenAttention.forward`` (``[B, L, N, H]``, ``attention_masks`` a
+    ``VarlenMetadata`` of the whole batch) on the ring: its documents and ``window_size`` become
+    a flex mask over the rows, built once a batch (the last metadata's mask is kept)."""
+
+    def __init__(self, group, layout: str | Layout | None, window_size: tuple[int, int]):
+        self.group, self.layout, self.window_size = group, layout, tuple(window_size)
+        self._last: tuple[Tensor, int, BlockMask] | None = None
+
+    def __call__(
+        self,
+        q_BLNH: Tensor,
+        k_BLNH: Tensor,
+        v_BLNH: Tensor,
+        *,
+        attention_masks: Any,
+        scale: float | None = None,
+        out_transform=None,
+        enable_gqa: bool = False,
+        **kwargs: Any,
+    ) -> Tensor:
+        if kwargs:
+            raise TypeError(f"torchtitan VarlenAttention on the ring: unexpected {sorted(kwargs)}")
+        B, L_local = q_BLNH.shape[:2]
+        block_mask = self._block_mask(attention_masks, B, L_local * self.group.size(), q_BLNH)
+        out, lse = flex_attention(
+            *(t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH)),
+            block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True,
+            group=self.group, layout=sharded_layout(self.layout),
+        )  # fmt: skip
+        out_BLNH = out.transpose(1, 2)
+        return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
+
+    def _block_mask(self, metadata: Any, B: int, L: int, q_BLNH: Tensor) -> BlockMask:
+        cu_seq = getattr(metadata, "cu_seq_q", None)
+        if self._last is not None and self._last[0] is cu_seq and self._last[1] == L:
+            return self._last[2]
+        block_mask = varlen_block_mask(metadata, B, L, self.window_size, q_BLNH.device)
+        self._last = (cu_seq, L, block_mask)
+        return block_mask
+
+
+def varlen_block_mask(
+    metadata: Any, B: int, L: int, window_size: tuple[int, int], device: torch.device
+) -> BlockMask:
+    """The ``BlockMask`` (``[B, 1, L, L]``, global indices) of torchtitan's varlen attention:
+    ``metadata.cu_seq_q`` (int ``[docs + 1]``) packs the ``B`` rows of ``L`` tokens; a query
+    sees the keys of its own document within ``window_size = (left, right)`` (-1: unlimited).
+
+    Raises:
+        TypeError: ``metadata`` has no ``cu_seq_q`` / ``cu_seq_k`` tensors.
+        ValueError: queries and keys are packed differently, the boundaries do not cover
+            ``B * L`` tokens, or a document crosses a row boundary (varlen attention would let
+            it attend across rows, which no per-row mask expresses).
+    """
+    cu_q, cu_k = (getattr(metadata, name, None) for name in ("cu_seq_q", "cu_seq_k"))
+    if not isinstance(cu_q, Tensor) or not isinstance(cu_k, Tensor):
+        raise TypeError(
+            "torchtitan VarlenAttention on the ring: attention_masks must be torchtitan's "
+            f"VarlenMetadata (cu_seq_q, cu_seq_k tensors), got {type(metadata).__name__}"
+        )
+    if not torch.equal(cu_q.cpu(), cu_k.cpu()):
+        raise ValueError("varlen attention on the ring: cu_seq_q and cu_seq_k must be equal")
+    bounds = [int(x) for x in cu_q.cpu()]
+    rising = all(lo <= hi for lo, hi in itertools.pairwise(bounds))
+    if bounds[0] != 0 or bounds[-1] != B * L or not rising:
+        raise ValueError(
+            f"varlen attention on the ring: cu_seq_q must rise (not fall) from 0 to B * L = "
+            f"{B} * {L} (the whole batch, as get_attention_masks builds it), got {bounds}"
+        )
+    missing = sorted(set(range(0, B * L, L)) - set(bounds))
+    if missing:
+        raise ValueError(
+            f"varlen attention on the ring: a document crosses into row {missing[0] // L} "
+            f"(no boundary at packed token {missing[0]}); varlen attention would attend across "
+            "rows there, which a per-row context-parallel mask cannot express"
+        )
+    lengths = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
+    doc_BL = torch.repeat_interleave(torch.arange(len(lengths)), lengths).view(B, L).to(device)
+    left, right = window_size
+
+    def varlen_document(b, h, q_idx, kv_idx):
+        visible = doc_BL[b, q_idx] == doc_BL[b, kv_idx]
+        if left >= 0:
+            visible = visible & (q_idx - kv_idx <= left)
+        if right >= 0:
+            visible = visible & (kv_idx - q_idx <= right)
+        return visible
+
+    return create_block_mask(varlen_document, B, None, L, L, device)
+
+
 def prepare_context_parallel_input(
     inputs: Tensor,
     labels: Tensor,
@@ -133,7 +226,8 @@ def prepare_context_parallel_input(
     """torchtitan's ``prepare_context_parallel_input``: this rank's shard of ``inputs``,
     ``labels`` and ``extra_kwargs["positions"]`` (``[B, L]``), in the layout of
     ``load_balancer_type`` ("headtail": zigzag; "ptrr": the mask-aware layout of the batch's
-    ``BlockMask``, ``ptrr_mask_key`` naming it in a dict of masks; None: contiguous). The
+    ``BlockMask`` or ``VarlenMetadata``'s causal documents, ``ptrr_mask_key`` naming it in a
+    dict of masks; None: contiguous). The
     attention masks stay whole (global). ``device`` is unused (torchtitan's signature)."""
     masks = extra_kwargs.get("attention_masks")
     W = cp_mesh.size()
@@ -143,6 +237,8 @@ def prepare_context_parallel_input(
         layout = "ring"
     elif load_balancer_type == "ptrr":
         mask = masks[ptrr_mask_key] if isinstance(masks, dict) else masks
+        if hasattr(mask, "cu_seq_q"):  # VarlenMetadata: balance its causal documents
+            mask = varlen_block_mask(mask, *inputs.shape[:2], (-1, 0), inputs.device)
         if not isinstance(mask, BlockMask):
             raise ValueError(
                 f"load_balancer_type='ptrr' balances by the batch's BlockMask; got {type(mask)}"
