@@ -90,10 +90,12 @@ reference 0.13, ours 0.069): at full size these bf16 cases would miss at both wo
 always with ours the closer to fp64, i.e. the miss is PyTorch's bf16 tolerance against a bf16
 CPU reference; the size reduction only hides it at W = 4.
 
-``TestSharding`` (``test_context_parallel_shard``, ``..._with_positions``): run at W = 2 and 4
+``TestSharding`` and ``TestShardingWithLocalTensor`` (``test_context_parallel_shard``,
+``..._with_positions``; the LocalTensor form in one process under ``LocalTensorMode`` over a
+fake process group, as PyTorch's ``LocalDTensorTestBase``, its ``map_local_tensor_for_rank``
+kept): run at W = 2 and 4
 (PyTorch: W = 2 only), so the hard-coded ``mesh_shape=(2,)`` and ``seq_len // 2`` became the
-group and ``seq_len // W``; ``map_local_tensor_for_rank(chunks, rank, fn)`` (LocalTensor
-support) became ``fn(chunks, rank)``, what it does for ordinary tensors; ``self.assertEqual``
+group and ``seq_len // W``; ``self.assertEqual``
 on tensors -> ``torch.testing.assert_close`` (exact for these integer/ones tensors).
 
 FlexAttention (``CPFlexAttentionTest``), ``_test_cp_flex_attention`` kept line by line except:
@@ -132,11 +134,13 @@ Not portable, not collected (PyTorch's test methods; counts per method, not per 
   ``sdpa_input_fn`` hook and expect DTensor outputs placed ``Shard(2)``; ours has no such hook
   by design (the module sees plain local shards; DTensor inputs are accepted and unwrapped:
   ``tests/test_parallel_style.py``).
-* LocalTensor classes (``create_local_tensor_test_class``): ``RingAttentionTestWithLocalTensor``
-  (2; PyTorch skips ``test_ring_attention_sdpa``), ``CPFlexAttentionTestWithLocalTensor`` (2,
-  both skipped by PyTorch), ``TestCPCustomOpsWithLocalTensor`` (1, skipped by PyTorch),
-  ``TestShardingWithLocalTensor`` (3): LocalTensorMode simulates all ranks in one process
-  through DTensor internals; ours runs real ranks (the non-LocalTensor originals are ported).
+* LocalTensor classes (``create_local_tensor_test_class``) but for the sharding tests:
+  ``RingAttentionTestWithLocalTensor`` (2; PyTorch skips ``test_ring_attention_sdpa``, the
+  other is ``test_is_causal_behavior`` above), ``CPFlexAttentionTestWithLocalTensor`` (2, both
+  skipped by PyTorch), ``TestCPCustomOpsWithLocalTensor`` (1, skipped by PyTorch),
+  ``TestShardingWithLocalTensor.test_attention_shard_without_cp`` (as above). Our attention
+  raises ``NotImplementedError`` inside LocalTensorMode
+  (``test_attention_refuses_local_tensor_mode``).
 * Varlen: ``TestCPVarlenMetadata`` (9), ``TestVarlenPTRRLoadBalancer`` (7),
   ``CPVarlenAttentionTest`` (6): ``VarlenMetadata``, ``_VarlenPTRRLoadBalancer`` and
   ``_context_parallel_shard(..., batch_and_seq=)`` are not provided (nor are they in torch
@@ -170,6 +174,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
+import dtensor_ring as dr
+from dtensor_ring._compat import for_each_simulated_rank
 from dtensor_ring.compat.torch_cp import (
     _context_parallel_shard,
     _ContextParallel,
@@ -499,13 +505,17 @@ def test_ring_attention_sdpa(dist_pool, world_size, subtest):
 # --------------------------------------------------------------------------------------------
 # TestSharding
 # --------------------------------------------------------------------------------------------
-def _test_context_parallel_shard(group: dist.ProcessGroup) -> None:
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+@for_each_simulated_rank
+def map_local_tensor_for_rank(tensor, rank, func):
+    """PyTorch's test helper: ``func(tensor, rank)``, once per rank under LocalTensorMode."""
+    return func(tensor, rank)
+
+
+def _test_context_parallel_shard(device_mesh: DeviceMesh, rank, world_size: int) -> None:
     try:
         B = 4
         seq_len = 32
 
-        device_mesh = DeviceMesh.from_group(group, DEVICE_TYPE)
         freqs_cis = torch.arange(0, seq_len, device=DEVICE_TYPE)
         q = torch.ones(B * seq_len, device=DEVICE_TYPE).reshape(B, seq_len)
         k = torch.ones(B * seq_len, device=DEVICE_TYPE).reshape(B, seq_len)
@@ -517,27 +527,31 @@ def _test_context_parallel_shard(group: dist.ProcessGroup) -> None:
         )
         assert freqs_cis_shard.size() == (seq_len // world_size,)
         chunks = freqs_cis.chunk(world_size * 2)
-        torch.testing.assert_close(
-            freqs_cis_shard,
-            torch.cat([chunks[rank], chunks[world_size * 2 - rank - 1]], dim=0),
+        expected = map_local_tensor_for_rank(
+            chunks,
+            rank,
+            lambda chunks, rank: torch.cat(
+                [chunks[rank], chunks[world_size * 2 - rank - 1]],
+                dim=0,
+            ),
         )
+        torch.testing.assert_close(freqs_cis_shard, expected)
     finally:
         _cp_options.enable_load_balance = True
 
 
-def _test_context_parallel_shard_with_positions(group: dist.ProcessGroup) -> None:
+def _test_context_parallel_shard_with_positions(
+    device_mesh: DeviceMesh, rank, world_size: int
+) -> None:
     """Test context parallel sharding with expanded batch dimensions.
 
     This test validates the fix for buffer sharding when the batch dimension
     is created through expand() or view() operations. Before the fix, the
     loop-based torch.index_select approach failed on expanded tensors.
     """
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     try:
         B = 4
         seq_len = 32
-
-        device_mesh = DeviceMesh.from_group(group, DEVICE_TYPE)
 
         # Create positions tensor and expand to add batch dimension
         positions = torch.arange(0, seq_len, device=DEVICE_TYPE)
@@ -560,23 +574,87 @@ def _test_context_parallel_shard_with_positions(group: dist.ProcessGroup) -> Non
         # Verify the sharded values match expected chunked and concatenated results
         # For each batch, the positions should be chunked and rearranged
         chunks = positions.chunk(world_size * 2, dim=1)
-        expected_positions = torch.cat(
-            [chunks[rank], chunks[world_size * 2 - rank - 1]],
-            dim=1,
+        expected_positions = map_local_tensor_for_rank(
+            chunks,
+            rank,
+            lambda chunks, rank: torch.cat(
+                [chunks[rank], chunks[world_size * 2 - rank - 1]],
+                dim=1,
+            ),
         )
         torch.testing.assert_close(positions_shard, expected_positions)
     finally:
         _cp_options.enable_load_balance = True
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize(
+SHARDING_TESTS = pytest.mark.parametrize(
     "fn",
     [_test_context_parallel_shard, _test_context_parallel_shard_with_positions],
     ids=["test_context_parallel_shard", "test_context_parallel_shard_with_positions"],
 )
+
+
+def _on_group(group: dist.ProcessGroup, fn) -> None:
+    fn(DeviceMesh.from_group(group, DEVICE_TYPE), dist.get_rank(group), dist.get_world_size(group))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@SHARDING_TESTS
 def test_sharding(dist_pool, world_size, fn):
-    dist_pool.run(fn, world_size)
+    dist_pool.run(_on_group, world_size, fn=fn)
+
+
+@contextlib.contextmanager
+def simulated_ranks(world_size: int):
+    """PyTorch's ``LocalDTensorTestBase``: one process simulates every rank (LocalTensorMode
+    over a fake process group); yields ``(mesh, rank)``, the rank a per-rank symbolic int."""
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        device_mesh = DeviceMesh(DEVICE_TYPE, list(range(world_size)))
+        with LocalTensorMode(frozenset(range(world_size))):
+            yield device_mesh, torch.SymInt(LocalIntNode({r: r for r in range(world_size)}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@SHARDING_TESTS
+def test_sharding_with_local_tensor(world_size, fn):
+    """``TestShardingWithLocalTensor``: the same tests, every shard a LocalTensor holding each
+    simulated rank's part."""
+    with simulated_ranks(world_size) as (device_mesh, rank):
+        fn(device_mesh, rank, world_size)
+
+
+SDPA_TYPE = _ContextParallel.AttentionType.SDPA
+
+
+def test_attention_refuses_local_tensor_mode():
+    """Not PyTorch's (it skips its CP attention under LocalTensor): our attention inside the
+    simulation would run every simulated rank as the process's rank 0, so every door raises."""
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in "qkv")  # [B, H, S, D]
+    calls = {
+        "functional": lambda mesh: dr.zigzag_ring_flash_attn_func(
+            *(t.transpose(1, 2) for t in (q, k, v)), causal=True
+        ),
+        "flex": lambda mesh: dr.flex_attention(q, k, v),
+        "module": lambda mesh: parallelize_module(
+            SDPAWrapper(False, SDPBackend.MATH), mesh, _ContextParallel(2, SDPA_TYPE)
+        )(q, k, v, is_causal=True),
+        "context_parallel": lambda mesh: context_parallel(mesh, buffers=[], buffer_seq_dims=[]),
+    }
+    for name, call in calls.items():
+        with simulated_ranks(2) as (mesh, _):
+            with pytest.raises(NotImplementedError, match="LocalTensorMode"):
+                with contextlib.ExitStack() as stack:
+                    result = call(mesh)
+                    if name == "context_parallel":
+                        stack.enter_context(result)
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ version), and ``import dtensor_ring`` keeps working.
 * Dynamo's per-code-object recompile limit (``torch._dynamo.config.recompile_limit``, torch
   2.6+; ``cache_size_limit`` before): :func:`recompile_limit` raises it for the duration of
   the flex blocks' compiled calls only (Note [Flex blocks on PyTorch's kernels]).
+* PyTorch's LocalTensor simulation (``torch.distributed._local_tensor``, one process playing
+  every rank, the rank a per-rank symbolic integer): :func:`for_each_simulated_rank` runs the
+  sharding helpers once per simulated rank (without it, they run as written);
+  :func:`simulating_ranks` lets the attention doors refuse to run inside it.
 
 Every private aten op the library uses (:data:`PRIVATE_ATEN_OPS`; ``tests/test_compat.py``
 asserts that each resolves, and that no module outside ``_compat/`` names one directly).
@@ -55,6 +59,8 @@ kernels, ``tests/gpu/check_dtensor.py`` for the SDPA handlers).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -66,6 +72,8 @@ if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_T
     raise ImportError(
         f"dtensor_ring needs torch >= {'.'.join(map(str, MIN_TORCH))}, found {torch.__version__}"
     )
+
+F = TypeVar("F", bound=Callable[..., object])
 
 PRIVATE_ATEN_OPS: tuple[str, ...] = (
     "_scaled_dot_product_flash_attention_for_cpu",
@@ -163,3 +171,30 @@ def recompile_limit(limit: int):
     if not hasattr(config, name):
         raise RuntimeError(f"torch {torch.__version__} has no torch._dynamo.config.{name}")
     return config.patch(**{name: max(limit, getattr(config, name))})
+
+
+def for_each_simulated_rank(fn: F) -> F:
+    """``fn`` run once per rank under PyTorch's LocalTensor simulation (one process simulating
+    every rank; ``torch.distributed._local_tensor.maybe_run_for_local_tensor``, torch 2.10+):
+    the rank argument is then a per-rank integer and the results are combined per rank.
+    Outside that mode, or on a torch without it, ``fn`` itself."""
+    try:
+        from torch.distributed._local_tensor import maybe_run_for_local_tensor
+    except ImportError:
+        return fn
+    return maybe_run_for_local_tensor(fn)
+
+
+@functools.cache
+def _local_tensor_mode_probe() -> Callable[[], object] | None:
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:
+        return None
+    return enabled_local_tensor_mode
+
+
+def simulating_ranks() -> bool:
+    """Whether PyTorch's LocalTensor simulation (one process playing every rank) is active."""
+    probe = _local_tensor_mode_probe()
+    return probe is not None and probe() is not None
