@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._compat import group_name as _group_name
-from ._compat import simulating_ranks
+from ._compat import refuse_simulated_ranks
 from .consistency import PerRankCheck, check_consistent, comparing, relay_errors
 from .kernels import KernelCall, select_kernel
 from .layouts import Form, Layout, alias_algorithm, get_layout
@@ -174,18 +174,6 @@ def group_arg(group: object, name: str = "group") -> tuple[str, int]:
             f"{type(group).__name__} {group!r}"
         )
     return _group_name(group), dist.get_world_size(group)
-
-
-def refuse_simulated_ranks() -> None:
-    """Raise inside PyTorch's LocalTensor simulation: one process plays every rank there, but
-    the ring's plans, sends and receives are per rank, and every simulated rank would compute
-    as the process's own rank (silently wrong). The sharding helpers do run inside it."""
-    if simulating_ranks():
-        raise NotImplementedError(
-            "dtensor_ring's attention does not run under PyTorch's LocalTensorMode (one process "
-            "simulating every rank: the ring's point-to-point steps are per rank); run real "
-            "ranks (e.g. gloo on CPU). context_parallel_shard / shard_local do work inside it"
-        )
 
 
 def check_unsupported(*, dropout_p: float, alibi_slopes: object) -> None:

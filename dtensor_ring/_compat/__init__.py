@@ -28,7 +28,7 @@ version), and ``import dtensor_ring`` keeps working.
 * PyTorch's LocalTensor simulation (``torch.distributed._local_tensor``, one process playing
   every rank, the rank a per-rank symbolic integer): :func:`for_each_simulated_rank` runs the
   sharding helpers once per simulated rank (without it, they run as written);
-  :func:`simulating_ranks` lets the attention doors refuse to run inside it.
+  :func:`refuse_simulated_ranks` is how the attention doors refuse to run inside it.
 
 Every private aten op the library uses (:data:`PRIVATE_ATEN_OPS`; ``tests/test_compat.py``
 asserts that each resolves, and that no module outside ``_compat/`` names one directly).
@@ -194,7 +194,14 @@ def _local_tensor_mode_probe() -> Callable[[], object] | None:
     return enabled_local_tensor_mode
 
 
-def simulating_ranks() -> bool:
-    """Whether PyTorch's LocalTensor simulation (one process playing every rank) is active."""
+def refuse_simulated_ranks() -> None:
+    """Raise inside PyTorch's LocalTensor simulation: one process plays every rank there, but
+    the ring's plans, sends and receives are per rank, and every simulated rank would compute
+    as the process's own rank (silently wrong). The sharding helpers do run inside it."""
     probe = _local_tensor_mode_probe()
-    return probe is not None and probe() is not None
+    if probe is not None and probe() is not None:
+        raise NotImplementedError(
+            "dtensor_ring's attention does not run under PyTorch's LocalTensorMode (one process "
+            "simulating every rank: the ring's point-to-point steps are per rank); run real "
+            "ranks (e.g. gloo on CPU). context_parallel_shard does work inside it"
+        )

@@ -64,8 +64,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._compat import for_each_simulated_rank
 from ..algorithm import Algorithm, check_pair
-from ..layouts import Layout, balancer_layout, get_layout, shard_local
+from ..layouts import Layout, balancer_layout, get_layout, token_indices
 from ..resolve import check_algorithm, placement
 from .context_parallel import (
     _check_buffer_args,
@@ -274,8 +275,13 @@ def context_parallel_shard(
     if layout is not None and load_balancer is not None:
         raise ValueError("pass load_balancer= or layout=, not both")
     layout = layout if layout is not None else balancer_layout(load_balancer, seq_len, world_size)
+    # shard_local's index_select, the indices computed rank by rank under PyTorch's
+    # LocalTensorMode (there the rank is a per-rank symbolic int; the shards LocalTensors)
+    indices = for_each_simulated_rank(token_indices)
     shards = [  # a BlockMask stays whole: flex_attention takes the global mask
-        shard_local(b, layout, rank, world_size, d) if isinstance(b, Tensor) else b
+        b.index_select(d, indices(layout, b.shape[d], rank, world_size).to(b.device))
+        if isinstance(b, Tensor)
+        else b
         for b, d in zip(flat, flat_dims, strict=True)
     ]
     cp_options.enable_load_balance = layout != "ring"  # PyTorch's: the default layout from now

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._compat import for_each_simulated_rank
 from .base import Layout
 from .builtin import TokenLayout
 from .registry import LayoutName, get_layout
@@ -37,8 +36,7 @@ def shard_local(
     Returns:
         ``full`` with dim ``seq_dim`` reduced to the rank's ``S // world_size`` tokens.
     """
-    indices = for_each_simulated_rank(token_indices)  # PyTorch's LocalTensor mode: per rank
-    idx = indices(layout, full.shape[seq_dim], rank, world_size).to(full.device)
+    idx = token_indices(layout, full.shape[seq_dim], rank, world_size).to(full.device)
     return full.index_select(seq_dim, idx)
 
 
