@@ -33,7 +33,7 @@ Public names:
       (PyTorch's spellings, import-only: ``dtensor_ring.compat.torch_cp``);
     * FlexAttention on the ring (docs/flex.md): ``flex_attention`` (any ``BlockMask`` /
       ``mask_mod`` / ``score_mod`` of global positions), ``flex_layout`` (mask-aware balance),
-      ``flex_balance``;
+      ``flex_balance``, ``document_mask`` (packed documents' BlockMask from their boundaries);
     * inference over a sharded KV cache (docs/inference.md): ``decode_attention_func``,
       ``KVCacheShard``, ``prefill_attention``, ``decode_step_attention``, ``split_prompt``.
 """
@@ -45,6 +45,7 @@ from .api.context_parallel import (
     cp_options,
     set_rotate_method,
 )
+from .api.documents import document_mask
 from .api.dtensor import (
     ring_sdpa,
     scaled_dot_product_ring_attention,
@@ -150,6 +151,7 @@ __all__ = [
     "ring_attention_func",
     "flex_attention",
     "flex_balance",
+    "document_mask",
     "flex_layout",
     "ring_varlen_attention_func",
     "ring_flash_attn_func",

@@ -11,6 +11,8 @@ by broadcasting, the library's by ``torch.vmap``). The reference itself is check
 from __future__ import annotations
 
 import functools
+import itertools
+import random
 
 import pytest
 import torch
@@ -64,6 +66,20 @@ def make_mask(name: str, seq_len: int):
     raise AssertionError(name)
 
 
+def document_mask_of(name: str, seq_len: int, batch: int):
+    """``dr.document_mask`` of ``_doc_ids``' documents in ``batch`` rows: the BlockMask of
+    "document" / "document_window" built from boundaries alone."""
+    doc = _doc_ids(seq_len)
+    starts = torch.cat(
+        [torch.zeros(1, dtype=torch.long), (doc[1:] != doc[:-1]).nonzero()[:, 0] + 1]
+    )
+    bounds = torch.cat(
+        [starts + b * seq_len for b in range(batch)] + [torch.tensor([batch * seq_len])]
+    )
+    window = (4, 0) if name == "document_window" else (-1, 0)
+    return dr.document_mask(torch.tensor(bounds), seq_len, window, block_size=TILE)
+
+
 def make_score(name: str):
     if name == "none":
         return None
@@ -88,6 +104,8 @@ CASES = [
     ("document", "softcap", "stripe", 2),
     ("empty_rows", "alibi", "zigzag", 4),
     ("document", "none", "balanced", 2),
+    ("document_mask", "none", "balanced", 2),  # dr.document_mask: the tiles from boundaries
+    ("document_window_mask", "softcap", "zigzag", 4),
     ("prefix_lm", "softcap", "balanced", 4),
 ]
 
@@ -99,6 +117,8 @@ def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv))
     dout = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64)
+    from_boundaries = mask.endswith("_mask")
+    mask = mask.removesuffix("_mask")
     mask_mod, score_mod = make_mask(mask, S), make_score(score)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     dlse = torch.randn(B, H, S, generator=gen, dtype=torch.float64)  # flex's lse has a gradient
@@ -106,6 +126,8 @@ def check_flex(group, mask, score, layout, H_kv, dtype=torch.float64, bare=False
     visible_rows = ref_lse > float("-inf")
     ((ref_out * dout).sum() + (ref_lse.where(visible_rows, 0) * dlse).sum()).backward()
     bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+    if from_boundaries:
+        bm = document_mask_of(mask, S, B)
     if layout == "balanced":  # the mask-aware layout, built from the mask on every rank
         layout = dr.flex_layout(bm, W, chunks_per_rank=2)
         idx = layout.token_indices(S, rank, W)
@@ -433,3 +455,45 @@ def test_balance_report_counts_each_ranks_own_runs():
             for b, kv_run in enumerate(runs[src])
         )
         assert report.skipped[rank] == hidden
+
+
+def test_document_mask_matches_create_block_mask():
+    """``dr.document_mask``'s tiles (Note [Document tiles]) equal ``create_block_mask`` of its
+    own mask_mod: partial and full blocks, for random documents (empty ones too), windows,
+    rows and lengths that are not a multiple of the tile."""
+    rng = random.Random(0)
+    for _ in range(120):
+        T, L, B = rng.choice([2, 4, 8]), rng.choice([8, 13, 16, 24, 30]), rng.choice([1, 2])
+        bounds = []
+        for b in range(B):
+            cuts = sorted(rng.sample(range(1, L), rng.randint(0, min(5, L - 1))))
+            if cuts and rng.random() < 0.2:
+                cuts.append(cuts[-1])  # an empty document
+            bounds += [b * L + c for c in [0, *cuts]]
+        cu = torch.tensor([*bounds, B * L], dtype=torch.int32)
+        window = rng.choice([(-1, 0), (-1, -1), (3, 0), (0, 0), (2, 3), (-1, 2), (5, -1)])
+        ours = dr.document_mask(cu, L, window, block_size=T)
+        ref = create_block_mask(ours.mask_mod, B, 1, L, L, "cpu", T)
+        for kind in ("", "full_"):
+            counts = getattr(ours, f"{kind}kv_num_blocks")
+            assert torch.equal(counts, getattr(ref, f"{kind}kv_num_blocks")), (cu, L, T, window)
+            for b, i in itertools.product(range(B), range(counts.shape[-1])):
+                n = int(counts[b, 0, i])
+                got = getattr(ours, f"{kind}kv_indices")[b, 0, i, :n].sort().values
+                want = getattr(ref, f"{kind}kv_indices")[b, 0, i, :n].sort().values
+                assert torch.equal(got, want), (cu, L, T, window, kind, b, i)
+
+
+@pytest.mark.parametrize(
+    "cu, window, message",
+    [
+        ([0.0, 8.0], (-1, 0), "integer tensor"),
+        ([0, 5, 3, 8], (-1, 0), "must not fall"),
+        ([0, 5, 12, 16], (-1, 0), "crosses into row 1"),
+        ([0, 6], (-1, 0), "B \\* seq_len"),
+        ([0, 8], (-2, 0), "window_size"),
+    ],
+)
+def test_document_mask_errors(cu, window, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        dr.document_mask(torch.tensor(cu), 8, window)

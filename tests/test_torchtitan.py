@@ -184,7 +184,7 @@ def test_varlen_forward(dist_pool, world_size, layout):
     "metadata, message",
     [
         (None, "VarlenMetadata"),
-        (VarlenMetadata(torch.tensor([0, 48]), torch.tensor([0, 48]), 48, 48), "whole batch"),
+        (VarlenMetadata(torch.tensor([0, 48]), torch.tensor([0, 48]), 48, 48), "B \\* L"),
         (_varlen_metadata([[30, 30, 36]]), "crosses into row 1"),
         (VarlenMetadata(torch.tensor([0, 48, 96]), torch.tensor([0, 40, 96]), 56, 56), "equal"),
         (

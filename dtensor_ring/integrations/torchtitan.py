@@ -36,16 +36,16 @@ it when called.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 from ..api.context_parallel import _cp_group
+from ..api.documents import document_mask
 from ..api.flex import flex_attention, flex_layout
 from ..api.parallel_style import ContextParallel, context_parallel_shard, sharded_layout
 from ..layouts import Layout
@@ -174,8 +174,9 @@ def varlen_block_mask(
     Raises:
         TypeError: ``metadata`` has no ``cu_seq_q`` / ``cu_seq_k`` tensors.
         ValueError: queries and keys are packed differently, the boundaries do not cover
-            ``B * L`` tokens, or a document crosses a row boundary (varlen attention would let
-            it attend across rows, which no per-row mask expresses).
+            ``B * L`` tokens, or (:func:`~dtensor_ring.document_mask`) fall or let a document
+            cross a row boundary (varlen attention would attend across rows there, which no
+            per-row mask expresses).
     """
     cu_q, cu_k = (getattr(metadata, name, None) for name in ("cu_seq_q", "cu_seq_k"))
     if not isinstance(cu_q, Tensor) or not isinstance(cu_k, Tensor):
@@ -185,33 +186,12 @@ def varlen_block_mask(
         )
     if not torch.equal(cu_q.cpu(), cu_k.cpu()):
         raise ValueError("varlen attention on the ring: cu_seq_q and cu_seq_k must be equal")
-    bounds = [int(x) for x in cu_q.cpu()]
-    rising = all(lo <= hi for lo, hi in itertools.pairwise(bounds))
-    if bounds[0] != 0 or bounds[-1] != B * L or not rising:
+    if int(cu_q[-1]) != B * L:
         raise ValueError(
-            f"varlen attention on the ring: cu_seq_q must rise (not fall) from 0 to B * L = "
-            f"{B} * {L} (the whole batch, as get_attention_masks builds it), got {bounds}"
+            f"varlen attention on the ring: cu_seq_q must end at B * L = {B} * {L} (the whole "
+            f"batch, as get_attention_masks builds it), got {cu_q.tolist()}"
         )
-    missing = sorted(set(range(0, B * L, L)) - set(bounds))
-    if missing:
-        raise ValueError(
-            f"varlen attention on the ring: a document crosses into row {missing[0] // L} "
-            f"(no boundary at packed token {missing[0]}); varlen attention would attend across "
-            "rows there, which a per-row context-parallel mask cannot express"
-        )
-    lengths = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
-    doc_BL = torch.repeat_interleave(torch.arange(len(lengths)), lengths).view(B, L).to(device)
-    left, right = window_size
-
-    def varlen_document(b, h, q_idx, kv_idx):
-        visible = doc_BL[b, q_idx] == doc_BL[b, kv_idx]
-        if left >= 0:
-            visible = visible & (q_idx - kv_idx <= left)
-        if right >= 0:
-            visible = visible & (kv_idx - q_idx <= right)
-        return visible
-
-    return create_block_mask(varlen_document, B, None, L, L, device)
+    return document_mask(cu_q, L, window_size, device=device)
 
 
 def prepare_context_parallel_input(

@@ -1,0 +1,137 @@
+"""``document_mask``: the FlexAttention ``BlockMask`` of packed documents, built from their
+boundaries at tile granularity (no ``S x S`` mask is evaluated).
+
+Note [Document tiles]
+~~~~~~~~~~~~~~~~~~~~~
+Documents are contiguous runs of a row, so a document that touches two different tiles of the
+row covers every token between them: at most one document is shared by a query tile Qi and a
+key tile Kj with i != j (the one holding the boundary between them), e.g. tiles of 4 tokens:
+
+    tokens     0 1 2 3 | 4 5 6 7 | 8 9 . .
+    documents  a a a b | b b b b | b c . .      Q2 x K0 share b: q 8, kv 3 .. 3
+                                                Q2 x K1 share b: q 8, kv 4 .. 7
+
+For that document the query run ``[qa, qb]`` and key run ``[ka, kb]`` give every difference
+``q - kv`` in ``[qa - kb, qb - ka]``; the tile pair is *visible* when that interval meets the
+window ``[-right, left]`` (-1: unbounded; causal is ``right = 0``) and *full* when both tiles
+lie inside the document and the whole interval is within the window. A diagonal tile (i = j)
+always sees its own tokens (q = kv), and is full when it holds one document and its width fits
+the window. A last tile cut short by the row's end is never full (as ``create_block_mask``
+marks it). Every rank builds the same mask from the same boundaries; flex's kernels and
+``flex_layout`` read it like any other ``BlockMask``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+
+def document_mask(
+    cu_seqlens: Tensor,
+    seq_len: int,
+    window_size: tuple[int, int] = (-1, 0),
+    *,
+    block_size: int = 128,
+    device: torch.device | str | None = None,
+) -> BlockMask:
+    """The global ``BlockMask`` (``[B, 1, seq_len, seq_len]``) of packed documents: query p
+    sees the keys of its own document within ``window_size = (left, right)`` (-1: unbounded;
+    the default is causal), as flash-attn's varlen functions compute.
+
+    Args:
+        cu_seqlens: int ``[docs + 1]`` boundaries of the documents over the ``B`` rows packed
+            one after another (``B * seq_len`` tokens; every row starts a document), as
+            ``cu_seqlens`` of the varlen functions or torchtitan's ``VarlenMetadata``.
+            Empty documents are allowed.
+        seq_len: the length of one row (the mask's ``Q_LEN = KV_LEN``).
+        window_size: ``(left, right)``.
+        block_size: the tile (flex's ``BLOCK_SIZE``).
+        device: of the mask's tensors (default: ``cu_seqlens``').
+
+    Returns:
+        A ``BlockMask`` whose ``mask_mod`` is exact and whose tiles skip what no document
+        sees (Note [Document tiles]); pass it to :func:`dtensor_ring.flex_attention`,
+        :func:`dtensor_ring.flex_layout` or PyTorch's ``flex_attention``.
+
+    Raises:
+        TypeError: ``cu_seqlens`` is not an integer tensor.
+        ValueError: the boundaries fall, do not cover whole rows, or a document crosses a row.
+    """
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype.is_floating_point:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be -1 (unbounded) or >= 0, got {window_size}")
+    device = cu_seqlens.device if device is None else torch.device(device)
+    bounds = [int(x) for x in cu_seqlens.cpu()]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] % seq_len or bounds[-1] == 0:
+        raise ValueError(
+            f"cu_seqlens must run from 0 to B * seq_len (B rows of {seq_len} tokens), got {bounds}"
+        )
+    if any(lo > hi for lo, hi in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"cu_seqlens must not fall, got {bounds}")
+    B = bounds[-1] // seq_len
+    missing = sorted(set(range(0, B * seq_len, seq_len)) - set(bounds))
+    if missing:
+        raise ValueError(
+            f"a document crosses into row {missing[0] // seq_len} (no boundary at packed token "
+            f"{missing[0]}): every row must start a document"
+        )
+    lengths = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths).view(B, seq_len)
+    start = torch.tensor(bounds[:-1])[doc] - torch.arange(B)[:, None] * seq_len  # [B, L]
+    end = start + lengths[doc]  # the token's document: [start, end) within its row
+    partial, full = _document_tiles(doc, start, end, seq_len, block_size, left, right)
+    doc_BL = doc.to(device)
+
+    def document(b, h, q_idx, kv_idx):
+        visible = doc_BL[b, q_idx] == doc_BL[b, kv_idx]
+        if left >= 0:
+            visible = visible & (q_idx - kv_idx <= left)
+        if right >= 0:
+            visible = visible & (kv_idx - q_idx <= right)
+        return visible
+
+    def blocks(tiles: Tensor) -> tuple[Tensor, Tensor]:  # [B, nq, nk] -> counts, indices
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True)
+        count = tiles.sum(-1, dtype=torch.int32)
+        return count[:, None].to(device), order[:, None].to(torch.int32).to(device)
+
+    return BlockMask.from_kv_blocks(
+        *blocks(partial & ~full), *blocks(full), block_size, document, (seq_len, seq_len)
+    )
+
+
+def _document_tiles(
+    doc: Tensor, start: Tensor, end: Tensor, L: int, T: int, left: int, right: int
+) -> tuple[Tensor, Tensor]:
+    """``(visible, full)`` bool ``[B, n, n]`` tiles of Note [Document tiles]; ``doc``,
+    ``start``, ``end`` ``[B, L]``: each token's document and its run ``[start, end)``."""
+    n = -(-L // T)
+    first = torch.arange(n) * T  # each tile's first and last token
+    last = torch.clamp(first + T, max=L) - 1
+    inf = 2 * L  # an unbounded window side
+    lo = -(right if right >= 0 else inf)  # q - kv must lie in [lo, hi]
+    hi = left if left >= 0 else inf
+    i, j = first[:, None], first[None, :]  # query tile rows, key tile columns
+    i_last, j_last = last[:, None], last[None, :]
+    # the shared document: the one holding the later tile's first token and the earlier's last
+    later_first = torch.where(i >= j, i, j).expand(n, n)
+    earlier_last = torch.where(i >= j, j_last, i_last).expand(n, n)
+    shared = doc[:, later_first] == doc[:, earlier_last]  # [B, n, n]
+    d_start, d_end = start[:, later_first], end[:, later_first]
+    qa, qb = torch.maximum(i, d_start), torch.minimum(i_last, d_end - 1)
+    ka, kb = torch.maximum(j, d_start), torch.minimum(j_last, d_end - 1)
+    visible = shared & (qa - kb <= hi) & (qb - ka >= lo)
+    inside = (d_start <= torch.minimum(i, j)) & (torch.maximum(i_last, j_last) < d_end)
+    full = shared & inside & (i_last - j <= hi) & (i - j_last >= lo)
+    diagonal = torch.eye(n, dtype=torch.bool)
+    one_doc = start[:, first] == start[:, last]  # the diagonal tile holds one document
+    width = last - first
+    full_diagonal = one_doc & (width <= hi) & (-width >= lo)
+    visible = visible | diagonal
+    full = torch.where(diagonal, torch.diag_embed(full_diagonal), full)
+    complete = width == T - 1  # a last tile cut short by L is never full (as flex marks it)
+    return visible, full & complete[:, None] & complete[None, :]
