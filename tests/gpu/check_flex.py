@@ -3,7 +3,9 @@
 Not a test (CI has no GPU): ``python tests/gpu/check_flex.py``. Every rank of a W = 4 ring
 runs in turn (``dtensor_ring.simulate_ring``, the real engine and kernels), bf16,
 ``B = 1, H = 8, H_kv = 2, D = 64, S = 4096``; masks: causal, 5 packed causal documents,
-documents + window 256, prefix-LM 1024, documents with a softcap ``score_mod``; layouts ring,
+documents + window 256, prefix-LM 1024, documents with a softcap ``score_mod``, and the
+documents (with and without the window) as ``dr.document_mask`` builds them from their
+boundaries; layouts ring,
 zigzag and the mask-aware one (``flex_layout``, 4 chunks a rank); kernels flex_triton
 (PyTorch's compiled flex kernels per block, Note [Flex blocks on PyTorch's kernels]) and, on
 one mask, flex_math (fp32).
@@ -22,7 +24,7 @@ import sys
 import time
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -56,7 +58,18 @@ def masks() -> dict:
             lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv),
             lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0),
         ),
+        "document_mask": (boundaries(doc, (-1, 0)), None),
+        "document_mask+window": (boundaries(doc, (255, 0)), None),
     }
+
+
+def boundaries(doc: torch.Tensor, window: tuple[int, int]):
+    """``dr.document_mask`` of the documents ``doc`` (a BlockMask, built from boundaries)."""
+    starts = torch.cat(
+        [torch.zeros(1, device=DEV, dtype=torch.long), (doc.diff() != 0).nonzero()[:, 0] + 1]
+    )
+    cu = torch.cat([starts, torch.tensor([S], device=DEV)]).to(torch.int32)
+    return dr.document_mask(cu, S, window, device=DEV)
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,7 +84,10 @@ def main() -> None:
     one_gpu = torch.compile(flex_attention)
     rows = []
     for mask_name, (mask_mod, score_mod) in masks().items():
-        bm = create_block_mask(mask_mod, None, None, S, S, DEV)
+        if isinstance(mask_mod, BlockMask):  # built by dr.document_mask
+            bm, mask_mod = mask_mod, mask_mod.mask_mod
+        else:
+            bm = create_block_mask(mask_mod, None, None, S, S, DEV)
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
         ref_out, _ = reference_flex(*leaves, mask_mod=mask_mod, score_mod=score_mod)
         ref_out.backward(dout.double())
