@@ -4,6 +4,7 @@ form ``ContextParallel(attention_type="flex")``.
 * ``exact``: masks (causal, documents crossing shard boundaries, document + window, prefix-LM)
   on every layout (ring, zigzag, stripe, the mask-aware one) at W = 1-4, fp64 and fp32,
   forward and backward against the strict fp64 reference (:mod:`tests.adversarial.oracle`);
+  the documents also as ``dr.document_mask`` builds them from their boundaries;
 * ``nonfinite``: a NaN / +Inf in one token's q, k or v under a document mask: it must reach
   exactly the rows that see it (the strict reference's pattern);
 * ``score_mod``: softcap and a bias of (b, h, q, kv), against ``tests.reference.reference_flex``;
@@ -57,6 +58,29 @@ def _visible(name: str, seq_len: int) -> torch.Tensor:
     return mask_mod(name, seq_len)(0, 0, i[:, None], i[None, :])
 
 
+#: masks built by ``dr.document_mask`` from the documents' boundaries -> the mask they equal
+FROM_BOUNDARIES = {
+    "document@boundaries": "document",
+    "document_window@boundaries": "document_window",
+}
+
+
+def _block_mask(name: str, seq_len: int):
+    """The BlockMask of mask ``name``: ``create_block_mask`` of its mask_mod, or for the
+    ``@boundaries`` names ``dr.document_mask`` of ``_doc``'s boundaries in ``B`` rows."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import dtensor_ring as dr
+
+    if name not in FROM_BOUNDARIES:
+        return create_block_mask(mask_mod(name, seq_len), None, None, seq_len, seq_len, "cpu", TILE)
+    doc = _doc(seq_len)
+    starts = [0, *((doc[1:] != doc[:-1]).nonzero()[:, 0] + 1).tolist()]
+    cu = torch.tensor([b * seq_len + i for b in range(B) for i in starts] + [B * seq_len])
+    window = (4, 0) if name.startswith("document_window") else (-1, 0)
+    return dr.document_mask(cu, seq_len, window, block_size=TILE)
+
+
 def softcap(s, b, h, q, kv):
     return 4.0 * torch.tanh(s / 4.0)
 
@@ -93,8 +117,6 @@ def flex_case(
     module: bool = False,
 ) -> dict:
     """One call (or the module form) on this rank's shard, against the fp64 reference."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     import dtensor_ring as dr
 
     W, rank, S = ctx.world, ctx.rank, S_LOCAL * ctx.world
@@ -102,8 +124,9 @@ def flex_case(
     if poison is not None:  # one token's q, k or v: NaN / Inf
         which, token, value = poison
         {"q": q, "k": k, "v": v}[which][:, :, token] = value
+    bm = _block_mask(mask, S)
+    mask = FROM_BOUNDARIES.get(mask, mask)
     mod = mask_mod(mask, S)
-    bm = create_block_mask(mod, None, None, S, S, "cpu", TILE)
     lay = _layout(layout, bm, W)
     idx = dr.token_indices(lay, S, rank, W)
     torch_dtype = getattr(torch, dtype)
@@ -261,6 +284,9 @@ def flex_cases() -> list[Case]:
         for mask in MASKS:
             for layout in LAYOUTS:
                 add(f"{mask},{layout}", world, flex_case, {"mask": mask, "layout": layout})
+        for mask, layout in (("document@boundaries", "balanced"),
+                             ("document_window@boundaries", "zigzag")):  # fmt: skip
+            add(f"{mask},{layout}", world, flex_case, {"mask": mask, "layout": layout})
         add("document,zigzag,float32", world, flex_case,
             {"mask": "document", "layout": "zigzag", "dtype": "float32"})  # fmt: skip
         for which, token, value in (("k", 5, float("nan")), ("v", 9, float("inf")),
