@@ -630,6 +630,18 @@ def test_sharding_with_local_tensor(world_size, fn):
         fn(device_mesh, rank, world_size)
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_unshard_with_local_tensor(world_size):
+    """Not PyTorch's: ``context_parallel_unshard`` of LocalTensor shards gives every simulated
+    rank the whole buffer back, in order (head-tail and contiguous)."""
+    with simulated_ranks(world_size) as (device_mesh, _):
+        x = torch.arange(4.0 * world_size).reshape(1, -1)
+        for load_balancer in (_HeadTailLoadBalancer(x.shape[1], world_size, "cpu"), None):
+            (shard,) = _context_parallel_shard(device_mesh, [x], [1], load_balancer)
+            (whole,) = context_parallel_unshard(device_mesh, [shard], [1], load_balancer)
+            torch.testing.assert_close(whole, x)
+
+
 SDPA_TYPE = _ContextParallel.AttentionType.SDPA
 
 

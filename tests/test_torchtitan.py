@@ -161,7 +161,9 @@ def check_varlen_forward(group: dist.ProcessGroup, layout: str) -> None:
             out_transform=lambda o, lse: o * lse.exp()[..., None],
         )
         assert forward(*leaves, attention_masks=metadata, enable_gqa=True) is not None
-        assert forward._last[0] is metadata.cu_seq_q  # the batch's mask, built once
+        built = forward._last[1]
+        assert forward(*leaves, attention_masks=metadata, enable_gqa=True) is not None
+        assert forward._last[1] is built  # the batch's mask, built once
         out.sum().backward()
         ref_leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = reference_flex(*ref_leaves, mask_mod=_window_mask(ROWS, window_size))
@@ -172,6 +174,19 @@ def check_varlen_forward(group: dist.ProcessGroup, layout: str) -> None:
             torch.testing.assert_close(
                 got.grad, want.grad.transpose(1, 2)[:, idx], atol=1e-10, rtol=1e-10
             )
+
+    # boundaries refilled in place (the same tensors, another batch): the mask follows
+    rows = [[10, 10, 28], [16, 16, 16, 0]]
+    forward = _VarlenForward(group, layout, (-1, 0))
+    local = [t[:, idx] for t in (q, k, v)]
+    forward(*local, attention_masks=metadata, enable_gqa=True)
+    for t in metadata[:2]:
+        t.copy_(_varlen_metadata(rows).cu_seq_q)
+    out = forward(*local, attention_masks=metadata, enable_gqa=True)
+    ref_out, _ = reference_flex(
+        *(t.transpose(1, 2) for t in (q, k, v)), mask_mod=_window_mask(rows, (-1, 0))
+    )
+    torch.testing.assert_close(out, ref_out.transpose(1, 2)[:, idx], atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])

@@ -129,7 +129,7 @@ class _VarlenForward:
 
     def __init__(self, group, layout: str | Layout | None, window_size: tuple[int, int]):
         self.group, self.layout, self.window_size = group, layout, tuple(window_size)
-        self._last: tuple[Tensor, int, BlockMask] | None = None
+        self._last: tuple[tuple, BlockMask] | None = None
 
     def __call__(
         self,
@@ -156,12 +156,17 @@ class _VarlenForward:
         return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
 
     def _block_mask(self, metadata: Any, B: int, L: int, q_BLNH: Tensor) -> BlockMask:
-        cu_seq = getattr(metadata, "cu_seq_q", None)
-        if self._last is not None and self._last[0] is cu_seq and self._last[1] == L:
-            return self._last[2]
-        block_mask = varlen_block_mask(metadata, B, L, self.window_size, q_BLNH.device)
-        self._last = (cu_seq, L, block_mask)
-        return block_mask
+        """The batch's mask, rebuilt when the boundaries' values change (compared by value:
+        a buffer refilled in place is a new batch)."""
+        key = (
+            *(tuple(t.tolist()) if isinstance(t, Tensor) else t
+              for t in (getattr(metadata, "cu_seq_q", None), getattr(metadata, "cu_seq_k", None))),
+            B, L, q_BLNH.device,
+        )  # fmt: skip
+        if self._last is None or self._last[0] != key:
+            block_mask = varlen_block_mask(metadata, B, L, self.window_size, q_BLNH.device)
+            self._last = (key, block_mask)
+        return self._last[1]
 
 
 def varlen_block_mask(
