@@ -101,7 +101,7 @@ def test_demo():
     )
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)  # its table of pairs (H = 8 on 4 ranks: all of them run)
-    out = _torchrun("demo.py", quiet=True)
+    out = _torchrun("demo.py", "--reps", "1", quiet=True)  # README's run, one timing rep
     assert re.search(r"^4 ranks, S=2048, .*torch\.float32, cpu$", out, flags=re.M), out
     rows = {" ".join(m[1].split()): m for m in map(DEMO_ROW.match, out.splitlines()) if m}
     assert sorted(rows) == sorted(f"{a} {b} {c}" for a, b, c in demo.VARIANTS), out

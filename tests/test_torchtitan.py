@@ -220,10 +220,10 @@ def test_varlen_metadata_refused(metadata, message):
     [
         ("--world-size", "2"),
         ("--attention", "sdpa", "--world-size", "3"),
-        ("--balancer", "ptrr", "--world-size", "4"),
+        ("--balancer", "ptrr", "--world-size", "3"),
         ("--attention", "varlen", "--world-size", "3"),
     ],  # fmt: skip
-    ids=["flex-headtail-W2", "sdpa-W3", "flex-ptrr-W4", "varlen-W3"],
+    ids=["flex-headtail-W2", "sdpa-W3", "flex-ptrr-W3", "varlen-W3"],
 )
 def test_torchtitan_example(args):
     pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
