@@ -19,6 +19,8 @@ compiles, so the compiled cases are few and tiny: CPU inductor compiles are slow
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
@@ -113,15 +115,20 @@ def _functional(group, backend):
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(f, backend=counter, fullgraph=True)
     results = []
-    for fn in (f, compiled):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        out.sum().backward()
-        results.append([out, *(t.grad for t in leaves)])
+    torch._dynamo.utils.warn_once_cache.clear()  # Dynamo warns once a process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for fn in (f, compiled):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves)
+            out.sum().backward()
+            results.append([out, *(t.grad for t in leaves)])
     return {
         "frames": counter.frame_count,
         "ops": _count(counter.graphs, OPS[0]),
         "diff": _max_diff(*results),
+        # e.g. Dynamo's warning about tracing through a functools.cache of ours
+        "our warnings": [str(w.message) for w in caught if "dtensor_ring" in str(w.message)],
     }
 
 
@@ -235,6 +242,7 @@ def test_functional_api_compiles_fullgraph(dist_pool, backend):
     for r in dist_pool.run(_functional, 2, timeout_s=400, backend=backend):
         assert r["frames"] == 1 and r["ops"] == 2, r
         assert r["diff"] < 1e-5, r
+        assert not r["our warnings"], r
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])

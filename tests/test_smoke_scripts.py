@@ -96,6 +96,19 @@ def test_bench_overhead_smoke(tmp_path):
     assert (tmp_path / "profile_functional.txt").read_text().count("ring_attention_impl") > 0
 
 
+def test_bench_scope_tax_smoke(tmp_path):
+    """benchmarks/bench_scope_tax.py on CPU: every row measured, inside and outside the scope."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_scope_tax.py"), "--smoke", "--out",
+         str(tmp_path)],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    rows = json.loads((tmp_path / "bench_scope_tax.json").read_text())["rows"]
+    where = {(r["what"], r["where"]) for r in rows}
+    assert {("50 ops", "outside"), ("50 ops", "inside"), ("dtensor fwd+bwd", "inside")} <= where
+    assert all(r["ms"] > 0 for r in rows)
+
+
 def test_bench_decode_smoke(tmp_path):
     """benchmarks/bench_decode.py on CPU: the full-cache baseline, one rank's decoding step on
     a 1-rank gloo group and the W-way merge."""

@@ -197,7 +197,10 @@ def _local_tensor_mode_probe() -> Callable[[], object] | None:
 def refuse_simulated_ranks() -> None:
     """Raise inside PyTorch's LocalTensor simulation: one process plays every rank there, but
     the ring's plans, sends and receives are per rank, and every simulated rank would compute
-    as the process's own rank (silently wrong). The sharding helpers do run inside it."""
+    as the process's own rank (silently wrong). The sharding helpers do run inside it. Traced
+    code skips the check (Dynamo would trace the cached probe, and warn about its cache)."""
+    if torch.compiler.is_compiling():
+        return
     probe = _local_tensor_mode_probe()
     if probe is not None and probe() is not None:
         raise NotImplementedError(
