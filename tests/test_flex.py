@@ -497,3 +497,60 @@ def test_document_mask_matches_create_block_mask():
 def test_document_mask_errors(cu, window, message):
     with pytest.raises((TypeError, ValueError), match=message):
         dr.document_mask(torch.tensor(cu), 8, window)
+
+
+def check_dtensor_inputs(group) -> None:
+    """``dr.flex_attention`` on ``Shard(2)`` DTensors: the global view in and out, the
+    BlockMask of the whole sequence, ``group=None``; contiguous (``distribute_tensor``) and
+    zigzag shards (with ``layout="zigzag"``); out, lse and gradients against fp64."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    B, H, H_kv, D, S = 2, 4, 2, 8, S_LOCAL * W
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv))
+    mask_mod = make_mask("document", S)
+    bm = create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_flex(*ref_in, mask_mod=mask_mod)
+    ref_out.sum().backward()
+    for layout in ("ring", "zigzag"):
+        idx = layout_indices(layout, rank, W, S)
+        if layout == "ring":
+            leaves = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+        else:
+            leaves = [
+                DTensor.from_local(t[:, :, idx], mesh, [Shard(2)]).requires_grad_()
+                for t in (q, k, v)
+            ]
+        out, lse = dr.flex_attention(
+            *leaves, block_mask=bm, enable_gqa=True, return_lse=True, layout=layout
+        )
+        assert isinstance(out, DTensor) and tuple(out.placements) == (Shard(2),)
+        assert isinstance(lse, DTensor) and tuple(lse.shape) == (B, H, S)
+        out.sum().backward()
+        tol = {"atol": 1e-10, "rtol": 1e-10}
+        torch.testing.assert_close(out.to_local(), ref_out[:, :, idx].detach(), **tol)
+        torch.testing.assert_close(lse.to_local(), ref_lse[:, :, idx], **tol)
+        for got, want in zip(leaves, ref_in, strict=True):
+            torch.testing.assert_close(got.grad.to_local(), want.grad[:, :, idx], **tol)
+    local = [t[:, :, :S_LOCAL] for t in (q, k, v)]
+    placed = [DTensor.from_local(t, mesh, [Shard(2)]) for t in local]
+    wrong = {
+        "the others DTensors": (placed[0], local[1], local[2], {}),
+        "group=None": (*placed, {"group": group}),
+        "Shard\\(2\\)": (
+            *(DTensor.from_local(t, mesh, [Replicate()]) for t in local),
+            {},
+        ),
+    }
+    for message, (qq, kk, vv, kw) in wrong.items():
+        with pytest.raises((TypeError, ValueError), match=message):
+            dr.flex_attention(qq, kk, vv, block_mask=bm, enable_gqa=True, **kw)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=SLOW)])
+def test_dtensor_inputs(dist_pool, world_size):
+    dist_pool.run(check_dtensor_inputs, world_size)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, create_block_mask
 
 from ..kernels import accumulation_dtype, select_flex_kernel
@@ -75,10 +77,32 @@ def flex_attention(
         ``out [B, H, S_local, D]`` in the input dtype (rows that see no key are 0), with the
         lse as requested.
 
+    DTensors: ``query``, ``key``, ``value`` may instead be ``[B, H, S, D]`` DTensors placed
+    ``Shard(2)`` on one mesh dim (the group) and ``Replicate()`` on any other, with
+    ``group=None``: the call runs on their local shards (``layout`` as above: "ring" is what
+    ``distribute_tensor`` makes) and returns DTensors placed as ``query`` (the lse too).
+
     Raises:
         ValueError / TypeError: on every rank, before any communication, for anything not
             supported (see docs/flex.md).
     """
+    if any(isinstance(t, DTensor) for t in (query, key, value)):
+        mesh, placements, group = _sequence_sharded(query, key, value, group)
+        result = flex_attention(
+            *(t.to_local() for t in (query, key, value)), score_mod, block_mask, scale,
+            enable_gqa, return_lse, kernel_options, return_aux=return_aux, group=group,
+            layout=layout, mask_mod=mask_mod, algorithm=algorithm, backend=backend,
+        )  # fmt: skip
+
+        def wrap(t: Tensor) -> DTensor:  # out [B, H, S, D] and lse [B, H, S]: Shard(2) alike
+            return DTensor.from_local(t, mesh, placements, run_check=False)
+
+        if isinstance(result, Tensor):
+            return wrap(result)
+        out, aux = result
+        return wrap(out), (
+            AuxOutput(lse=wrap(aux.lse)) if isinstance(aux, AuxOutput) else wrap(aux)
+        )
     group_name, world_size = group_arg(group)
     if algorithm not in (None, "ring"):
         raise ValueError(
@@ -119,6 +143,35 @@ def flex_attention(
     if not want_lse:
         return out
     return (out, AuxOutput(lse=lse_BHS)) if return_aux is not None else (out, lse_BHS)
+
+
+def _sequence_sharded(
+    query: object, key: object, value: object, group: object
+) -> tuple[DeviceMesh, tuple, dist.ProcessGroup]:
+    """``(mesh, placements, group)`` of DTensor inputs placed ``Shard(2)`` (the sequence of
+    ``[B, H, S, D]``) on one mesh dim and ``Replicate()`` on the others."""
+    tensors = {"query": query, "key": key, "value": value}
+    for name, t in tensors.items():
+        if not isinstance(t, DTensor):
+            raise TypeError(f"{name} is a {type(t).__name__}, the others DTensors: pass all three")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, S, D], got {tuple(t.shape)}")
+        if (t.device_mesh, t.placements) != (query.device_mesh, query.placements):
+            raise ValueError(
+                f"query and {name} are placed differently: {tuple(query.placements)} on "
+                f"{query.device_mesh} vs {tuple(t.placements)} on {t.device_mesh}"
+            )
+    if group is not None:
+        raise ValueError("group= is the DTensors' mesh dim: pass group=None with DTensor inputs")
+    seq = [i for i, p in enumerate(query.placements) if p.is_shard() and p.dim % 4 == 2]
+    others = [p for i, p in enumerate(query.placements) if i not in seq]
+    if len(seq) != 1 or any(not p.is_replicate() for p in others):
+        raise ValueError(
+            f"DTensor inputs must be placed Shard(2) (the sequence of [B, H, S, D]) on one mesh "
+            f"dim and Replicate() on the others, got {tuple(query.placements)}"
+        )
+    mesh = query.device_mesh
+    return mesh, query.placements, mesh.get_group(seq[0])
 
 
 def _tensors(*tensors: object) -> tuple[Tensor, ...]:

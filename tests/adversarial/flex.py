@@ -9,7 +9,8 @@ form ``ContextParallel(attention_type="flex")``.
   exactly the rows that see it (the strict reference's pattern);
 * ``score_mod``: softcap and a bias of (b, h, q, kv), against ``tests.reference.reference_flex``;
 * ``args``: what must raise a clean error on every rank (a mask of the local length, a mask's
-  batch, ``kernel_options``, GQA without ``enable_gqa``, DTensors, 3-D and int tensors, a
+  batch, ``kernel_options``, GQA without ``enable_gqa``, DTensors with ``group=``, 3-D and int
+  tensors, a
   score_mod closing over a tensor that requires grad, an odd length for zigzag);
 * ``disagree``: one rank with another mask, score_mod, BLOCK_SIZE, layout or length, with and
   without the consistency mode: a clean error on every rank;
@@ -182,7 +183,7 @@ BAD = {
     "mask_batch": lambda S, W: {"mask_batch": 3},
     "kernel_options": lambda S, W: {"kernel_options": {"BLOCK_M": 64}},
     "gqa_without_flag": lambda S, W: {"enable_gqa": False},
-    "dtensor_inputs": lambda S, W: {"dtensor": True},
+    "dtensor_inputs_and_group": lambda S, W: {"dtensor": True},  # DTensors take group=None
     "three_dim": lambda S, W: {"squeeze": True},
     "int_tensors": lambda S, W: {"int": True},
     "grad_capturing_score_mod": lambda S, W: {
