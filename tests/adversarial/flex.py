@@ -4,7 +4,8 @@ form ``ContextParallel(attention_type="flex")``.
 * ``exact``: masks (causal, documents crossing shard boundaries, document + window, prefix-LM)
   on every layout (ring, zigzag, stripe, the mask-aware one) at W = 1-4, fp64 and fp32,
   forward and backward against the strict fp64 reference (:mod:`tests.adversarial.oracle`);
-  the documents also as ``dr.document_mask`` builds them from their boundaries;
+  the documents also as ``dr.document_mask`` builds them from their boundaries, and on
+  ``Shard(2)`` DTensors of the shards;
 * ``nonfinite``: a NaN / +Inf in one token's q, k or v under a document mask: it must reach
   exactly the rows that see it (the strict reference's pattern);
 * ``score_mod``: softcap and a bias of (b, h, q, kv), against ``tests.reference.reference_flex``;
@@ -116,6 +117,7 @@ def flex_case(
     poison: tuple[str, int, float] | None = None,
     score: str | None = None,
     module: bool = False,
+    dtensor: bool = False,
 ) -> dict:
     """One call (or the module form) on this rank's shard, against the fp64 reference."""
     import dtensor_ring as dr
@@ -133,7 +135,18 @@ def flex_case(
     torch_dtype = getattr(torch, dtype)
     leaves = [x[:, :, idx].to(torch_dtype).requires_grad_() for x in (q, k, v)]
     score_mod = {None: None, "softcap": softcap, "bias": bias}[score]
-    if module:
+    if dtensor:  # Shard(2) DTensors of the shards, group=None: a DTensor back
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = DeviceMesh.from_group(ctx.group, "cpu")
+        placed = [DTensor.from_local(x, mesh, [Shard(2)]) for x in leaves]  # grads: to leaves
+        out = dr.flex_attention(
+            *placed, score_mod=score_mod, block_mask=bm, enable_gqa=True, layout=lay
+        )
+        assert isinstance(out, DTensor) and tuple(out.placements) == (Shard(2),), out
+        out = out.to_local()
+    elif module:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -298,6 +311,8 @@ def flex_cases() -> list[Case]:
         for score in ("softcap", "bias"):
             add(f"score_mod:{score},prefix_lm,balanced", world, flex_case,
                 {"mask": "prefix_lm", "layout": "balanced", "score": score})  # fmt: skip
+        add("dtensor,document,balanced", world, flex_case,
+            {"mask": "document", "layout": "balanced", "dtensor": True})  # fmt: skip
         module = {"mask": "document_window", "layout": "zigzag", "module": True, "score": "softcap"}
         add("module,document_window,zigzag", world, flex_case, module)
         add("double_backward", world, double_backward_case, {})
