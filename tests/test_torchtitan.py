@@ -88,8 +88,15 @@ def _check_prepare_and_flex(group: dist.ProcessGroup, balancer: str | None) -> N
         enable_gqa=True,
         out_transform=lambda o, lse: o * lse.exp()[..., None],
     )
+    assert_lse_weighted_matches(out, leaves, (q, k, v), mask_mod, idx)
+
+
+def assert_lse_weighted_matches(out, leaves, qkv_BLNH, mask_mod, idx) -> None:
+    """``out`` (``out * exp(lse)`` of this rank's tokens ``idx``, ``[B, L_local, N, H]``)
+    and its leaves' gradients (of ``out.sum()``) against the fp64 reference on the whole
+    sequence ``qkv_BLNH``."""
     out.sum().backward()
-    ref_leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    ref_leaves = [t.transpose(1, 2).clone().requires_grad_() for t in qkv_BLNH]
     ref_out, ref_lse = reference_flex(*ref_leaves, mask_mod=mask_mod)
     ref = (ref_out * ref_lse.exp()[..., None]).transpose(1, 2)
     ref.sum().backward()
@@ -164,16 +171,7 @@ def check_varlen_forward(group: dist.ProcessGroup, layout: str) -> None:
         built = forward._last[1]
         assert forward(*leaves, attention_masks=metadata, enable_gqa=True) is not None
         assert forward._last[1] is built  # the batch's mask, built once
-        out.sum().backward()
-        ref_leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
-        ref_out, ref_lse = reference_flex(*ref_leaves, mask_mod=_window_mask(ROWS, window_size))
-        ref = (ref_out * ref_lse.exp()[..., None]).transpose(1, 2)
-        ref.sum().backward()
-        torch.testing.assert_close(out, ref[:, idx].detach(), atol=1e-10, rtol=1e-10)
-        for got, want in zip(leaves, ref_leaves, strict=True):
-            torch.testing.assert_close(
-                got.grad, want.grad.transpose(1, 2)[:, idx], atol=1e-10, rtol=1e-10
-            )
+        assert_lse_weighted_matches(out, leaves, (q, k, v), _window_mask(ROWS, window_size), idx)
 
     # boundaries refilled in place (the same tensors, another batch): the mask follows
     rows = [[10, 10, 28], [16, 16, 16, 0]]
