@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from reference import layout_indices, reference_flex
+from reference import layout_indices, reference_attention, reference_flex
 from torch.nn.attention.flex_attention import (
     AuxRequest,
     create_block_mask,
@@ -554,3 +554,38 @@ def check_dtensor_inputs(group) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=SLOW)])
 def test_dtensor_inputs(dist_pool, world_size):
     dist_pool.run(check_dtensor_inputs, world_size)
+
+
+def check_sinks_through_lse(group, layout: str) -> None:
+    """Attention sinks (gpt-oss) where flex expresses them: through the lse, as torchtitan's
+    gpt-oss does (``out * sigmoid(lse - sinks[h])``); out and the gradients of q, k, v and the
+    sinks equal the fp64 sink reference (causal, GQA)."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, H, H_kv, D, S = 2, 4, 2, 8, S_LOCAL * W
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv))
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref_out, _ = reference_attention(*ref_in[:3], causal=True, sinks=ref_in[3])  # [B, S, H, D]
+    ref_out.sum().backward()
+    idx = layout_indices(layout, rank, W, S)
+    bm = create_block_mask(causal, None, None, S, S, "cpu", TILE)
+    local = [t[:, idx].transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    local_sinks = sinks.clone().requires_grad_()
+    out, lse = dr.flex_attention(
+        *local, block_mask=bm, enable_gqa=True, return_lse=True, group=group, layout=layout
+    )
+    out = out * torch.sigmoid(lse - local_sinks[:, None])[..., None]  # [B, H, S_local, D]
+    out.sum().backward()
+    dist.all_reduce(local_sinks.grad, group=group)  # each rank holds its rows' share
+    tol = {"atol": 1e-10, "rtol": 1e-10}
+    torch.testing.assert_close(out.transpose(1, 2), ref_out[:, idx].detach(), **tol)
+    for got, want in zip(local, ref_in[:3], strict=True):
+        torch.testing.assert_close(got.grad.transpose(1, 2), want.grad[:, idx], **tol)
+    torch.testing.assert_close(local_sinks.grad, ref_in[3].grad, **tol)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=SLOW)])
+@pytest.mark.parametrize("layout", ["zigzag", "ring"])
+def test_sinks_through_lse(dist_pool, world_size, layout):
+    dist_pool.run(check_sinks_through_lse, world_size, layout=layout)
