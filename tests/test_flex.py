@@ -492,11 +492,17 @@ def test_document_mask_matches_create_block_mask():
         ([0, 5, 12, 16], (-1, 0), "crosses into row 1"),
         ([0, 6], (-1, 0), "B \\* seq_len"),
         ([0, 8], (-2, 0), "window_size"),
+        ([0, 8], (1.5, 0), "window_size"),
+        ([0, 8], (3,), "window_size"),
+        ([0, 8], {"seq_len": 0}, "seq_len"),
+        ([0, 8], {"block_size": 0}, "block_size"),
+        ([0, 8], {"seq_len": 8.0}, "seq_len"),
     ],
 )
 def test_document_mask_errors(cu, window, message):
+    kwargs = window if isinstance(window, dict) else {"window_size": window}
     with pytest.raises((TypeError, ValueError), match=message):
-        dr.document_mask(torch.tensor(cu), 8, window)
+        dr.document_mask(torch.tensor(cu), kwargs.pop("seq_len", 8), **kwargs)
 
 
 def check_dtensor_inputs(group) -> None:

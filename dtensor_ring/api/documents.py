@@ -57,11 +57,19 @@ def document_mask(
 
     Raises:
         TypeError: ``cu_seqlens`` is not an integer tensor.
-        ValueError: the boundaries fall, do not cover whole rows, or a document crosses a row.
+        ValueError: the boundaries fall, do not cover whole rows, or a document crosses a row;
+            ``seq_len`` / ``block_size`` not positive ints; a malformed ``window_size``.
     """
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype.is_floating_point:
         raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens!r}")
-    left, right = (int(w) for w in window_size)
+    for name, n in (("seq_len", seq_len), ("block_size", block_size)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2) or not all(
+        isinstance(w, int) and not isinstance(w, bool) for w in window_size
+    ):
+        raise ValueError(f"window_size must be two ints (left, right), got {window_size!r}")
+    left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be -1 (unbounded) or >= 0, got {window_size}")
     device = cu_seqlens.device if device is None else torch.device(device)
