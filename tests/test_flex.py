@@ -552,6 +552,9 @@ def check_dtensor_inputs(group) -> None:
             {},
         ),
     }
+    if W > 1:  # one token short of W equal shards: refused from the global shape
+        uneven = torch.randn(B, H, S_LOCAL * W - 1, D, dtype=torch.float64)
+        wrong["evenly"] = (*(distribute_tensor(uneven, mesh, [Shard(2)]) for _ in "qkv"), {})
     for message, (qq, kk, vv, kw) in wrong.items():
         with pytest.raises((TypeError, ValueError), match=message):
             dr.flex_attention(qq, kk, vv, block_mask=bm, enable_gqa=True, **kw)

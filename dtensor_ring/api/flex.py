@@ -171,6 +171,13 @@ def _sequence_sharded(
             f"dim and Replicate() on the others, got {tuple(query.placements)}"
         )
     mesh = query.device_mesh
+    W = mesh.size(seq[0])
+    for name, t in tensors.items():  # global shapes: every rank sees the same
+        if t.shape[2] % W:
+            raise ValueError(
+                f"{name} has {t.shape[2]} tokens, which {W} ranks cannot hold evenly: every "
+                "rank's shard must be the same length"
+            )
     return mesh, query.placements, mesh.get_group(seq[0])
 
 
