@@ -598,3 +598,48 @@ def check_sinks_through_lse(group, layout: str) -> None:
 @pytest.mark.parametrize("layout", ["zigzag", "ring"])
 def test_sinks_through_lse(dist_pool, world_size, layout):
     dist_pool.run(check_sinks_through_lse, world_size, layout=layout)
+
+
+def check_torch_flex_in_context_parallel(group, layout) -> None:
+    """Inside ``dr.context_parallel``, torch's ``flex_attention`` (looked up on its module at
+    call time) runs ``dr.flex_attention`` on the shards in the context's layout (None:
+    PyTorch's default); forward and backward inside equal the fp64 reference; a whole-length
+    query raises; the attribute is torch's again after the context."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.attention import flex_attention as torch_flex
+
+    original = torch_flex.flex_attention
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    B, H, H_kv, D, S = 2, 4, 2, 8, S_LOCAL * W
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv))
+    mask_mod = make_mask("document", S)
+    bm = create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_flex(*ref_in, mask_mod=mask_mod)
+    ref_out.sum().backward()
+    buffers = [t.clone() for t in (q, k, v)]
+    if layout is None:  # PyTorch's default: head-tail when load balancing is on
+        shards_layout = "zigzag" if dr.cp_options.enable_load_balance else "ring"
+    else:
+        shards_layout = layout
+    idx = layout_indices(shards_layout, rank, W, S)
+    with dr.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2], layout=layout):
+        local = [b.detach().requires_grad_() for b in buffers]
+        out = torch_flex.flex_attention(*local, block_mask=bm, enable_gqa=True)
+        out.sum().backward()
+        if W > 1:
+            with pytest.raises(ValueError, match="not\\s+this rank's shard|this rank's shard"):
+                torch_flex.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert torch_flex.flex_attention is original
+    tol = {"atol": 1e-10, "rtol": 1e-10}
+    torch.testing.assert_close(out, ref_out[:, :, idx].detach(), **tol)
+    for got, want in zip(local, ref_in, strict=True):
+        torch.testing.assert_close(got.grad, want.grad[:, :, idx], **tol)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=SLOW)])
+@pytest.mark.parametrize("layout", [None, "ring"])
+def test_torch_flex_in_context_parallel(dist_pool, world_size, layout):
+    dist_pool.run(check_torch_flex_in_context_parallel, world_size, layout=layout)

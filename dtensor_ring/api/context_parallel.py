@@ -16,7 +16,7 @@ S = 8, W = 2, zigzag::
     enter   buffer [.., 0 1 2 3 4 5 6 7, ..]  --shard_local-->  rank 0: [0 1 6 7]
                                                                 rank 1: [2 3 4 5]
     inside  F.scaled_dot_product_attention(q, k, v, is_causal=..)   (plain [B, H, S/W, D])
-              |  the replacement (_sdpa_patched)
+              |  the replacement (_attention_patched)
               v  [B, H, S/W, D] -> [B, S/W, H, D]
             ring_attention_func(layout, q, k, v, causal=.., group=mesh's group)  (autograd)
               |  [B, S/W, H, D] -> [B, H, S/W, D]
@@ -36,6 +36,10 @@ attention; an activation checkpoint's recomputation replaces SDPA again for itse
 [Recomputation outside the scope] in ``api/recompute.py``), provided the buffers autograd saved
 (embedding indices, labels) are left sharded (``no_restore_buffers``): restoring them in place
 fails autograd's version check, as in PyTorch.
+
+torch's ``flex_attention`` (the attribute of ``torch.nn.attention.flex_attention``, bound names
+again not redirected) is replaced alike, by :func:`dtensor_ring.flex_attention` on the shards
+(its mask and score functions the whole sequence's), which PyTorch's context does not serve.
 
 Non-causal attention does not depend on token order, so it runs with the "ring" schedule
 whatever the layout (as PyTorch's, which computes every block in full then), except with
@@ -60,12 +64,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import flex_attention as torch_flex
 
 from ..algorithm import Algorithm
 from ..layouts import Layout, balancer_layout, gather_sequence, get_layout, shard_local
 from ..resolve import check_bool, check_unsupported, placement
 from .attend import dense_attention
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
+from .flex import flex_attention
 from .recompute import recompute_context
 
 
@@ -212,17 +218,49 @@ def _ring_sdpa_local(
     return out.transpose(1, 2)
 
 
+def _flex_on_shards(
+    group: dist.ProcessGroup,
+    layout: str | None,
+    algorithm: str | None,
+    seq_len: int | None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *args: object,
+    **kwargs: object,
+) -> object:
+    """torch's ``flex_attention`` inside the context: :func:`dtensor_ring.flex_attention` on
+    the local shards ``[B, H, S_local, D]`` over ``group`` (the ``BlockMask`` / ``mask_mod``
+    and ``score_mod`` the whole sequence's); DTensors: its DTensor door."""
+    if any(isinstance(t, DTensor) for t in (query, key, value)):
+        return flex_attention(query, key, value, *args, **kwargs)
+    world_size = dist.get_world_size(group)
+    if isinstance(query, Tensor) and query.dim() == 4:
+        if world_size > 1 and query.shape[SDPA_SEQ_DIM] == seq_len:
+            raise ValueError(
+                f"flex_attention inside dtensor_ring.context_parallel got a query of {seq_len} "
+                f"tokens on each of {world_size} ranks: the whole length of the buffers, not "
+                "this rank's shard; compute q, k, v from sharded tensors"
+            )
+        layout = _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
+    if algorithm is not None:
+        kwargs["algorithm"] = algorithm
+    return flex_attention(query, key, value, *args, group=group, layout=layout, **kwargs)
+
+
 @contextlib.contextmanager
-def _sdpa_patched(
+def _attention_patched(
     group: dist.ProcessGroup,
     layout: str | None,
     algorithm: str | None,
     seq_len: int | None = None,
 ) -> Iterator[None]:
     """``F.scaled_dot_product_attention`` replaced by :func:`_ring_sdpa_local` for plain
-    tensors (DTensors go to the original), restored on exit; ``seq_len``: the buffers' whole
-    length (None: no buffers)."""
+    tensors (DTensors go to the original) and torch's ``flex_attention`` by
+    :func:`_flex_on_shards`, both restored on exit; ``seq_len``: the buffers' whole length
+    (None: no buffers)."""
     original = F.scaled_dot_product_attention
+    original_flex = torch_flex.flex_attention
 
     @functools.wraps(original)
     def scaled_dot_product_attention(
@@ -246,10 +284,14 @@ def _sdpa_patched(
     # (ContextParallel's: plain local attention, silently). Fill it with the builtin first.
     torch.overrides.get_overridable_functions()
     F.scaled_dot_product_attention = scaled_dot_product_attention
+    torch_flex.flex_attention = functools.wraps(original_flex)(
+        functools.partial(_flex_on_shards, group, layout, algorithm, seq_len)
+    )
     try:
         yield
     finally:
         F.scaled_dot_product_attention = original
+        torch_flex.flex_attention = original_flex
 
 
 @contextlib.contextmanager
@@ -320,7 +362,7 @@ def context_parallel(
             buffer.copy_(shard)
     try:
         # a checkpoint's recomputation replaces SDPA again: Note [Recomputation outside the scope]
-        patched = functools.partial(_sdpa_patched, group, layout, algorithm, seq_len)
+        patched = functools.partial(_attention_patched, group, layout, algorithm, seq_len)
         with patched(), recompute_context(patched):
             yield
     finally:
