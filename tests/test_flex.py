@@ -505,6 +505,21 @@ def test_document_mask_errors(cu, window, message):
         dr.document_mask(torch.tensor(cu), kwargs.pop("seq_len", 8), **kwargs)
 
 
+def _document_case(W: int, seed: int):
+    """fp64 ``q [2, 4, S, 8]``, ``k, v [2, 2, S, 8]`` (S = S_LOCAL * W), the document mask's
+    BlockMask, and the reference: ``((q, k, v), block_mask, ref leaves, ref out, ref lse)``,
+    the reference's gradients those of ``out.sum()``."""
+    S = S_LOCAL * W
+    gen = torch.Generator().manual_seed(seed)
+    qkv = [torch.randn(2, h, S, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2)]
+    mask_mod = make_mask("document", S)
+    bm = create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
+    ref_in = [t.clone().requires_grad_() for t in qkv]
+    ref_out, ref_lse = reference_flex(*ref_in, mask_mod=mask_mod)
+    ref_out.sum().backward()
+    return qkv, bm, ref_in, ref_out, ref_lse
+
+
 def check_dtensor_inputs(group) -> None:
     """``dr.flex_attention`` on ``Shard(2)`` DTensors: the global view in and out, the
     BlockMask of the whole sequence, ``group=None``; contiguous (``distribute_tensor``) and
@@ -514,14 +529,8 @@ def check_dtensor_inputs(group) -> None:
 
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
-    B, H, H_kv, D, S = 2, 4, 2, 8, S_LOCAL * W
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv))
-    mask_mod = make_mask("document", S)
-    bm = create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_flex(*ref_in, mask_mod=mask_mod)
-    ref_out.sum().backward()
+    (q, k, v), bm, ref_in, ref_out, ref_lse = _document_case(W, seed=3)
+    B, H, S, D = q.shape
     for layout in ("ring", "zigzag"):
         idx = layout_indices(layout, rank, W, S)
         if layout == "ring":
@@ -611,14 +620,8 @@ def check_torch_flex_in_context_parallel(group, layout) -> None:
     original = torch_flex.flex_attention
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
-    B, H, H_kv, D, S = 2, 4, 2, 8, S_LOCAL * W
-    gen = torch.Generator().manual_seed(9)
-    q, k, v = (torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv))
-    mask_mod = make_mask("document", S)
-    bm = create_block_mask(mask_mod, None, None, S, S, "cpu", TILE)
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = reference_flex(*ref_in, mask_mod=mask_mod)
-    ref_out.sum().backward()
+    (q, k, v), bm, ref_in, ref_out, _ = _document_case(W, seed=9)
+    S = q.shape[2]
     buffers = [t.clone() for t in (q, k, v)]
     if layout is None:  # PyTorch's default: head-tail when load balancing is on
         shards_layout = "zigzag" if dr.cp_options.enable_load_balance else "ring"
