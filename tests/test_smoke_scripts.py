@@ -109,6 +109,18 @@ def test_bench_scope_tax_smoke(tmp_path):
     assert all(r["ms"] > 0 for r in rows)
 
 
+def test_bench_memory_smoke(tmp_path):
+    """benchmarks/bench_memory.py on CPU: the phases of a simulated rank and of one device."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_memory.py"), "--smoke", "--out",
+         str(tmp_path)],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    (row,) = json.loads((tmp_path / "bench_memory.json").read_text())["rows"]
+    assert set(row["ring"]) == set(row["single device"]) == {"forward peak", "kept",
+                                                             "backward peak"}  # fmt: skip
+
+
 def test_bench_decode_smoke(tmp_path):
     """benchmarks/bench_decode.py on CPU: the full-cache baseline, one rank's decoding step on
     a 1-rank gloo group and the W-way merge."""
