@@ -13,20 +13,16 @@ pytestmark = pytest.mark.slow  # each script starts a process that imports torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def smoke(script: str, tmp_path: Path, result: str, *args: str) -> dict:
+    """Run ``script`` (relative to the repository) with ``--smoke --out tmp_path`` and
+    ``args``; its JSON ``result`` file, read."""
+    cmd = [sys.executable, str(ROOT / script), "--smoke", *args, "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    return json.loads((tmp_path / result).read_text())
+
+
 def test_bench_single_gpu_smoke(tmp_path):
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks/bench_single_gpu.py"),
-            "--smoke",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    results = json.loads((tmp_path / "bench_single_gpu.json").read_text())
+    results = smoke("benchmarks/bench_single_gpu.py", tmp_path, "bench_single_gpu.json")
     assert not results["errors"]
     assert {r["layout"] for r in results["rings"]} == {"ring", "zigzag", "stripe"}
     # the simulated ring is as precise as the single-device kernel (fp32 on CPU)
@@ -34,19 +30,7 @@ def test_bench_single_gpu_smoke(tmp_path):
 
 
 def test_bench_window_smoke(tmp_path):
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks/bench_window.py"),
-            "--smoke",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    results = json.loads((tmp_path / "bench_window.json").read_text())
+    results = smoke("benchmarks/bench_window.py", tmp_path, "bench_window.json")
     rows = {(r["layout"], r["window"]): r for r in results["rows"]}
     # the cost model: a 2-token window needs one K/V transfer on the ring, the full plan two
     assert rows["ring", 2]["kv_transfers"] == 1 and rows["ring", -1]["kv_transfers"] == 2
@@ -56,19 +40,7 @@ def test_bench_window_smoke(tmp_path):
 
 def test_check_window_smoke(tmp_path):
     """tests/gpu/check_window.py on CPU: windowed kernels, simulated rings, llama3 op."""
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests/gpu/check_window.py"),
-            "--smoke",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    results = json.loads((tmp_path / "window.json").read_text())
+    results = smoke("tests/gpu/check_window.py", tmp_path, "window.json")
     assert not results["errors"] and len(results["rows"]) >= 8
     assert all(max(r[n] for n in ("out", "dq", "dk", "dv")) < 1e-5 for r in results["rows"])
 
@@ -77,20 +49,8 @@ def test_bench_overhead_smoke(tmp_path):
     """benchmarks/bench_overhead.py on CPU: SDPA, the functional call, DTensor SDPA and the
     scope-free DTensor function on a 1-rank gloo group (the compiled variants are CUDA only),
     and the profiles."""
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks/bench_overhead.py"),
-            "--smoke",
-            "--profile",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    rows = json.loads((tmp_path / "bench_overhead.json").read_text())["rows"]
+    results = smoke("benchmarks/bench_overhead.py", tmp_path, "bench_overhead.json", "--profile")
+    rows = results["rows"]
     assert {r["what"] for r in rows} == {"sdpa", "functional", "dtensor", "dtensor_fn"}
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
     assert (tmp_path / "profile_functional.txt").read_text().count("ring_attention_impl") > 0
@@ -98,12 +58,7 @@ def test_bench_overhead_smoke(tmp_path):
 
 def test_bench_scope_tax_smoke(tmp_path):
     """benchmarks/bench_scope_tax.py on CPU: every row measured, inside and outside the scope."""
-    subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench_scope_tax.py"), "--smoke", "--out",
-         str(tmp_path)],
-        check=True, timeout=300, capture_output=True,
-    )  # fmt: skip
-    rows = json.loads((tmp_path / "bench_scope_tax.json").read_text())["rows"]
+    rows = smoke("benchmarks/bench_scope_tax.py", tmp_path, "bench_scope_tax.json")["rows"]
     where = {(r["what"], r["where"]) for r in rows}
     assert {("50 ops", "outside"), ("50 ops", "inside"), ("dtensor fwd+bwd", "inside")} <= where
     assert all(r["ms"] > 0 for r in rows)
@@ -111,12 +66,7 @@ def test_bench_scope_tax_smoke(tmp_path):
 
 def test_bench_memory_smoke(tmp_path):
     """benchmarks/bench_memory.py on CPU: the phases of a simulated rank and of one device."""
-    subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench_memory.py"), "--smoke", "--out",
-         str(tmp_path)],
-        check=True, timeout=300, capture_output=True,
-    )  # fmt: skip
-    (row,) = json.loads((tmp_path / "bench_memory.json").read_text())["rows"]
+    (row,) = smoke("benchmarks/bench_memory.py", tmp_path, "bench_memory.json")["rows"]
     assert set(row["ring"]) == set(row["single device"]) == {"forward peak", "kept",
                                                              "backward peak"}  # fmt: skip
 
@@ -124,19 +74,7 @@ def test_bench_memory_smoke(tmp_path):
 def test_bench_decode_smoke(tmp_path):
     """benchmarks/bench_decode.py on CPU: the full-cache baseline, one rank's decoding step on
     a 1-rank gloo group and the W-way merge."""
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks/bench_decode.py"),
-            "--smoke",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
+    rows = smoke("benchmarks/bench_decode.py", tmp_path, "bench_decode.json")["rows"]
     assert {(r["cache"], r["world"]) for r in rows} == {(256, 2), (256, 4), (512, 2), (512, 4)}
     assert all(r["full_ms"] > 0 and r["step_ms"] > 0 for r in rows)
 
