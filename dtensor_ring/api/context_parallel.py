@@ -194,16 +194,7 @@ def _ring_sdpa_local(
             f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
             "for grouped-query attention (as SDPA requires)"
         )
-    world_size = dist.get_world_size(group)
-    if world_size > 1 and query.shape[SDPA_SEQ_DIM] == seq_len:
-        raise ValueError(
-            f"F.scaled_dot_product_attention inside dtensor_ring.context_parallel got a query "
-            f"of {seq_len} tokens on each of {world_size} ranks: the whole length of the buffers "
-            "it sharded, not this rank's shard (S / W). Compute q, k, v from sharded tensors: "
-            "pass every tensor with the sequence dim that feeds attention (input ids, "
-            "positions, ...) in buffers="
-        )
-    layout = _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
+    layout = _shard_layout(group, layout, seq_len, query, "F.scaled_dot_product_attention")
     out, _ = dense_attention(
         *to_op_layout(query, key, value),
         layout=layout,
@@ -216,6 +207,23 @@ def _ring_sdpa_local(
         order_free=True,  # without a mask, the order-free contiguous plan (the Note)
     )
     return out.transpose(1, 2)
+
+
+def _shard_layout(
+    group: dist.ProcessGroup, layout: str | None, seq_len: int | None, query: Tensor, fn: str
+) -> str | Layout:
+    """The layout of a call ``fn`` on the local ``query [B, H, S_local, D]`` inside the
+    context (:func:`_layout_for` of its global length); ``ValueError`` for a query as long as
+    the buffers on several ranks (not a shard)."""
+    world_size = dist.get_world_size(group)
+    if world_size > 1 and query.shape[SDPA_SEQ_DIM] == seq_len:
+        raise ValueError(
+            f"{fn} inside dtensor_ring.context_parallel got a query of {seq_len} tokens on "
+            f"each of {world_size} ranks: the whole length of the buffers it sharded, not this "
+            "rank's shard (S / W). Compute q, k, v from sharded tensors: pass every tensor with "
+            "the sequence dim that feeds attention (input ids, positions, ...) in buffers="
+        )
+    return _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
 
 
 def _flex_on_shards(
@@ -234,15 +242,8 @@ def _flex_on_shards(
     and ``score_mod`` the whole sequence's); DTensors: its DTensor door."""
     if any(isinstance(t, DTensor) for t in (query, key, value)):
         return flex_attention(query, key, value, *args, **kwargs)
-    world_size = dist.get_world_size(group)
-    if isinstance(query, Tensor) and query.dim() == 4:
-        if world_size > 1 and query.shape[SDPA_SEQ_DIM] == seq_len:
-            raise ValueError(
-                f"flex_attention inside dtensor_ring.context_parallel got a query of {seq_len} "
-                f"tokens on each of {world_size} ranks: the whole length of the buffers, not "
-                "this rank's shard; compute q, k, v from sharded tensors"
-            )
-        layout = _layout_for(layout, query.shape[SDPA_SEQ_DIM] * world_size, world_size)
+    if isinstance(query, Tensor) and query.dim() == 4:  # else flex_attention says what is wrong
+        layout = _shard_layout(group, layout, seq_len, query, "flex_attention")
     if algorithm is not None:
         kwargs["algorithm"] = algorithm
     return flex_attention(query, key, value, *args, group=group, layout=layout, **kwargs)
