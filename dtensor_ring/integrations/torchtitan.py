@@ -122,13 +122,15 @@ class _FlexForward:
         return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
 
 
-class _VarlenForward:
+class _VarlenForward(_FlexForward):
     """torchtitan's ``VarlenAttention.forward`` (``[B, L, N, H]``, ``attention_masks`` a
     ``VarlenMetadata`` of the whole batch) on the ring: its documents and ``window_size`` become
-    a flex mask over the rows, built once a batch (the last metadata's mask is kept)."""
+    a flex mask over the rows, built once a batch (the last metadata's mask is kept), and the
+    call is the FlexAttention module's."""
 
     def __init__(self, group, layout: str | Layout | None, window_size: tuple[int, int]):
-        self.group, self.layout, self.window_size = group, layout, tuple(window_size)
+        super().__init__(group, layout)
+        self.window_size = tuple(window_size)
         self._last: tuple[tuple, BlockMask] | None = None
 
     def __call__(
@@ -147,13 +149,10 @@ class _VarlenForward:
             raise TypeError(f"torchtitan VarlenAttention on the ring: unexpected {sorted(kwargs)}")
         B, L_local = q_BLNH.shape[:2]
         block_mask = self._block_mask(attention_masks, B, L_local * self.group.size(), q_BLNH)
-        out, lse = flex_attention(
-            *(t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH)),
-            block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True,
-            group=self.group, layout=sharded_layout(self.layout),
+        return super().__call__(
+            q_BLNH, k_BLNH, v_BLNH, attention_masks=block_mask, scale=scale,
+            enable_gqa=enable_gqa, out_transform=out_transform,
         )  # fmt: skip
-        out_BLNH = out.transpose(1, 2)
-        return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
 
     def _block_mask(self, metadata: Any, B: int, L: int, q_BLNH: Tensor) -> BlockMask:
         """The batch's mask, rebuilt when the boundaries' values change (compared by value:
