@@ -87,9 +87,10 @@ def document_mask(
             f"a document crosses into row {missing[0] // seq_len} (no boundary at packed token "
             f"{missing[0]}): every row must start a document"
         )
-    lengths = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
+    starts = torch.tensor(bounds[:-1])  # of the documents, in the packed stream
+    lengths = torch.tensor(bounds[1:]) - starts
     doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths).view(B, seq_len)
-    start = torch.tensor(bounds[:-1])[doc] - torch.arange(B)[:, None] * seq_len  # [B, L]
+    start = starts[doc] - torch.arange(B)[:, None] * seq_len  # [B, L]
     end = start + lengths[doc]  # the token's document: [start, end) within its row
     partial, full = _document_tiles(doc, start, end, seq_len, block_size, left, right)
     doc_BL = doc.to(device)
