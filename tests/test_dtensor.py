@@ -17,6 +17,8 @@ Tiers, cheapest first (all on the session's gloo worker pool, ``dist_pool``):
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from reference import random_qkv, reference_attention, shard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtensor_ring
 from dtensor_ring._compat import dtensor as _dtensor_compat
@@ -298,6 +301,11 @@ def _sdpa_numerics(group, layout):
             out.backward(dout)
         return out
 
+    def sdpa_handlers(q, k, v, dout, causal, scale):
+        """The handler route (Note [Eager SDPA on DTensors]): a Python mode is active."""
+        with _NoOpDispatchMode():
+            return sdpa(q, k, v, dout, causal, scale)
+
     def aten_cpu(q, k, v, dout, causal, scale):
         with dtensor_ring.ring_sdpa(layout=layout):
             out = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -342,6 +350,7 @@ def _sdpa_numerics(group, layout):
     run("sdpa_mqa_fp32", sdpa, H_kv=1, dtype=torch.float32)
     run("sdpa_scale", sdpa, scale=0.3)
     run("sdpa_keywords", sdpa_keywords)
+    run("sdpa_handlers", sdpa_handlers, H_kv=2)
     run("aten_cpu", aten_cpu, H_kv=2)
     run("direct", direct, H_kv=2)
     run("op_on_dtensors", op, H_kv=2)
@@ -351,6 +360,44 @@ def _sdpa_numerics(group, layout):
     if layout == "ring":
         run("op_noncausal", op, causal=False)
     return errors
+
+
+class _NoOpDispatchMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _both_routes(group, layout, algorithm):
+    """SDPA on DTensors in a scope, eager route and handler route: out and gradients."""
+    from dtensor_ring.api.dtensor import scope
+
+    mesh = _mesh(group)
+    results, eager_calls = [], []
+    eager_sdpa = scope.eager_sdpa
+    scope.eager_sdpa = lambda *a: eager_calls.append(1) or eager_sdpa(*a)
+    for forced in (False, True):
+        _, _, _, _, leaves, dout_dt = _sdpa_inputs(mesh, layout, H_kv=2, dtype=torch.float32)
+        with (
+            dtensor_ring.ring_sdpa(layout=layout, algorithm=algorithm),
+            _NoOpDispatchMode() if forced else contextlib.nullcontext(),
+        ):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+            out.backward(dout_dt)
+        results.append([t.to_local() for t in (out, *(x.grad for x in leaves))])
+        assert len(eager_calls) == 1, (forced, eager_calls)  # the route each took
+    scope.eager_sdpa = eager_sdpa
+    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.parametrize("world_size", [1, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "layout, algorithm", [("zigzag", "ring"), ("zigzag", "all_gather"), ("ring", "ulysses")]
+)
+def test_sdpa_routes_agree_bit_for_bit(dist_pool, layout, algorithm, world_size):
+    """Note [Eager SDPA on DTensors]: both routes run the same engine calls."""
+    if algorithm == "ulysses" and world_size == 3:
+        world_size = 2  # H = 4 heads: Ulysses needs W | H
+    assert all(dist_pool.run(_both_routes, world_size, layout=layout, algorithm=algorithm))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])

@@ -112,10 +112,53 @@ def _bind_sdpa_call(
     )
     q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
     world = query.device_mesh.size(cp_dim)
-    r = sdpa_route(config, lambda: (q, k, v), is_causal, group_name, world)
-    resolve = resolve_gather if r.algorithm == "all_gather" else resolve_sdpa
-    spec = resolve(config, r, q, k, v, is_causal, a.get("scale"), group_name, world)
+    spec, r = resolve_local(config, q, k, v, is_causal, a.get("scale"), group_name, world)
     return a, (q, k, v), spec, r
+
+
+def resolve_local(
+    config: SDPAConfig,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    is_causal: bool,
+    scale: float | None,
+    group_name: str,
+    world_size: int,
+) -> tuple[AttentionSpec, Route]:
+    """The route and the call resolution of a checked SDPA call on its local shards in the op
+    layout ``[B, S, H, D]``."""
+    r = sdpa_route(config, lambda: (q, k, v), is_causal, group_name, world_size)
+    resolve = resolve_gather if r.algorithm == "all_gather" else resolve_sdpa
+    return resolve(config, r, q, k, v, is_causal, scale, group_name, world_size), r
+
+
+def local_forward(
+    q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, r: Route
+) -> tuple[Tensor, Tensor]:
+    """The routed attention on the local shards ``q [B, S, H, D]``, ``k, v [B, S, H_kv, D]``
+    -> ``(out [B, S, H, D], lse [B, H, S])``."""
+    if r.algorithm == "all_gather":  # Note [All-gather layouts on DTensors]
+        return gather_forward(q, k, v, spec)
+    return call_attention(ALGORITHM_OPS[r.algorithm][0], q, k, v, *spec.op_args())
+
+
+def local_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    spec: AttentionSpec,
+    r: Route,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of :func:`local_forward` (``dout``, ``out`` ``[B, S, H, D]``) -> ``(dq,
+    dk, dv)`` shaped like ``(q, k, v)``."""
+    if r.algorithm == "all_gather":
+        return gather_backward(dout, q, k, v, out, lse, spec)
+    op = ALGORITHM_OPS[r.algorithm][1]
+    return call_attention(op, dout.contiguous(), q, k, v, out, lse.contiguous(), *spec.op_args())
 
 
 def aten_sdpa_forward_handler(
@@ -125,10 +168,7 @@ def aten_sdpa_forward_handler(
     family = _family_of()[op]
     a, (q, k, v), spec, r = _bind_sdpa_call(config, op, args, kwargs)
     query, mesh = a["query"], a["query"].device_mesh
-    if r.algorithm == "all_gather":  # Note [All-gather layouts on DTensors]
-        out, lse = gather_forward(q, k, v, spec)
-    else:
-        out, lse = call_attention(ALGORITHM_OPS[r.algorithm][0], q, k, v, *spec.op_args())
+    out, lse = local_forward(q, k, v, spec, r)
     if family.lse_trailing_one:
         lse = lse.unsqueeze(-1)
     out_dt = DTensor.from_local(swap_seq_heads(out), mesh, query.placements, run_check=False)
@@ -163,19 +203,7 @@ def aten_sdpa_backward_handler(
     if family.lse_trailing_one:
         lse_l = lse_l.squeeze(-1)
     lse_l = lse_l[..., : q.shape[1]]  # efficient attention pads lse to a multiple of 32
-    if r.algorithm == "all_gather":
-        dq, dk, dv = gather_backward(dout_l, q, k, v, out_l, lse_l, spec)
-    else:
-        dq, dk, dv = call_attention(
-            ALGORITHM_OPS[r.algorithm][1],
-            dout_l.contiguous(),
-            q,
-            k,
-            v,
-            out_l,
-            lse_l.contiguous(),
-            *spec.op_args(),
-        )
+    dq, dk, dv = local_backward(dout_l, q, k, v, out_l, lse_l, spec, r)
     grads = [
         DTensor.from_local(swap_seq_heads(g), mesh, placements, run_check=False)
         for g in (dq, dk, dv)

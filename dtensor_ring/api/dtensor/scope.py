@@ -16,10 +16,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from ..._compat import dtensor as _dtensor_compat
+from ..._compat import python_modes_active
 from ...algorithm import Algorithm
 from ...layouts import LayoutName, get_layout
 from ...resolve import check_window_size, placement
 from ..recompute import recompute_context
+from .eager import eager_sdpa
 from .function import Mode, SDPAConfig
 from .handlers import aten_handlers
 from .placements import check_sdpa_args, sdpa_algorithm
@@ -60,23 +62,63 @@ class _RingSDPAMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SDPA_FUNCS and _check_dtensor_sdpa_call(self.config, *args, **kwargs):
-            # Never SDPA's math fallback (which would decompose into sharded matmuls): a
-            # fused op (among those enabled), caught by our handler, or SDPA's own "no kernel
-            # available" error. The fused ops need a unit last stride: copy where not.
-            args = tuple(
-                t.contiguous() if isinstance(t, DTensor) and t.stride(-1) != 1 else t for t in args
-            )
-            for name in ("query", "key", "value"):
-                t = kwargs.get(name)
-                if isinstance(t, DTensor) and t.stride(-1) != 1:
-                    kwargs[name] = t.contiguous()
-            with sdpa_kernel(list(_enabled_fused_backends())):
-                out = func(*args, **kwargs)
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(functools.partial(_backward_hook, self.config))
-            return out
+        if func not in _SDPA_FUNCS:
+            return func(*args, **kwargs)
+        call = _bind_sdpa(*args, **kwargs)
+        if not any(isinstance(call[name], DTensor) for name in ("query", "key", "value")):
+            return func(*args, **kwargs)
+        cp_dim, group_name = check_sdpa_args(
+            *(call[name] for name in _CHECKED), self.config.layout, self.config.algorithm
+        )
+        if (
+            torch.compiler.is_compiling()
+            or python_modes_active()
+            or not _enabled_fused_backends()  # SDPA's own "no kernel" error, as compiled
+        ):
+            out = _through_handlers(func, args, kwargs)
+        else:  # Note [Eager SDPA on DTensors]
+            out = eager_sdpa(
+                self.config, cp_dim, group_name, call["query"], call["key"], call["value"],
+                call["is_causal"], call["scale"],
+            )  # fmt: skip
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(functools.partial(_backward_hook, self.config))
+        return out
+
+
+def _through_handlers(func, args: tuple, kwargs: dict):
+    """SDPA itself, on a fused op (among those enabled) that our handler catches, or SDPA's
+    own "no kernel available" error: never its math fallback, which would decompose into
+    sharded matmuls. The fused ops need a unit last stride: copy where not."""
+    args = tuple(
+        t.contiguous() if isinstance(t, DTensor) and t.stride(-1) != 1 else t for t in args
+    )
+    for name in ("query", "key", "value"):
+        t = kwargs.get(name)
+        if isinstance(t, DTensor) and t.stride(-1) != 1:
+            kwargs[name] = t.contiguous()
+    with sdpa_kernel(list(_enabled_fused_backends())):
         return func(*args, **kwargs)
+
+
+_CHECKED = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "enable_gqa")
+
+
+def _bind_sdpa(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+) -> dict:
+    """SDPA's arguments by name (its signature; a wrong call raises ``TypeError``)."""
+    return {
+        "query": query, "key": key, "value": value, "attn_mask": attn_mask,
+        "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa,
+    }  # fmt: skip
 
 
 # How many ``ring_sdpa`` scopes of each configuration are open, in any thread: the aten
@@ -117,34 +159,6 @@ def _recomputation(config: SDPAConfig) -> Iterator[None]:
             yield
     finally:
         _SCOPE_LAYOUT.reset(token)
-
-
-def _check_dtensor_sdpa_call(
-    config,
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-) -> bool:
-    """False for SDPA on plain tensors; True for a valid call on DTensors; else raises."""
-    if not any(isinstance(t, DTensor) for t in (query, key, value)):
-        return False
-    check_sdpa_args(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        enable_gqa,
-        config.layout,
-        config.algorithm,
-    )
-    return True
 
 
 @contextlib.contextmanager

@@ -1,0 +1,95 @@
+"""SDPA on DTensors in an eager ``ring_sdpa`` scope: one autograd node on the local shards,
+without DTensor's dispatch (Note [Eager SDPA on DTensors]).
+
+Note [Eager SDPA on DTensors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The handler path (Note [How SDPA on DTensors reaches ring attention]) pays for generality on
+every call: SDPA's kernel choice on the DTensors, DTensor's dispatch of the fused aten op, an
+autograd node of that op holding DTensors, ``to_local`` / ``from_local`` nodes, and the
+arguments checked twice (scope and handler); on the H200 0.4-0.6 ms of host time a forward
+over the functional call (benchmarks/bench_scope_tax.py). In plain eager code none of that is
+needed, so the scope's mode, having checked the call, runs it as one ``autograd.Function``:
+
+    F.sdpa(q_dt, k_dt, v_dt) --mode: checked--+-- eager, no other Python mode
+                                              |     -> ScopeSDPA: local shards -> engine
+                                              |        -> out DTensor (spec made once)
+                                              +-- compiling, or a mode active (selective
+                                                  checkpointing, FakeTensor, ...)
+                                                    -> SDPA -> fused aten op -> handler
+
+Both routes run the same resolution and the same engine calls (``handlers.local_forward`` /
+``local_backward``), so results and communication are the same bit for bit, whichever a rank
+takes. The route is the same for a checkpoint's forward and its recomputation (an eager
+recomputation re-enters the mode, Note [Recomputation outside the scope]; a selective
+checkpoint's mode is active in both), so their saved tensors match. The backward is ours and
+needs no handler; the scope's contract holds on both routes (the mode hooks the output:
+``ValueError`` for a backward outside a scope of the same configuration), and it is first-order
+only (Note [First-order backward]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ..._compat import dtensor as _dtensor_compat
+from ...ops.common import check_first_order
+from .function import SDPAConfig
+from .handlers import local_backward, local_forward, resolve_local
+from .placements import swap_seq_heads, to_op_layout
+
+
+class ScopeSDPA(torch.autograd.Function):
+    """Checked SDPA on DTensors ``q [B, H, S, D]``, ``k, v [B, H_kv, S, D]`` (Shard(2) on mesh
+    dim ``cp_dim``) -> ``out [B, H, S, D]`` with ``q``'s placements."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        config: SDPAConfig,
+        cp_dim: int,
+        group_name: str,
+        is_causal: bool,
+        scale: float | None,
+        query: DTensor,
+        key: DTensor,
+        value: DTensor,
+    ) -> DTensor:
+        q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
+        world = query.device_mesh.size(cp_dim)
+        spec, r = resolve_local(config, q, k, v, is_causal, scale, group_name, world)
+        out, lse = local_forward(q, k, v, spec, r)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.route = spec, r
+        ctx.mesh, ctx.placements = query.device_mesh, query.placements
+        return _dtensor_compat.wrap_local(swap_seq_heads(out), ctx.mesh, ctx.placements)
+
+    @staticmethod
+    def backward(ctx, dout: DTensor) -> tuple[DTensor | None, ...]:
+        check_first_order()
+        q, k, v, out, lse = ctx.saved_tensors
+        mesh, placements = ctx.mesh, ctx.placements
+        if dout.placements != placements:
+            dout = dout.redistribute(mesh, placements)
+        dout_l = swap_seq_heads(dout.to_local())
+        grads = local_backward(dout_l, q, k, v, out, lse, ctx.spec, ctx.route)
+        wrapped = tuple(
+            _dtensor_compat.wrap_local(swap_seq_heads(g), mesh, placements) if needed else None
+            for g, needed in zip(grads, ctx.needs_input_grad[-3:], strict=True)
+        )
+        return (None,) * 5 + wrapped
+
+
+def eager_sdpa(
+    config: SDPAConfig,
+    cp_dim: int,
+    group_name: str,
+    query: DTensor,
+    key: DTensor,
+    value: DTensor,
+    is_causal: bool,
+    scale: float | None,
+) -> Tensor:
+    """SDPA on DTensors already checked by the scope (Note [Eager SDPA on DTensors])."""
+    return ScopeSDPA.apply(config, cp_dim, group_name, is_causal, scale, query, key, value)
