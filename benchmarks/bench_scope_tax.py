@@ -5,15 +5,17 @@ DTensor path").
     python benchmarks/bench_scope_tax.py --smoke         # CPU, tiny: checks the code paths
 
 On a real 1-rank group (NCCL on CUDA, gloo on CPU), the host time of one call issued back to
-back (``bench_overhead._host_ms``: the mean over 200 calls; at these sizes the GPU waits for
-the host), each next to its baseline measured in the same run:
+back (``bench_overhead._host_ms``: the mean over 200 calls, the least of 5 such rounds, as
+the host's own noise only ever adds; at these sizes the GPU waits for the host), each next to
+its baseline measured in the same run:
 
 * ``50 ops``: 50 small elementwise ops (``x + 1``, ``[64, 64]``) outside and inside an open
   ``ring_sdpa()`` scope: what the scope's ``TorchFunctionMode`` adds to every op of a model;
 * ``functional``: ``ring_flash_attn_func`` (bf16 ``B = 1, H = 32, H_kv = 8, D = 128``, causal,
   ``S = --seq``) outside and inside the scope, forward and forward + backward;
 * ``dtensor``: SDPA on ``Shard(2)`` DTensors of the 1-rank mesh inside the open scope (the scope
-  entered once, as around a training step), forward and forward + backward;
+  entered once, as around a training step), forward and forward + backward: the eager route
+  (Note [Eager SDPA on DTensors]);
 * ``to_local x3`` / ``from_local``: DTensor's own wrappers, as the SDPA path uses them;
 * ``sdpa``: plain ``F.scaled_dot_product_attention`` on the same tensors.
 
@@ -39,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_overhead import _host_ms  # noqa: E402
 
 import dtensor_ring as dr  # noqa: E402
+
+ROUNDS = 5
 
 
 def measure(seq: int, device: torch.device, dtype: torch.dtype, dims, calls: int) -> list[dict]:
@@ -79,7 +83,9 @@ def measure(seq: int, device: torch.device, dtype: torch.dtype, dims, calls: int
         )
 
     def fwd_bwd(fn):
-        def run():
+        def run():  # gradients set, not accumulated (zero_grad(set_to_none=True) per step)
+            for x in (q, k, v, qd, kd, vd):
+                x.grad = None
             out = fn()
             out.backward(torch.ones_like(out))
 
@@ -93,7 +99,9 @@ def measure(seq: int, device: torch.device, dtype: torch.dtype, dims, calls: int
     rows = []
 
     def row(what: str, where: str, fn) -> None:
-        rows.append(dict(what=what, where=where, ms=_host_ms(fn, calls)))
+        rows.append(
+            dict(what=what, where=where, ms=min(_host_ms(fn, calls) for _ in range(ROUNDS)))
+        )
 
     for where in ("outside", "inside"):
         scope = dr.ring_sdpa() if where == "inside" else contextlib.nullcontext()
@@ -119,6 +127,9 @@ def print_table(rows: list[dict]) -> None:
     by = {(r["what"], r["where"]): r["ms"] for r in rows}
     tax = (by[("50 ops", "inside")] - by[("50 ops", "outside")]) / 50 * 1e3
     print(f"the scope's mode adds {tax:.2f} us to every op")
+    for phase in ("fwd", "fwd+bwd"):
+        extra = by[(f"dtensor {phase}", "inside")] - by[(f"functional {phase}", "outside")]
+        print(f"DTensor SDPA {phase} over the functional call: {extra:+.3f} ms")
 
 
 def main() -> None:

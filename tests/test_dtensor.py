@@ -383,10 +383,14 @@ def _both_routes(group, layout, algorithm):
         ):
             out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
             out.backward(dout_dt)
-        results.append([t.to_local() for t in (out, *(x.grad for x in leaves))])
+        dts = (out, *(x.grad for x in leaves))
+        results.append([t.to_local() for t in dts])
+        results.append([(t.shape, t.stride(), t.placements) for t in dts])  # _compat.wrap_local
         assert len(eager_calls) == 1, (forced, eager_calls)  # the route each took
     scope.eager_sdpa = eager_sdpa
-    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    eager, eager_meta, handlers, handlers_meta = results
+    assert eager_meta == handlers_meta, (eager_meta, handlers_meta)
+    return all(torch.equal(a, b) for a, b in zip(eager, handlers, strict=True))
 
 
 @pytest.mark.parametrize("world_size", [1, pytest.param(3, marks=pytest.mark.slow)])

@@ -52,22 +52,24 @@ DTensor's dispatcher, which offers a table of custom op handlers (private; walle
 
 2. A ``TorchFunctionMode`` (public API) that sees the SDPA call *before* kernel choice. It
    raises a clear ``ValueError`` for what ring attention does not do (attn_mask, dropout,
-   bad placements), and runs SDPA under ``sdpa_kernel`` restricted to the enabled fused
-   backends: never the math fallback, which would decompose into sharded matmuls that never
-   reach a handler. Being a mode, it is on the stack Dynamo guards: a function compiled
-   outside the scope is recompiled inside it, and the other way round. (The handler table
-   alone is invisible to Dynamo's guards.)
+   bad placements); where the handlers serve the call (below), it runs SDPA under
+   ``sdpa_kernel`` restricted to the enabled fused backends: never the math fallback, which
+   would decompose into sharded matmuls that never reach a handler. Being a mode, it is on
+   the stack Dynamo guards: a function compiled outside the scope is recompiled inside it,
+   and the other way round. (The handler table alone is invisible to Dynamo's guards.)
 
-Why the handlers do the work rather than the mode calling our op directly: the same path must
-run however the call arrives. Activation checkpointing recomputes the forward inside
-``backward()``, while the mode is off (a mode is switched off while it handles
-``Tensor.backward``; an eager recomputation enters it again: Note [Recomputation outside the
-scope] in ``api/recompute.py``), and Dynamo traces checkpointed regions (higher-order ops) without
-the ambient mode; both then reach the aten ops, so routing everything through them keeps the
-saved tensors of forward and recompute identical. (The handler table is also process-wide, while
-modes are thread-local: CUDA backward runs on autograd's device threads.) It follows that the
-scope must be entered outside ``torch.compile``'d code (the handlers act while AOTAutograd
-traces, after Dynamo); entering it inside raises ``RuntimeError``.
+In plain eager code the mode, having checked the call, runs it itself as one autograd node
+on the local shards, past SDPA's kernel choice and DTensor's dispatch (Note [Eager SDPA on
+DTensors] in ``eager.py``: the same resolution and engine calls, so the same bits). The
+handlers serve every other way a call arrives: compiled code (the handlers act while
+AOTAutograd traces, after Dynamo; Dynamo also traces checkpointed regions, higher-order ops,
+without the ambient mode), calls under another Python mode (selective activation
+checkpointing's), and the fused aten ops called directly. A checkpoint's forward and its
+recomputation take the same route (an eager recomputation re-enters the mode: Note
+[Recomputation outside the scope] in ``api/recompute.py``), so their saved tensors match. (The
+handler table is process-wide, while modes are thread-local: CUDA backward runs on autograd's
+device threads; the eager route's backward is its own node's.) It follows that the scope must
+be entered outside ``torch.compile``'d code; entering it inside raises ``RuntimeError``.
 
 :func:`scaled_dot_product_ring_attention` is the scope-free alternative: it calls our op on the
 DTensors directly (its sharding rule is registered with ``register_sharding``, public), works
