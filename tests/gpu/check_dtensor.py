@@ -1,4 +1,5 @@
-"""GPU check of the DTensor front door: the CUDA SDPA aten-op handlers end to end.
+"""GPU check of the DTensor front door: the eager route and the CUDA SDPA aten-op handlers end
+to end.
 
 Not a test (CI has no GPU): run it on a CUDA machine, alone (world size 1) or under torchrun,
 
@@ -6,15 +7,18 @@ Not a test (CI has no GPU): run it on a CUDA machine, alone (world size 1) or un
     torchrun --nproc-per-node 2 tests/gpu/check_dtensor.py
 
 For each SDPA backend (forced with ``sdpa_kernel``: flash, efficient, cuDNN) it runs
-``F.scaled_dot_product_attention`` on zigzag-sharded DTensors inside ``ring_sdpa`` (forward and
-backward through autograd, so through the handlers' real return values), a ``torch.compile``'d
-step (inductor) and an activation-checkpointed tiny model, and prints one table on rank 0:
+``F.scaled_dot_product_attention`` on zigzag-sharded DTensors inside ``ring_sdpa``, forward and
+backward: in plain eager code (the eager route, Note [Eager SDPA on DTensors]; fp32 with GQA
+too, which no fused SDPA kernel takes), under a pass-through ``TorchDispatchMode`` (the
+handlers, through their real return values), a ``torch.compile``'d step (inductor, the
+handlers) and an activation-checkpointed tiny model, and prints one table on rank 0:
 max error against the fp64 reference (attention) or the relative gradient error against the
 same model without context parallelism.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -24,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -49,7 +54,14 @@ def _qkv(seed, S, H, H_kv, D, dtype, device):
     return tuple(t.to(device, dtype) for t in (q, k, v))
 
 
-def _attention(mesh, backend, dtype, H_kv, compiled=False) -> str:
+class _PassThrough(TorchDispatchMode):
+    """Any Python mode sends SDPA on DTensors through the handlers."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _attention(mesh, backend, dtype, H_kv, route="eager") -> str:
     W, device = mesh.size(), torch.device("cuda", torch.cuda.current_device())
     q, k, v = _qkv(0, 256 * W, 8, H_kv, 64, dtype, device)
     leaves = [
@@ -62,10 +74,14 @@ def _attention(mesh, backend, dtype, H_kv, compiled=False) -> str:
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H_kv != 8)
 
-    if compiled:
+    if route == "compiled":
         torch.compiler.reset()  # Dynamo does not guard SDPA's backend flags: start afresh
-    fn = torch.compile(attend, fullgraph=True) if compiled else attend
-    with dtensor_ring.ring_sdpa(layout="zigzag"), sdpa_kernel([backend]):
+    fn = torch.compile(attend, fullgraph=True) if route == "compiled" else attend
+    with (
+        dtensor_ring.ring_sdpa(layout="zigzag"),
+        sdpa_kernel([backend]),
+        _PassThrough() if route == "handlers" else contextlib.nullcontext(),
+    ):
         out = fn(*leaves)
         out.float().sum().backward()
     full = dtensor_ring.unshard_sequence(out, seq_dim=2, layout="zigzag").transpose(1, 2)
@@ -118,26 +134,18 @@ def main() -> None:
         rows.append((name, backend.name, result))
 
     for backend in BACKENDS:
-        for dtype, H_kv in ((torch.bfloat16, 8), (torch.bfloat16, 2), (torch.float32, 8)):
-            row(
-                f"sdpa {str(dtype)[6:]} H_kv={H_kv}",
-                backend,
-                _attention,
-                mesh,
-                backend,
-                dtype,
-                H_kv,
-            )
-        row(
-            "sdpa bfloat16 H_kv=2 compiled",
-            backend,
-            _attention,
-            mesh,
-            backend,
-            torch.bfloat16,
-            2,
-            compiled=True,
-        )
+        for dtype, H_kv, route in (
+            (torch.bfloat16, 8, "eager"),
+            (torch.bfloat16, 2, "eager"),
+            (torch.float32, 8, "eager"),
+            (torch.float32, 2, "eager"),
+            (torch.bfloat16, 8, "handlers"),
+            (torch.bfloat16, 2, "handlers"),
+            (torch.float32, 8, "handlers"),
+            (torch.bfloat16, 2, "compiled"),
+        ):
+            name = f"sdpa {str(dtype)[6:]} H_kv={H_kv} {route}"
+            row(name, backend, _attention, mesh, backend, dtype, H_kv, route)
         row("tiny model, eager AC", backend, _tiny_model_ac, mesh, backend)
     if dist.get_rank() == 0:
         print(
