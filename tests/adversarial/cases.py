@@ -453,9 +453,12 @@ def dtensor_case(
     ``distribute_tensor`` shards; "shard_sequence" / "shard_sequence:<layout>"; "replicate";
     "shard_heads"), through ``api`` ("scope": ``F.scaled_dot_product_attention`` inside
     ``ring_sdpa(**api_kw)``, forward and backward; "scope,backward_outside": the backward
-    after leaving the scope; "fn": ``scaled_dot_product_ring_attention(..., **api_kw)``).
-    The full output and gradients are compared with the reference."""
+    after leaving the scope; "scope,handlers": under a pass-through ``TorchDispatchMode``, so
+    through the aten-op handlers rather than the eager route (Note [Eager SDPA on DTensors]);
+    "fn": ``scaled_dot_product_ring_attention(..., **api_kw)``). The full output and
+    gradients are compared with the reference."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     import dtensor_ring as dr
 
@@ -484,12 +487,21 @@ def dtensor_case(
     q, k, v, dout = dts
     for t in (q, k, v):
         t.requires_grad_()
-    if api.startswith("scope"):
-        with dr.ring_sdpa(**api_kw):
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    parts = api.split(",")
+    if parts[0] == "scope":
+        with (
+            dr.ring_sdpa(**api_kw),
+            PassThrough() if "handlers" in parts else contextlib.nullcontext(),
+        ):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-            if api == "scope":
+            if "backward_outside" not in parts:
                 (out * dout).sum().backward()
-        if api == "scope,backward_outside":
+        if "backward_outside" in parts:
             (out * dout).sum().backward()
     else:
         out = dr.scaled_dot_product_ring_attention(
@@ -1149,6 +1161,33 @@ DTENSOR_VARIANTS = (
     ),
     ("distribute+sdpa_ring_attention()", "distribute", "fn", {}, True, 0, CORRECT),
     ("shard_sequence()+ring_sdpa()", "shard_sequence", "scope", {}, True, 0, CORRECT),
+    (
+        "shard_sequence()+ring_sdpa(),handlers",
+        "shard_sequence",
+        "scope,handlers",
+        {},
+        True,
+        0,
+        CORRECT,
+    ),
+    (
+        "shard_sequence(zigzag)+ring_sdpa(zigzag),handlers",
+        "shard_sequence:zigzag",
+        "scope,handlers",
+        {"layout": "zigzag"},
+        True,
+        0,
+        CORRECT,
+    ),
+    (
+        "distribute_uneven+ring_sdpa(layout=ring),handlers",
+        "distribute",
+        "scope,handlers",
+        {"layout": "ring"},
+        True,
+        1,
+        EITHER,
+    ),
     (
         "shard_sequence(stripe)+ring_sdpa(stripe)",
         "shard_sequence:stripe",
