@@ -15,7 +15,12 @@ made from a rank-local fact gives (ranks in different collectives). Rank 0 diffe
 * ``threads``: rank 0 runs with another number of intra-op threads;
 * ``autocast``: rank 0 runs under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (fp32 data;
   SDPA on DTensors autocasts, the custom ops do not): exact, or a clean error on every rank
-  (a dtype disagreement, caught by the header of Note [Consistency header]).
+  (a dtype disagreement, caught by the header of Note [Consistency header]);
+* ``python_mode``: rank 0 runs under a pass-through ``TorchDispatchMode``, which sends its
+  calls down the custom ops' dispatch (Note [Eager calls]) and its SDPA on DTensors through
+  the aten-op handlers (Note [Eager SDPA on DTensors]) while the others take the eager paths;
+* ``python_mode_math``: the same with only SDPA's math backend enabled, so SDPA finds no fused
+  kernel for rank 0's handler route, which then runs the eager route.
 
 Through the doors that choose (``layout="auto"``: the functional, varlen, transformers,
 ``context_parallel`` and DTensor doors) and plain ring / zigzag / Ulysses doors, forward and
@@ -29,12 +34,28 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cases import AUTO_CHOOSING, CORRECT, EITHER, Setup, _case, _doors, _pick, attention_case
 from .doors import Ctx, Door
 from .runner import Case
 
-FACTS = ("requires_grad", "grad_mode", "deterministic", "contiguity", "threads", "autocast")
+FACTS = (
+    "requires_grad",
+    "grad_mode",
+    "deterministic",
+    "contiguity",
+    "threads",
+    "autocast",
+    "python_mode",
+    "python_mode_math",
+)
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -61,6 +82,12 @@ def _differing(fact: str, differs: bool) -> Iterator[None]:
             torch.set_num_threads(old)
     elif fact == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+    elif fact == "python_mode":
+        with _PassThrough():
+            yield
+    elif fact == "python_mode_math":
+        with _PassThrough(), sdpa_kernel([SDPBackend.MATH]):
             yield
     else:  # requires_grad, contiguity: in the rank's setup
         yield

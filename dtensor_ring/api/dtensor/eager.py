@@ -16,10 +16,19 @@ needed, so the scope's mode, having checked the call, runs it as one ``autograd.
                                               +-- compiling, or a mode active (selective
                                                   checkpointing, FakeTensor, ...)
                                                     -> SDPA -> fused aten op -> handler
+                                                    (eager, SDPA without a fused kernel for
+                                                     the inputs: the eager route instead)
 
-Both routes run the same resolution and the same engine calls (``handlers.local_forward`` /
-``local_backward``), so results and communication are the same bit for bit, whichever a rank
-takes. The route is the same for a checkpoint's forward and its recomputation (an eager
+Both routes run the same resolution (in the forward and again in the backward, as the
+stateless backward handler must) and the same engine calls (``handlers.local_forward`` /
+``local_backward``), so results and communication are the same bit for bit, whichever route a
+rank takes: the route depends on a rank-local fact (a Python mode), and ranks on different
+routes must still meet in the same collectives (the adversarial ``rank_local`` kind's
+``python_mode`` cases; the first version resolved only in the forward, and ranks on different
+routes crashed gloo or hung). For the same reason a call sent to the handlers for which SDPA
+finds no fused kernel (its error comes before our handler) runs the eager route rather than
+raise on this rank alone; compiled code, the same on every rank, still gets SDPA's error.
+The route is the same for a checkpoint's forward and its recomputation (an eager
 recomputation re-enters the mode, Note [Recomputation outside the scope]; a selective
 checkpoint's mode is active in both), so their saved tensors match. The backward is ours and
 needs no handler; the scope's contract holds on both routes (the mode hooks the output:
@@ -57,11 +66,9 @@ class ScopeSDPA(torch.autograd.Function):
         value: DTensor,
     ) -> DTensor:
         q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
-        world = query.device_mesh.size(cp_dim)
-        spec, r = resolve_local(config, q, k, v, is_causal, scale, group_name, world)
-        out, lse = local_forward(q, k, v, spec, r)
+        ctx.resolution = (config, is_causal, scale, group_name, query.device_mesh.size(cp_dim))
+        out, lse = local_forward(q, k, v, *resolve_local(q, k, v, *ctx.resolution))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.route = spec, r
         ctx.mesh, ctx.placements = query.device_mesh, query.placements
         return _dtensor_compat.wrap_local(swap_seq_heads(out), ctx.mesh, ctx.placements)
 
@@ -73,7 +80,10 @@ class ScopeSDPA(torch.autograd.Function):
         if dout.placements != placements:
             dout = dout.redistribute(mesh, placements)
         dout_l = swap_seq_heads(dout.to_local())
-        grads = local_backward(dout_l, q, k, v, out, lse, ctx.spec, ctx.route)
+        # resolved again, as the backward handler does: the same collectives (the header,
+        # "auto"'s agreement) on every rank, whichever route each took
+        spec, r = resolve_local(q, k, v, *ctx.resolution)
+        grads = local_backward(dout_l, q, k, v, out, lse, spec, r)
         wrapped = tuple(
             _dtensor_compat.wrap_local(
                 _strided_like(swap_seq_heads(g), swap_seq_heads(x)), mesh, placements

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from dataclasses import dataclass
 
@@ -112,15 +113,15 @@ def _bind_sdpa_call(
     )
     q, k, v = to_op_layout(query.to_local(), key.to_local(), value.to_local())
     world = query.device_mesh.size(cp_dim)
-    spec, r = resolve_local(config, q, k, v, is_causal, a.get("scale"), group_name, world)
+    spec, r = resolve_local(q, k, v, config, is_causal, a.get("scale"), group_name, world)
     return a, (q, k, v), spec, r
 
 
 def resolve_local(
-    config: SDPAConfig,
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    config: SDPAConfig,
     is_causal: bool,
     scale: float | None,
     group_name: str,
@@ -161,10 +162,20 @@ def local_backward(
     return call_attention(op, dout.contiguous(), q, k, v, out, lse.contiguous(), *spec.op_args())
 
 
+# Set by the scope around an SDPA call it sends to the handlers: the forward handler marks it
+# reached, which tells an error of SDPA's own kernel choice (raised before) from ours.
+FORWARD_REACHED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "sdpa_forward_reached", default=None
+)
+
+
 def aten_sdpa_forward_handler(
     config: SDPAConfig, op: torch._ops.OpOverload, args: tuple, kwargs: dict
 ) -> tuple:
     """DTensor handler of a fused SDPA forward op (any row of :data:`ATEN_SDPA_OPS`)."""
+    reached = FORWARD_REACHED.get()
+    if reached is not None:
+        reached.append(op)
     family = _family_of()[op]
     a, (q, k, v), spec, r = _bind_sdpa_call(config, op, args, kwargs)
     query, mesh = a["query"], a["query"].device_mesh

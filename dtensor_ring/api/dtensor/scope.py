@@ -23,7 +23,7 @@ from ...resolve import check_window_size, placement
 from ..recompute import recompute_context
 from .eager import eager_sdpa
 from .function import Mode, SDPAConfig
-from .handlers import aten_handlers
+from .handlers import FORWARD_REACHED, aten_handlers
 from .placements import check_sdpa_args, sdpa_algorithm
 
 
@@ -70,26 +70,32 @@ class _RingSDPAMode(TorchFunctionMode):
         cp_dim, group_name = check_sdpa_args(
             *(call[name] for name in _CHECKED), self.config.layout, self.config.algorithm
         )
-        if (
-            torch.compiler.is_compiling()
-            or python_modes_active()
-            or not _enabled_fused_backends()  # SDPA's own "no kernel" error, as compiled
-        ):
-            out = _through_handlers(func, args, kwargs)
-        else:  # Note [Eager SDPA on DTensors]
-            out = eager_sdpa(
+
+        def eager() -> torch.Tensor:  # Note [Eager SDPA on DTensors]
+            return eager_sdpa(
                 self.config, cp_dim, group_name, call["query"], call["key"], call["value"],
                 call["is_causal"], call["scale"],
             )  # fmt: skip
+
+        if torch.compiler.is_compiling() or python_modes_active():
+            out = _through_handlers(func, args, kwargs, eager)
+        else:
+            out = eager()
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(functools.partial(_backward_hook, self.config))
         return out
 
 
-def _through_handlers(func, args: tuple, kwargs: dict):
-    """SDPA itself, on a fused op (among those enabled) that our handler catches, or SDPA's
-    own "no kernel available" error: never its math fallback, which would decompose into
-    sharded matmuls. The fused ops need a unit last stride: copy where not."""
+def _through_handlers(func, args: tuple, kwargs: dict, eager):
+    """SDPA itself, on a fused op (among those enabled) that our handler catches: never its
+    math fallback, which would decompose into sharded matmuls. The fused ops need a unit last
+    stride: copy where not.
+
+    Where SDPA finds no fused kernel for the inputs (before reaching our handler), the call
+    runs ``eager()``, the eager route: the same engine calls (Note [Eager SDPA on DTensors]),
+    and so the same collectives as the ranks that took it; raising SDPA's error instead would
+    leave them waiting for this rank, as the route depends on facts of its own (a Python mode,
+    the backend flags). Compiled code, the same on every rank, gets SDPA's error."""
     args = tuple(
         t.contiguous() if isinstance(t, DTensor) and t.stride(-1) != 1 else t for t in args
     )
@@ -97,8 +103,20 @@ def _through_handlers(func, args: tuple, kwargs: dict):
         t = kwargs.get(name)
         if isinstance(t, DTensor) and t.stride(-1) != 1:
             kwargs[name] = t.contiguous()
-    with sdpa_kernel(list(_enabled_fused_backends())):
-        return func(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        with sdpa_kernel(list(_enabled_fused_backends())):
+            return func(*args, **kwargs)
+    reached: list = []
+    token = FORWARD_REACHED.set(reached)
+    try:
+        with sdpa_kernel(list(_enabled_fused_backends())):
+            return func(*args, **kwargs)
+    except RuntimeError:
+        if reached:  # raised at or below our handler: not SDPA's kernel choice
+            raise
+    finally:
+        FORWARD_REACHED.reset(token)
+    return eager()
 
 
 _CHECKED = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "enable_gqa")
