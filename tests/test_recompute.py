@@ -441,7 +441,7 @@ def _hf_steps(group) -> dict[str, object]:
     return results
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_transformers_activation_checkpointing_recomputes_exactly(dist_pool, world_size):
     pytest.importorskip("transformers")
     for rank, results in enumerate(dist_pool.run(_hf_steps, world_size, timeout_s=300)):
