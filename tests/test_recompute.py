@@ -3,7 +3,9 @@ outside the scope] in ``dtensor_ring/api/recompute.py``).
 
 A training step (embedding, a checkpointed attention block, a summed cross-entropy loss) at 1-4
 ranks against the same model in one process (fp64), through each door that serves attention
-for a scope, checkpointed by ``torch.utils.checkpoint`` (reentrant and not), FSDP's
+for a scope, checkpointed by ``torch.utils.checkpoint`` (reentrant, not, and selective:
+``create_selective_checkpoint_contexts`` keeping attention's outputs, whose dispatch mode sends
+SDPA on DTensors through the aten-op handlers, Note [Eager SDPA on DTensors]), FSDP's
 ``checkpoint_wrapper`` (both implementations) and the composable ``checkpoint``, with the
 backward inside the scope and after it:
 
@@ -18,8 +20,9 @@ backward inside the scope and after it:
   checkpointing, reentrant and not; a ``setup`` of another layout between the forward and the
   backward raises on every rank.
 
-Every checkpointed step is checked to recompute attention; nothing stays installed after the
-scopes (SDPA and torch's checkpoint internals are the originals again).
+Every checkpointed step is checked to rerun its attention call (selective checkpointing then
+hands back the saved outputs); nothing stays installed after the scopes (SDPA and torch's
+checkpoint internals are the originals again).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ V, E, H, H_KV, D, B = 32, 16, 4, 2, 4, 2
 CHECKPOINTERS = (
     "reentrant",
     "non_reentrant",
+    "selective",
     "wrapper_reentrant",
     "wrapper_non_reentrant",
     "composable",
@@ -98,9 +102,22 @@ class _Model(nn.Module):
         if self.checkpointer in ("reentrant", "non_reentrant"):
             reentrant = self.checkpointer == "reentrant"
             x = torch_checkpoint.checkpoint(self.block, x, use_reentrant=reentrant)
+        elif self.checkpointer == "selective":  # attention's outputs saved, the rest recomputed
+            context = functools.partial(
+                torch_checkpoint.create_selective_checkpoint_contexts, _save_attention
+            )
+            x = torch_checkpoint.checkpoint(self.block, x, use_reentrant=False, context_fn=context)
         else:
             x = self.block(x)
         return self.head(x)
+
+
+def _save_attention(ctx, op, *args, **kwargs) -> torch_checkpoint.CheckpointPolicy:
+    """Selective checkpointing's policy as torchtitan writes it: keep attention's outputs
+    (SDPA's fused ops, which the DTensor handlers serve, and ours), recompute the rest."""
+    if "scaled_dot_product" in str(op) or str(op).startswith("dtensor_ring."):
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _sdpa(calls: list, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
