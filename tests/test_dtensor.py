@@ -403,6 +403,34 @@ def _three_routes(group, layout, algorithm):
     return same, len(eager_calls)
 
 
+def _routes_under_autocast(group):
+    """Under ``torch.autocast`` (CPU, bf16) with fp32 DTensors, the eager route and the handler
+    route: out's dtype on each, and whether out and the gradients agree bit for bit."""
+    mesh = _mesh(group)
+    results = []
+    for mode in (contextlib.nullcontext, _NoOpDispatchMode):
+        _, _, _, _, leaves, dout_dt = _sdpa_inputs(mesh, "zigzag", H_kv=2, dtype=torch.float32)
+        with (
+            dtensor_ring.ring_sdpa(layout="zigzag"),
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            mode(),
+        ):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+            out.backward(dout_dt.to(out.dtype))
+        results.append([t.to_local() for t in (out, *(x.grad for x in leaves))])
+    (eager, handlers) = results
+    same = all(torch.equal(a, b) for a, b in zip(eager, handlers, strict=True))
+    return eager[0].dtype, handlers[0].dtype, same
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_eager_route_under_autocast(dist_pool, world_size):
+    """The eager route starts before the dispatcher's autocast layer, so it applies SDPA's
+    autocast policy itself (the first version computed in fp32 there)."""
+    for result in dist_pool.run(_routes_under_autocast, world_size):
+        assert result == (torch.bfloat16, torch.bfloat16, True), result
+
+
 @pytest.mark.parametrize("world_size", [1, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "layout, algorithm", [("zigzag", "ring"), ("zigzag", "all_gather"), ("ring", "ulysses")]

@@ -28,6 +28,9 @@ routes must still meet in the same collectives (the adversarial ``rank_local`` k
 routes crashed gloo or hung). For the same reason a call sent to the handlers for which SDPA
 finds no fused kernel (its error comes before our handler) runs the eager route rather than
 raise on this rank alone; compiled code, the same on every rank, still gets SDPA's error.
+The route starts before the dispatcher, so it applies what the dispatcher's autocast layer
+would to SDPA's inputs (its lower-precision policy; the first version computed in fp32 under
+``torch.autocast``, where SDPA computes in the autocast dtype).
 The route is the same for a checkpoint's forward and its recomputation (an eager
 recomputation re-enters the mode, Note [Recomputation outside the scope]; a selective
 checkpoint's mode is active in both), so their saved tensors match. The backward is ours and
@@ -115,4 +118,19 @@ def eager_sdpa(
     scale: float | None,
 ) -> Tensor:
     """SDPA on DTensors already checked by the scope (Note [Eager SDPA on DTensors])."""
+    query, key, value = _autocast(query, key, value)
     return ScopeSDPA.apply(config, cp_dim, group_name, is_causal, scale, query, key, value)
+
+
+def _autocast(*inputs: DTensor) -> tuple[DTensor, ...]:
+    """The inputs as autocast would hand them to SDPA (its lower-precision policy: floating
+    inputs other than fp64 in the autocast dtype). The route starts before the dispatcher,
+    whose autocast layer the handler route passes through; without this the route computed
+    in fp32 where SDPA (one device, or the handlers) computes in the autocast dtype."""
+    device_type = inputs[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return inputs
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(
+        x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x for x in inputs
+    )
