@@ -249,7 +249,9 @@ def _cp_steps(group) -> dict[str, float]:
     return errors
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world_size", [1, 2, *(pytest.param(w, marks=pytest.mark.slow) for w in (3, 4))]
+)
 def test_context_parallel_recomputes_exactly(dist_pool, world_size):
     for rank, errors in enumerate(dist_pool.run(_cp_steps, world_size, timeout_s=300)):
         for name, err in errors.items():
@@ -324,7 +326,9 @@ def _dt_steps(group) -> dict[str, object]:
     return results
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world_size", [1, 2, *(pytest.param(w, marks=pytest.mark.slow) for w in (3, 4))]
+)
 def test_ring_sdpa_recomputes_exactly_inside_and_refuses_after(dist_pool, world_size):
     for rank, results in enumerate(dist_pool.run(_dt_steps, world_size, timeout_s=300)):
         assert results.pop("restored") is True, rank
@@ -458,7 +462,9 @@ def _hf_steps(group) -> dict[str, object]:
     return results
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world_size", [1, 2, *(pytest.param(w, marks=pytest.mark.slow) for w in (3, 4))]
+)
 def test_transformers_activation_checkpointing_recomputes_exactly(dist_pool, world_size):
     pytest.importorskip("transformers")
     for rank, results in enumerate(dist_pool.run(_hf_steps, world_size, timeout_s=300)):
