@@ -101,7 +101,8 @@ class ScopeSDPA(torch.autograd.Function):
 def _strided_like(grad: Tensor, local: Tensor) -> Tensor:
     """``grad`` in the strides of the input's local shard ``local``: what autograd's gradient
     layout contract asks of a leaf's gradient, made here on the local tensor (a leaf DTensor's
-    AccumulateGrad would otherwise restride it through DTensor's dispatch, ~30 us each)."""
+    AccumulateGrad would otherwise restride it through DTensor's dispatch: a ``new_empty_strided``
+    and a ``copy_``, ~70 us a gradient on CPU)."""
     if grad.stride() == local.stride():
         return grad
     return torch.empty_like(local).copy_(grad)
