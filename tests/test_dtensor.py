@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from engine_spy import engines_used
+from modes import PassThroughMode
 from reference import random_qkv, reference_attention, shard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtensor_ring
 from dtensor_ring._compat import dtensor as _dtensor_compat
@@ -303,7 +303,7 @@ def _sdpa_numerics(group, layout):
 
     def sdpa_handlers(q, k, v, dout, causal, scale):
         """The handler route (Note [Eager SDPA on DTensors]): a Python mode is active."""
-        with _NoOpDispatchMode():
+        with PassThroughMode():
             return sdpa(q, k, v, dout, causal, scale)
 
     def aten_cpu(q, k, v, dout, causal, scale):
@@ -362,16 +362,12 @@ def _sdpa_numerics(group, layout):
     return errors
 
 
-class _NoOpDispatchMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-def _three_routes(group, layout, algorithm):
+def _three_routes(group, layout, algorithm, autocast=False):
     """SDPA on DTensors in a scope by each route (Note [Eager SDPA on DTensors]): the eager
     route; the handler route (a Python mode is active); and a call sent to the handlers for
-    which SDPA finds no fused kernel (only MATH enabled), which runs the eager route. Their
-    out and gradients, and how often the eager route ran."""
+    which SDPA finds no fused kernel (only MATH enabled), which runs the eager route; all
+    under ``torch.autocast`` (CPU, bf16) if ``autocast``. Whether the other two routes' out
+    and gradients equal the eager route's, how often the eager route ran, and out's dtypes."""
     from dtensor_ring.api.dtensor import scope
 
     mesh = _mesh(group)
@@ -380,17 +376,18 @@ def _three_routes(group, layout, algorithm):
     scope.eager_sdpa = lambda *a: eager_calls.append(1) or eager_sdpa(*a)
     for mode, backends in (
         (contextlib.nullcontext, None),
-        (_NoOpDispatchMode, None),
-        (_NoOpDispatchMode, [SDPBackend.MATH]),
+        (PassThroughMode, None),
+        (PassThroughMode, [SDPBackend.MATH]),
     ):
         _, _, _, _, leaves, dout_dt = _sdpa_inputs(mesh, layout, H_kv=2, dtype=torch.float32)
         with (
             dtensor_ring.ring_sdpa(layout=layout, algorithm=algorithm),
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
             mode(),
             sdpa_kernel(backends) if backends else contextlib.nullcontext(),
         ):
             out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
-            out.backward(dout_dt)
+            out.backward(dout_dt.to(out.dtype))
         dts = (out, *(x.grad for x in leaves))
         meta = [(t.shape, t.stride(), t.placements) for t in dts]  # _compat.wrap_local's
         results.append(([t.to_local() for t in dts], meta))
@@ -400,35 +397,17 @@ def _three_routes(group, layout, algorithm):
         meta == eager_meta and all(torch.equal(a, b) for a, b in zip(eager, got, strict=True))
         for got, meta in others
     ]
-    return same, len(eager_calls)
-
-
-def _routes_under_autocast(group):
-    """Under ``torch.autocast`` (CPU, bf16) with fp32 DTensors, the eager route and the handler
-    route: out's dtype on each, and whether out and the gradients agree bit for bit."""
-    mesh = _mesh(group)
-    results = []
-    for mode in (contextlib.nullcontext, _NoOpDispatchMode):
-        _, _, _, _, leaves, dout_dt = _sdpa_inputs(mesh, "zigzag", H_kv=2, dtype=torch.float32)
-        with (
-            dtensor_ring.ring_sdpa(layout="zigzag"),
-            torch.autocast("cpu", dtype=torch.bfloat16),
-            mode(),
-        ):
-            out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
-            out.backward(dout_dt.to(out.dtype))
-        results.append([t.to_local() for t in (out, *(x.grad for x in leaves))])
-    (eager, handlers) = results
-    same = all(torch.equal(a, b) for a, b in zip(eager, handlers, strict=True))
-    return eager[0].dtype, handlers[0].dtype, same
+    return same, len(eager_calls), [got[0].dtype for got, _ in results]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_eager_route_under_autocast(dist_pool, world_size):
     """The eager route starts before the dispatcher's autocast layer, so it applies SDPA's
     autocast policy itself (the first version computed in fp32 there)."""
-    for result in dist_pool.run(_routes_under_autocast, world_size):
-        assert result == (torch.bfloat16, torch.bfloat16, True), result
+    for result in dist_pool.run(
+        _three_routes, world_size, layout="zigzag", algorithm=None, autocast=True
+    ):
+        assert result == ([True, True], 2, [torch.bfloat16] * 3), result
 
 
 @pytest.mark.parametrize("world_size", [1, pytest.param(3, marks=pytest.mark.slow)])
@@ -439,10 +418,11 @@ def test_sdpa_routes_agree_bit_for_bit(dist_pool, layout, algorithm, world_size)
     """Note [Eager SDPA on DTensors]: every route runs the same engine calls."""
     if algorithm == "ulysses" and world_size == 3:
         world_size = 2  # H = 4 heads: Ulysses needs W | H
-    for same, eager_calls in dist_pool.run(
+    for same, eager_calls, dtypes in dist_pool.run(
         _three_routes, world_size, layout=layout, algorithm=algorithm
     ):
         assert same == [True, True] and eager_calls == 2, (same, eager_calls)
+        assert dtypes == [torch.float32] * 3, dtypes
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])

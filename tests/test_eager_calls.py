@@ -8,19 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtensor_ring as dr
 from dtensor_ring.ops.common import call_attention
 from dtensor_ring.ops.ring import ring_attention
+from tests.modes import PassThroughMode
 from tests.reference import random_qkv
-
-
-class _Passthrough(TorchDispatchMode):
-    """A Python dispatch mode that sees every op and changes nothing."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def _grads(fn, q, k, v):
@@ -41,7 +34,7 @@ def run_eager_vs_op(group, layout: str) -> list[str]:
     args = (group.group_name, layout, True, 0.3, "cpu_flash", -1, -1)
     eager_fn, eager = _grads(lambda *t: call_attention(ring_attention, *t, *args), q, k, v)
     op_fn, op = _grads(lambda *t: ring_attention(*t, *args), q, k, v)
-    with _Passthrough():
+    with PassThroughMode():
         mode_fn, _ = _grads(lambda *t: call_attention(ring_attention, *t, *args), q, k, v)
     for a, b in zip(eager, op, strict=True):
         assert torch.equal(a, b)

@@ -458,9 +458,9 @@ def dtensor_case(
     "fn": ``scaled_dot_product_ring_attention(..., **api_kw)``). The full output and
     gradients are compared with the reference."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     import dtensor_ring as dr
+    from tests.modes import PassThroughMode
 
     W = ctx.world
     H = 12 if W == 3 else 4
@@ -488,15 +488,11 @@ def dtensor_case(
     for t in (q, k, v):
         t.requires_grad_()
 
-    class PassThrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     parts = api.split(",")
     if parts[0] == "scope":
         with (
             dr.ring_sdpa(**api_kw),
-            PassThrough() if "handlers" in parts else contextlib.nullcontext(),
+            PassThroughMode() if "handlers" in parts else contextlib.nullcontext(),
         ):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             if "backward_outside" not in parts:

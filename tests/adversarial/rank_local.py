@@ -35,7 +35,6 @@ from dataclasses import replace
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cases import AUTO_CHOOSING, CORRECT, EITHER, Setup, _case, _doors, _pick, attention_case
 from .doors import Ctx, Door
@@ -53,14 +52,11 @@ FACTS = (
 )
 
 
-class _PassThrough(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 @contextlib.contextmanager
 def _differing(fact: str, differs: bool) -> Iterator[None]:
     """The process state of ``fact`` on the rank that differs (nothing on the others)."""
+    from tests.modes import PassThroughMode
+
     if not differs:
         yield
     elif fact == "grad_mode":
@@ -84,10 +80,10 @@ def _differing(fact: str, differs: bool) -> Iterator[None]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             yield
     elif fact == "python_mode":
-        with _PassThrough():
+        with PassThroughMode():
             yield
     elif fact == "python_mode_math":
-        with _PassThrough(), sdpa_kernel([SDPBackend.MATH]):
+        with PassThroughMode(), sdpa_kernel([SDPBackend.MATH]):
             yield
     else:  # requires_grad, contiguity: in the rank's setup
         yield

@@ -28,12 +28,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dtensor_ring  # noqa: E402
 from dtensor_ring.testing import TinyConfig, TinyTransformer  # noqa: E402
+from tests.modes import PassThroughMode  # noqa: E402
 
 BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
 
@@ -52,13 +52,6 @@ def _qkv(seed, S, H, H_kv, D, dtype, device):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, S, h, D, generator=gen) for h in (H, H_kv, H_kv))
     return tuple(t.to(device, dtype) for t in (q, k, v))
-
-
-class _PassThrough(TorchDispatchMode):
-    """Any Python mode sends SDPA on DTensors through the handlers."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def _attention(mesh, backend, dtype, H_kv, route="eager") -> str:
@@ -80,7 +73,7 @@ def _attention(mesh, backend, dtype, H_kv, route="eager") -> str:
     with (
         dtensor_ring.ring_sdpa(layout="zigzag"),
         sdpa_kernel([backend]),
-        _PassThrough() if route == "handlers" else contextlib.nullcontext(),
+        PassThroughMode() if route == "handlers" else contextlib.nullcontext(),
     ):
         out = fn(*leaves)
         out.float().sum().backward()
