@@ -96,22 +96,14 @@ def measure(seq: int, device: torch.device, dtype: torch.dtype, dims, calls: int
         "to_local x3": lambda: (qd.to_local(), kd.to_local(), vd.to_local()),
         "from_local": lambda: DTensor.from_local(local, mesh, [Shard(2)], run_check=False),
     }
+    both = [
+        ("50 ops", ops50),
+        ("functional fwd", functional),
+        ("functional fwd+bwd", fwd_bwd(functional)),
+    ]
     cases = {
-        "outside": [
-            ("50 ops", ops50),
-            ("functional fwd", functional),
-            ("functional fwd+bwd", fwd_bwd(functional)),
-            ("sdpa fwd", sdpa),
-            ("sdpa fwd+bwd", fwd_bwd(sdpa)),
-            *pieces.items(),
-        ],
-        "inside": [
-            ("50 ops", ops50),
-            ("functional fwd", functional),
-            ("functional fwd+bwd", fwd_bwd(functional)),
-            ("dtensor fwd", dtensor),
-            ("dtensor fwd+bwd", fwd_bwd(dtensor)),
-        ],
+        "outside": [*both, ("sdpa fwd", sdpa), ("sdpa fwd+bwd", fwd_bwd(sdpa)), *pieces.items()],
+        "inside": [*both, ("dtensor fwd", dtensor), ("dtensor fwd+bwd", fwd_bwd(dtensor))],
     }
     best: dict[tuple[str, str], float] = {}
     for _ in range(ROUNDS):  # rounds interleave the rows: a slow spell of the host hits all

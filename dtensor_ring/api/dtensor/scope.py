@@ -103,14 +103,17 @@ def _through_handlers(func, args: tuple, kwargs: dict, eager):
         t = kwargs.get(name)
         if isinstance(t, DTensor) and t.stride(-1) != 1:
             kwargs[name] = t.contiguous()
-    if torch.compiler.is_compiling():
+
+    def sdpa():
         with sdpa_kernel(list(_enabled_fused_backends())):
             return func(*args, **kwargs)
+
+    if torch.compiler.is_compiling():
+        return sdpa()
     reached: list = []
     token = FORWARD_REACHED.set(reached)
     try:
-        with sdpa_kernel(list(_enabled_fused_backends())):
-            return func(*args, **kwargs)
+        return sdpa()
     except RuntimeError:
         if reached:  # raised at or below our handler: not SDPA's kernel choice
             raise
