@@ -455,8 +455,9 @@ def dtensor_case(
     ``ring_sdpa(**api_kw)``, forward and backward; "scope,backward_outside": the backward
     after leaving the scope; "scope,handlers": under a pass-through ``TorchDispatchMode``, so
     through the aten-op handlers rather than the eager route (Note [Eager SDPA on DTensors]);
-    "fn": ``scaled_dot_product_ring_attention(..., **api_kw)``). The full output and
-    gradients are compared with the reference."""
+    "scope,autocast" (also with "handlers"): fp32 DTensors under ``torch.autocast`` (CPU,
+    bf16), where SDPA computes in bf16; "fn": ``scaled_dot_product_ring_attention(...,
+    **api_kw)``). The full output and gradients are compared with the reference."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import dtensor_ring as dr
@@ -469,17 +470,20 @@ def dtensor_case(
     full = [
         torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, H // 2, H // 2, H)
     ]
+    parts = api.split(",")
+    autocast = "autocast" in parts
+    leaf_dtype = torch.float32 if autocast else torch.float64
     mesh = cpu_mesh(W)
     how, _, layout = placement.partition(":")
     layout_kw = {"layout": layout} if layout else {}
     if how == "shard_sequence":
-        dts = [dr.shard_sequence(x, mesh, 2, **layout_kw) for x in full]
+        dts = [dr.shard_sequence(x.to(leaf_dtype), mesh, 2, **layout_kw) for x in full]
 
         def unshard(t):
             return dr.unshard_sequence(t, 2, **layout_kw)
     else:
         place = {"distribute": Shard(2), "replicate": Replicate(), "shard_heads": Shard(1)}[how]
-        dts = [distribute_tensor(x, mesh, [place]) for x in full]
+        dts = [distribute_tensor(x.to(leaf_dtype), mesh, [place]) for x in full]
 
         def unshard(t):
             return t.full_tensor()
@@ -488,11 +492,11 @@ def dtensor_case(
     for t in (q, k, v):
         t.requires_grad_()
 
-    parts = api.split(",")
     if parts[0] == "scope":
         with (
             dr.ring_sdpa(**api_kw),
             PassThroughMode() if "handlers" in parts else contextlib.nullcontext(),
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
         ):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             if "backward_outside" not in parts:
@@ -505,13 +509,20 @@ def dtensor_case(
         )
         (out * dout).sum().backward()
     qf, kf, vf, df = (x.transpose(1, 2) for x in full)
-    ref = oracle.strict_attention(qf, kf, vf, oracle.visible_dense(S, causal), D**-0.5, df)
+    visible = oracle.visible_dense(S, causal)
+    ref = oracle.strict_attention(qf, kf, vf, visible, D**-0.5, df)
+    base, compute = {}, torch.float64
+    if autocast:  # one device: SDPA on the autocast dtype's inputs
+        compute = torch.bfloat16
+        bf16 = (x.to(compute) for x in (qf, kf, vf))
+        base = oracle.baseline_errors(*bf16, visible, D**-0.5, df, ref)
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     checks = {}
     for name, want in (("out", ref.out), ("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
         g = got[name]
         g = None if g is None else unshard(g).transpose(1, 2)
-        checks[name] = Check(g, want, torch.float64, *oracle.tolerance(torch.float64))
+        dtype = compute if name == "out" else leaf_dtype  # gradients: the leaves' dtype
+        checks[name] = Check(g, want, dtype, *oracle.tolerance(compute, base.get(name)))
     return checks
 
 
@@ -1170,6 +1181,24 @@ DTENSOR_VARIANTS = (
         "shard_sequence(zigzag)+ring_sdpa(zigzag),handlers",
         "shard_sequence:zigzag",
         "scope,handlers",
+        {"layout": "zigzag"},
+        True,
+        0,
+        CORRECT,
+    ),
+    (
+        "shard_sequence(zigzag)+ring_sdpa(zigzag),autocast",
+        "shard_sequence:zigzag",
+        "scope,autocast",
+        {"layout": "zigzag"},
+        True,
+        0,
+        CORRECT,
+    ),
+    (
+        "shard_sequence(zigzag)+ring_sdpa(zigzag),handlers,autocast",
+        "shard_sequence:zigzag",
+        "scope,handlers,autocast",
         {"layout": "zigzag"},
         True,
         0,
