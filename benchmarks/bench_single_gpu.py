@@ -32,6 +32,7 @@ there) to --out. Timings: CUDA events, warm-up, median of --reps; fresh random d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -236,6 +237,29 @@ def block_throughput(backend: str, tokens: int, a, device, gen) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def rounded_block_grads(backend: str, rounded: bool):
+    """With ``rounded``, the backend's plain backward (block gradients in the input dtype): the
+    baseline of Note [Unrounded block gradients from flash-attn 4], in the same run."""
+    kernel = get_kernel(backend)
+    if rounded:
+        kernel.unrounded_grads = False  # an instance attribute over the class's
+    try:
+        yield
+    finally:
+        kernel.__dict__.pop("unrounded_grads", None)
+
+
+def block_grads_variants(backend: str, a) -> list[bool]:
+    """``rounded`` values to measure: with --compare-rounded and a backend that has unrounded
+    block gradients, both."""
+    return [False, True] if a.compare_rounded and get_kernel(backend).unrounded_grads else [False]
+
+
+def block_grads_name(backend: str) -> str:
+    return "fp32" if get_kernel(backend).unrounded_grads else "input dtype"
+
+
 def precision(backend: str, a, device, gen) -> list[dict]:
     """Errors of the whole simulated ring vs fp64, relative to the single-device kernel."""
     W, S = a.world_size, a.world_size * a.precision_tokens
@@ -262,6 +286,7 @@ def precision(backend: str, a, device, gen) -> list[dict]:
             rows.append(
                 dict(
                     backend=backend,
+                    block_grads=block_grads_name(backend),
                     layout=layout,
                     tensor=name,
                     max_err=err.max().item(),
@@ -591,6 +616,11 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--precision-tokens", type=int, default=512)
+    p.add_argument(
+        "--compare-rounded",
+        action="store_true",
+        help="also measure backends with fp32 block gradients with their plain backward",
+    )
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--link-gbps", type=float, default=450.0, help="GB/s per direction")
     p.add_argument("--overhead-seq", default="1024,8192", help="W = 1 fixed cost at these S")
@@ -650,15 +680,25 @@ def main() -> None:
         bench_config(backends[0], tokens[0], a, device, gen)
     for backend in backends:
         for t in tokens:
-            for fn, key in ((block_throughput, "blocks"), (bench_config, "rings")):
+            try:
+                results["blocks"] += block_throughput(backend, t, a, device, gen)
+            except Exception as e:  # record and go on: one failing backend keeps the rest
+                results["errors"].append(f"{backend} {t} blocks: {type(e).__name__}: {e}")
+            for rounded in block_grads_variants(backend, a):
                 try:
-                    results[key] += fn(backend, t, a, device, gen)
-                except Exception as e:  # record and go on: one failing backend keeps the rest
-                    results["errors"].append(f"{backend} {t} {key}: {type(e).__name__}: {e}")
-        try:
-            results["precision"] += precision(backend, a, device, gen)
-        except Exception as e:
-            results["errors"].append(f"{backend} precision: {type(e).__name__}: {e}")
+                    with rounded_block_grads(backend, rounded):
+                        rows = bench_config(backend, t, a, device, gen)
+                        results["rings"] += [
+                            dict(r, block_grads=block_grads_name(backend)) for r in rows
+                        ]
+                except Exception as e:
+                    results["errors"].append(f"{backend} {t} rings: {type(e).__name__}: {e}")
+        for rounded in block_grads_variants(backend, a):
+            try:
+                with rounded_block_grads(backend, rounded):
+                    results["precision"] += precision(backend, a, device, gen)
+            except Exception as e:
+                results["errors"].append(f"{backend} precision: {type(e).__name__}: {e}")
     # the all-gather needs a varlen kernel (the smoke run: the math kernel)
     varlen_able = [b for b in backends if get_kernel(b).supports_varlen] + ["math"] * a.smoke
     for t in tokens if varlen_able else ():
@@ -721,7 +761,7 @@ def print_tables(results: dict) -> None:
     print(
         f"\n{'backend':<11}{'layout':<21}{'tok/rank':>8}{'fwd ms':>8}{'eff fwd':>8}"
         f"{'f+b ms':>8}{'eff f+b':>8}{'limit':>7}{'pred f':>7}{'pred fb':>8}{'mem x':>6}"
-        f"{'vs best f/fb':>14}{'graph f/fb':>13}"
+        f"{'vs best f/fb':>14}{'graph f/fb':>13}  block grads"
     )
     for r in results["rings"]:
         mem = f"{r['peak_mem_ratio']:.2f}" if r["peak_mem_ratio"] else "-"
@@ -736,15 +776,16 @@ def print_tables(results: dict) -> None:
                 if "eff_fwd_graph" in r
                 else ("  " + r["graph_error"][:30] if "graph_error" in r else "")
             )
+            + f"  {r.get('block_grads', '')}"
         )
     print(
         f"\n{'backend':<11}{'layout':<8}{'tensor':<7}{'max err':>10}{'ratio max':>10}"
-        f"{'ratio mean':>11}"
+        f"{'ratio mean':>11}  block grads"
     )
     for r in results["precision"]:
         print(
             f"{r['backend']:<11}{r['layout']:<8}{r['tensor']:<7}{r['max_err']:>10.2e}"
-            f"{r['ratio_max']:>10.2f}{r['ratio_mean']:>11.2f}"
+            f"{r['ratio_max']:>10.2f}{r['ratio_mean']:>11.2f}  {r['block_grads']}"
         )
     print(
         f"\n{'local cu_seqlens':<36}{'ring f':>8}{'ring fb':>8}{'zz f':>8}{'zz fb':>8}"

@@ -35,13 +35,21 @@ import pytest
 import torch
 from torch import Tensor
 
-from dtensor_ring.kernels import BACKEND_NAMES, KernelCall, select_kernel
+from dtensor_ring.kernels import (
+    BACKEND_NAMES,
+    KernelCall,
+    clear_selection_cache,
+    flash_attn4_grads,
+    select_kernel,
+)
 from dtensor_ring.kernels import flash_attn4 as flash_attn4_module
+from dtensor_ring.kernels.base import window_mask
 from dtensor_ring.kernels.cuda_flash import TorchFlashKernel
 from dtensor_ring.kernels.cudnn import CudnnKernel
 from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
 from dtensor_ring.kernels.flash_attn_pkg import FlashAttnKernel
 from dtensor_ring.kernels.math import MathKernel
+from dtensor_ring.simulate import simulate_ring
 
 MATH = MathKernel()
 FLASH = FlashAttnKernel()
@@ -1060,3 +1068,237 @@ def test_cudnn_backward_gets_out_and_dout_in_the_query_layout():
             assert torch.equal(q2, q) and torch.equal(out2, out) and torch.equal(dout2, dout)
             if q is x and out.is_contiguous():
                 assert out2 is out  # no copy when the layouts already agree
+
+
+# --- flash-attn 4's backward pieces (kernels/flash_attn4_grads.py) ---------------------------
+# Stand-ins of the private functions ``unrounded_backward`` calls, with the argument positions
+# of flash-attn-4 4.0.0b36's ``_flash_attn_bwd`` (dense, sm90). The main "kernel" adds its fp32
+# gradients (dq and dk before the softmax scale, as flash-attn 4's) into the flat accumulators
+# in an order per tile configuration that only the postprocess stand-in knows (a random
+# permutation), so the adapter must learn it from the postprocess.
+FA4_LOG2E = 1.4426950408889634
+
+
+def _fa4_round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _fa4_tile_perm(rows: int, hdim_r: int, atom_layout: int, swap_ab: bool) -> Tensor:
+    """Where row-major element ``i`` of a ``rows x hdim_r`` tile is stored in the flat tile."""
+    seed = ((rows * 1000 + hdim_r) * 10 + atom_layout) * 2 + int(swap_ab)
+    return torch.randperm(rows * hdim_r, generator=torch.Generator().manual_seed(seed))
+
+
+def fa4_tile_size_bwd_sm90(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
+    """``_tile_size_bwd_sm90``'s values for head dims <= 128."""
+    m = 64 if causal or local else 80
+    return types.SimpleNamespace(
+        m_block_size=m,
+        n_block_size=128,
+        num_stages_Q=2,
+        num_stages_dO=2,
+        num_stages_PdS=2,
+        SdP_swapAB=True,
+        dKV_swapAB=False,
+        dQ_swapAB=m % 64 != 0,
+        AtomLayoutMSdP=1,
+        AtomLayoutNdKV=2,
+        AtomLayoutMdQ=1,
+        num_wg=2,
+        dQ_single_wg=False,
+    )
+
+
+def _fa4_to_tiles(x_BSHD: Tensor, rows: int, hdim_r: int, perm: Tensor) -> Tensor:
+    """``[B, S, H, D]`` -> a flat fp32 accumulator ``[B, H, S_r * hdim_r]`` in ``perm``'s order."""
+    B, S, H, D = x_BSHD.shape
+    s_r = _fa4_round_up(S, rows)
+    padded = torch.zeros(B, H, s_r, hdim_r, dtype=torch.float64)
+    padded[:, :, :S, :D] = x_BSHD.transpose(1, 2)
+    tiles = padded.reshape(B, H, s_r // rows, rows * hdim_r)
+    flat = torch.empty_like(tiles)
+    flat[..., perm] = tiles
+    return flat.reshape(B, H, -1).float()
+
+
+def fa4_bwd_preprocess(
+    out, dout, dpsum, lse, lse_log2, dq_accum, cu_seqlens_q, seqused_q, dlse, dtype,
+    head_dim, head_dim_v, m_block_size, *, cu_total_m_blocks, fake_mode, hdim_multiple_of,
+):  # fmt: skip
+    """``_bwd_preprocess``: dpsum = rowsum(out * dout), lse_log2 = lse * log2(e), dq_accum = 0."""
+    assert cu_seqlens_q is seqused_q is dlse is cu_total_m_blocks is None and not fake_mode
+    B, S, H, _ = out.shape
+    assert dpsum.shape == lse_log2.shape == (B, H, _fa4_round_up(S, m_block_size))
+    hd_r = _fa4_round_up(head_dim, hdim_multiple_of)
+    assert dq_accum.shape == (B, H, dpsum.shape[-1] * hd_r) and dq_accum.dtype == torch.float32
+    dpsum[..., :S] = (out.float() * dout.float()).sum(-1).transpose(1, 2)
+    lse_log2[..., :S] = lse * FA4_LOG2E
+    dq_accum.zero_()
+
+
+class FA4BackwardSm90:
+    """``FlashAttentionBackwardSm90``: its configuration; ``fa4_compile`` makes it callable."""
+
+    def __init__(self, dtype, head_dim, head_dim_v, qhead_per_kvhead, causal, **kw):
+        self.causal, self.local, self.group, self.kw = causal, kw["is_local"], qhead_per_kvhead, kw
+        cfg = fa4_tile_size_bwd_sm90(head_dim, head_dim_v, causal, self.local)
+        assert kw["tile_m"] == cfg.m_block_size and kw["tile_n"] == cfg.n_block_size
+
+    def __call__(
+        self, q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale, *rest
+    ):  # the 22 arguments of the compiled kernel
+        cu_q, cu_k, su_q, su_k, left, right, sem_q, sem_k, sem_v, aux, sparse, cu_blocks = rest
+        assert cu_q is cu_k is su_q is su_k is sparse is cu_blocks is None
+        assert aux == ("aux", None, None) and (sem_q is None) == (not self.kw["deterministic"])
+        window = (-1, 0) if self.causal else None
+        if self.local:
+            window = (-1 if left is None else left, -1 if right is None else right)
+        q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
+        S_q, S_k, D = q.shape[1], k.shape[1], q.shape[-1]
+        k64, v64 = (t.repeat_interleave(self.group, 2) for t in (k64, v64))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
+        if window is not None:
+            scores = scores.masked_fill(~window_mask(S_q, S_k, window, q.device), float("-inf"))
+        p = torch.exp(scores - lse_log2[..., :S_q, None].double() / FA4_LOG2E)
+        p = p.masked_fill(scores == float("-inf"), 0)  # rows without a visible key: 0
+        dp = torch.einsum("bqhd,bkhd->bhqk", do64, v64)
+        ds = p * (dp - dpsum[..., :S_q, None].double())
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, k64)  # dq and dk before the scale
+        dk, dv = (
+            torch.einsum("bhqk,bqhd->bkhd", w, x).unflatten(2, (-1, self.group)).sum(3)
+            for w, x in ((ds, q64), (p, do64))
+        )
+        cfg = fa4_tile_size_bwd_sm90(D, D, self.causal, self.local)
+        hd_r = _fa4_round_up(D, 32)
+        perm_q = _fa4_tile_perm(cfg.m_block_size, hd_r, cfg.AtomLayoutMdQ, cfg.dQ_swapAB)
+        dq_accum.add_(_fa4_to_tiles(dq, cfg.m_block_size, hd_r, perm_q))
+        if self.group == 1:  # written in the input dtype, scaled
+            dk_out.copy_(dk * scale)
+            dv_out.copy_(dv)
+            return
+        perm_kv = _fa4_tile_perm(cfg.n_block_size, hd_r, cfg.AtomLayoutNdKV, cfg.dKV_swapAB)
+        dk_out.add_(_fa4_to_tiles(dk, cfg.n_block_size, hd_r, perm_kv))
+        dv_out.add_(_fa4_to_tiles(dv, cfg.n_block_size, hd_r, perm_kv))
+
+
+def fa4_compile(kernel, *args, options):
+    """``cute.compile``: the 22 arguments of the call, then the stream."""
+    assert isinstance(kernel, FA4BackwardSm90) and len(args) == 23 and args[-1] == "stream"
+    assert options == "--enable-tvm-ffi"
+
+    def compiled(*call_args):
+        assert len(call_args) == 22
+        kernel(*call_args)
+
+    return compiled
+
+
+def fa4_bwd_postprocess_convert(
+    accum, output, scale, cu_seqlens, seqused, arch, dtype, hdim, block_size, num_threads,
+    atom_layout, swap_ab, use_2cta_instrs=False, cluster_size=1, cu_total_m_blocks=None,
+    sink_tensors=None, hdim_multiple_of=32, accum_order=None, *, fake_mode,
+):  # fmt: skip
+    """``_bwd_postprocess_convert``: ``output = round(scale * accum)``, read in tile order."""
+    assert cu_seqlens is seqused is cu_total_m_blocks is sink_tensors is accum_order is None
+    assert arch == 90 and not use_2cta_instrs and cluster_size == 1 and not fake_mode
+    assert num_threads == 256 and dtype == str(output.dtype)
+    B, S, H, D = output.shape
+    hd_r = _fa4_round_up(hdim, hdim_multiple_of)
+    assert D == hdim and accum.shape == (B, H, _fa4_round_up(S, block_size) * hd_r)
+    perm = _fa4_tile_perm(block_size, hd_r, atom_layout, swap_ab)
+    rows = accum.view(B, H, -1, block_size * hd_r)[..., perm].view(B, H, -1, hd_r)
+    output.copy_((rows[:, :, :S, :hdim] * scale).transpose(1, 2))
+
+
+@pytest.fixture
+def flash_attn4_pieces(flash_attn4, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """``flash_attn4``'s stand-in interface with the backward's pieces, as version 4.0.0b36."""
+    interface = sys.modules["flash_attn.cute.interface"]
+    pieces = dict(
+        _get_device_arch=lambda: 90,
+        _resolve_causal_local_window=_fa4_resolve_window,
+        _tile_size_bwd_sm90=fa4_tile_size_bwd_sm90,
+        maybe_contiguous=_fa4_maybe_contiguous,
+        torch2cute_dtype_map={t: str(t) for t in (torch.bfloat16, torch.float16)},
+        _bwd_preprocess=fa4_bwd_preprocess,
+        _bwd_postprocess_convert=fa4_bwd_postprocess_convert,
+        get_broadcast_dims=lambda t: tuple(s == 0 for s in t.stride()),
+        FlashAttentionBackwardSm90=FA4BackwardSm90,
+        to_cute_tensor=lambda t: ("cute", tuple(t.shape)),
+        AuxData=lambda tensors, scalars: ("aux", tensors, scalars),
+        utils=types.SimpleNamespace(convert_from_dlpack_leading_static=lambda t, **kw: "sem"),
+        cute=types.SimpleNamespace(
+            compile=fa4_compile,
+            runtime=types.SimpleNamespace(make_fake_stream=lambda **kw: "stream"),
+        ),
+    )
+    for name, value in pieces.items():
+        monkeypatch.setattr(interface, name, value, raising=False)
+    version = flash_attn4_grads.CHECKED_VERSION
+    monkeypatch.setattr(flash_attn4_grads, "_installed_version", lambda: version)
+    monkeypatch.setattr(flash_attn4_grads, "_COMPILED", {})
+    monkeypatch.setattr(flash_attn4_grads, "_TILE_ORDERS", {})
+    return interface
+
+
+@pytest.mark.parametrize("s_q,s_k,causal,window,fa4_window", WINDOWS)
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_flash_attn4_unrounded_grads(
+    flash_attn4_pieces, s_q, s_k, causal, window, fa4_window, num_kv_heads
+):
+    """``unrounded=True``: dq in fp32, dk and dv too with GQA (else in bf16), each the fp64
+    gradient to fp32 precision (bf16: rounded once). On the H200, rounded, they are bitwise
+    the plain backward's (tests/gpu/check_flash_attn4.py)."""
+    B, H, D = 2, 4, 8
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, s_q, H, D, generator=g).to(torch.bfloat16)
+    k, v = torch.randn(2, B, s_k, num_kv_heads, D, generator=g).to(torch.bfloat16).unbind(0)
+    dout = torch.randn(B, s_q, H, D, generator=g).to(torch.bfloat16)
+    for scale in (SCALE, -SCALE):  # a negative scale folds into q (Note [Kernel inputs])
+        kw = dict(causal=causal, scale=scale, window=window)
+        out, lse = FLASH4.forward(q, k, v, **kw)
+        got = FLASH4.backward(dout, q, k, v, out, lse, **kw, unrounded=True)
+        plain = FLASH4.backward(dout, q, k, v, out, lse, **kw)
+        want = MATH.backward(*(t.double() for t in (dout, q, k, v, out, lse)), **kw)
+        for name, x, p, w in zip(("dq", "dk", "dv"), got, plain, want, strict=True):
+            fp32 = name == "dq" or num_kv_heads < H
+            assert x.dtype == (torch.float32 if fp32 else torch.bfloat16), name
+            assert x.shape == p.shape, name
+            if fp32:
+                assert (x.double() - w).abs().max() <= 1e-6 * w.abs().max(), name
+            assert _rounded_once(x.to(p.dtype), w), name
+
+
+def _rounded_once(x: Tensor, ref: Tensor) -> bool:
+    """Whether bf16 ``x`` is within half a bf16 unit in the last place of fp64 ``ref``, with
+    slack for fp32 sums on the way (1e-6 of the largest value: cancellation in a sum of
+    blocks leaves fp32's absolute error on a small result; a bf16 block gradient leaves
+    hundreds of times more)."""
+    half_ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref).exponent - 9)
+    return bool(((x.double() - ref).abs() <= half_ulp + 1e-6 * ref.abs().max()).all())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_sums_unrounded_block_grads(flash_attn4_pieces, monkeypatch, world_size):
+    """The ring through flash-attn 4's pieces: each gradient is the fp64 one rounded once to
+    bf16 (its blocks summed in fp32); with bf16 block gradients it is not (W >= 2)."""
+    monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
+    B, H, H_kv, D, S = 1, 4, 2, 8, 24 * world_size
+    g = torch.Generator().manual_seed(5)
+    q, dout = torch.randn(2, B, S, H, D, generator=g).to(torch.bfloat16).unbind(0)
+    k, v = torch.randn(2, B, S, H_kv, D, generator=g).to(torch.bfloat16).unbind(0)
+    kw = dict(layout="zigzag", world_size=world_size, backend="flash_attn4", scale=SCALE)
+    try:
+        clear_selection_cache()
+        out, lse, *grads = simulate_ring(q, k, v, dout, **kw)
+        # one device's gradients, given the same (bf16) out: only the sum's rounding differs
+        want = MATH.backward(
+            *(t.double() for t in (dout, q, k, v, out, lse)), causal=True, scale=SCALE
+        )
+        assert all(_rounded_once(x, w) for x, w in zip(grads, want, strict=True))
+        monkeypatch.setattr(FlashAttn4Kernel, "unrounded_grads", False)
+        rounded = simulate_ring(q, k, v, dout, **kw)[2:]
+        once = [_rounded_once(x, w) for x, w in zip(rounded, want, strict=True)]
+        assert all(once) if world_size == 1 else not all(once), once
+    finally:
+        clear_selection_cache()

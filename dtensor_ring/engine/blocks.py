@@ -92,8 +92,11 @@ class Blocks(Protocol):
         lse: Tensor,
         block: Block,
         scale: float,
+        unrounded: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dq, dk, dv)`` of ``block`` on parts already taken with :meth:`take`."""
+        """``(dq, dk, dv)`` of ``block`` on parts already taken with :meth:`take`;
+        ``unrounded``: the caller sums them, any may come in the accumulation dtype
+        (``BlockKernel.backward``)."""
         ...
 
 
@@ -156,9 +159,18 @@ class DenseBlocks:
     def finish_(self, out, lse, whole):
         return softmax_empty_rows_(out, lse, whole)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         return kernel.backward(
-            dout, q, k, v, out, lse, causal=block.causal, scale=scale, window=block.window
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            causal=block.causal,
+            scale=scale,
+            window=block.window,
+            unrounded=unrounded,
         )
 
 
@@ -185,7 +197,7 @@ class FlexBlocks(DenseBlocks):
     def forward(self, kernel, q, k, v, block, scale):
         return kernel.forward(q, k, v, block.origin, scale, self.mods)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, block, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         dlse = None if self.dlse_BHS is None else self.take_lse(self.dlse_BHS, block.q)
         return kernel.backward(dout, q, k, v, out, lse, block.origin, scale, self.mods, dlse)
 
@@ -287,7 +299,7 @@ class VarlenBlocks:
             window=block.window,
         )
 
-    def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale):
+    def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         rq, rk = self.rows[block.q], self.rows[block.kv]
         return kernel.backward_varlen(
             dout,

@@ -26,7 +26,10 @@ the visiting K/V travels with them, one step behind:
         dkv[block.kv] += (dk_b, dv_b); send dkv right
     after the last step the accumulator of rank r's own K/V arrives from rank r - 1, complete.
 
-dq and the travelling dK/dV accumulate in the accumulation dtype (exact sums over W blocks).
+dq and the travelling dK/dV accumulate in the accumulation dtype (exact sums over W blocks),
+and the engine asks the kernel for its block gradients unrounded: a kernel that has them in
+fp32 (flash-attn 4, Note [Unrounded block gradients from flash-attn 4]) then adds no bf16
+rounding per block to the sum.
 
 Note [Merges off the critical path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -236,6 +239,7 @@ def ring_backward(
                 lse_part(blk.q),
                 blk,
                 scale,
+                unrounded=True,
             )
             side.run(functools.partial(blocks.add_, dq_acc, blk.q, dq_b), dq_b)
             grads.append((blk.kv, dk_b, dv_b))

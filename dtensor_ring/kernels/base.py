@@ -13,7 +13,9 @@ for causal blocks with ``S_q == S_k``). Contract:
   (fp32, or fp64 for fp64 inputs).
 * ``backward(dout, q, k, v, out, lse)`` -> ``(dq, dk, dv)`` in the input dtype, with ``out`` and
   ``lse`` the *global* (fully merged) values of these query rows: the block gradients of ring
-  attention are then exact (see Note [Ring backward] in ``engine/ring.py``).
+  attention are then exact (see Note [Ring backward] in ``engine/ring.py``). With
+  ``unrounded=True`` (the caller sums block gradients) a backend that has them before rounding
+  (``unrounded_grads``) may return any of the three in the accumulation dtype instead.
 * ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA, ``H % H_kv == 0``); ``dk``/``dv`` have
   ``H_kv`` heads.
 * Inputs may be any strided views and ``scale`` any finite float: the public methods hand the
@@ -100,6 +102,7 @@ class BlockKernel:
     supports_varlen: ClassVar[bool] = False
     supports_window: ClassVar[bool] = False
     deterministic_backward: ClassVar[bool] = True
+    unrounded_grads: ClassVar[bool] = False
     relative_speed: ClassVar[float] = 1.0
 
     def is_available(self) -> str | None:
@@ -162,11 +165,16 @@ class BlockKernel:
         causal: bool,
         scale: float,
         window: tuple[int, int] | None = None,
+        unrounded: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Return ``(dq_BSHD, dk_BSHD, dv_BSHD)`` of one block, given the global out/lse."""
+        """Return ``(dq_BSHD, dk_BSHD, dv_BSHD)`` of one block, given the global out/lse
+        (``unrounded``: see the module docstring)."""
         dout_BSHD, q_BSHD, k_BSHD, v_BSHD = unit_last_stride(dout_BSHD, q_BSHD, k_BSHD, v_BSHD)
         q_BSHD, scale, sign = fold_scale_sign(q_BSHD, scale)
-        dq, dk, dv = self._backward(
+        backward = (
+            self._backward_unrounded if unrounded and self.unrounded_grads else self._backward
+        )
+        dq, dk, dv = backward(
             dout_BSHD,
             q_BSHD,
             k_BSHD,
@@ -255,6 +263,12 @@ class BlockKernel:
     def _backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
+        raise NotImplementedError
+
+    def _backward_unrounded(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
+    ):
+        """``_backward`` with gradients not rounded to the input dtype (``unrounded_grads``)."""
         raise NotImplementedError
 
     def _forward_varlen(

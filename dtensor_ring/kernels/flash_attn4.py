@@ -30,6 +30,9 @@ What the source says (``flash_attn/cute/interface.py``):
   varlen), as the interface's ``window``. A window side is ``None`` when unbounded: an integer,
   also a negative one, is taken as a bound (-1 would hide the diagonal), so we map -1 to
   ``None``. ``(None, 0)`` is the causal mask.
+* In a ring's backward (``unrounded=True``) on sm90, the block gradients come in fp32 where
+  flash-attn 4 has them so (dq; dk and dv with GQA): Note [Unrounded block gradients from
+  flash-attn 4] in ``flash_attn4_grads.py``.
 * The first call of each configuration (dtype, head dim, GQA ratio, mask kind, varlen, ...)
   JIT-compiles its kernel (seconds); later calls reuse it, whatever the sequence lengths.
 """
@@ -47,6 +50,7 @@ import torch
 
 from .base import BlockKernel, KernelCall
 from .cuda_flash import deterministic_reason, head_dim_reason
+from .flash_attn4_grads import unrounded_backward, unrounded_reason
 
 _INTERFACE = "flash_attn.cute.interface"
 _NOT_INSTALLED = "the flash-attn-4 package is not installed (pip install flash-attn-4)"
@@ -120,6 +124,7 @@ class FlashAttn4Kernel(BlockKernel):
     max_head_dim: ClassVar[int] = 256  # 128 or exactly 256 on sm100/sm110, see extra_reason
     supports_varlen: ClassVar[bool] = True
     supports_window: ClassVar[bool] = True
+    unrounded_grads: ClassVar[bool] = True  # dense, sm90 (Note [Unrounded block gradients ...])
 
     def is_available(self) -> str | None:
         if _INTERFACE not in sys.modules:
@@ -164,6 +169,36 @@ class FlashAttn4Kernel(BlockKernel):
             **_options(causal=causal, scale=scale, window=window),
         )
         return dq, dk, dv
+
+    def _backward_unrounded(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
+    ):
+        interface = _interface()
+        if unrounded_reason(interface) is not None:
+            return self._backward(
+                dout_BSHD,
+                q_BSHD,
+                k_BSHD,
+                v_BSHD,
+                out_BSHD,
+                lse_BHS,
+                causal=causal,
+                scale=scale,
+                window=window,
+            )
+        return unrounded_backward(
+            interface,
+            dout_BSHD,
+            q_BSHD,
+            k_BSHD,
+            v_BSHD,
+            out_BSHD,
+            lse_BHS,
+            scale=scale,
+            causal=causal,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            **_window_args(window),
+        )
 
     def _forward_varlen(
         self,

@@ -13,9 +13,12 @@ local shard, as the engine passes them.
 * sliding windows (dense, the trimmed shapes of windowed plans) and varlen (with and without a
   window): errors against fp64, ratio against ``cuda_flash`` (cuDNN has neither).
 * deterministic backward (``torch.use_deterministic_algorithms(True)``): two runs bitwise equal.
+* fp32 block gradients (``unrounded=True``, Note [Unrounded block gradients from flash-attn 4]):
+  rounded, bitwise the plain backward's; errors of both against fp64.
 * the ring: ``simulate_ring`` (zigzag, 4 ranks, 8192 tokens, causal; and with a window) and
-  the functional API on a real 1-rank NCCL group, ``backend="flash_attn4"`` vs ``cudnn`` /
-  ``cuda_flash``, against the same fp64 reference.
+  the functional API on a real 1-rank NCCL group, ``backend="flash_attn4"`` (with fp32 block
+  gradients, and "flash_attn4 rounded" with its plain backward) vs ``cudnn`` / ``cuda_flash``,
+  against the same fp64 reference, and against single-device flash-attn 4.
 
 Each part runs under ``try``; results are written to ``$OUT/flash_attn4.json`` after each part
 (a run cut short keeps what it measured); the tables are printed last.
@@ -338,6 +341,52 @@ def deterministic_part() -> None:
     save()
 
 
+UNROUNDED = [  # (S_q, S_k, H_kv, causal, window): ring blocks (zigzag halves), MHA, windows
+    (4096, 4096, H_KV, True, None),
+    (4096, 2048, H_KV, False, None),
+    (2048, 4096, H_KV, False, None),
+    (2000, 3000, H_KV, False, None),
+    (2048, 2048, H, True, None),
+    (3000, 2000, H_KV, False, (40, 1000)),
+]
+
+
+def unrounded_part() -> None:
+    """Note [Unrounded block gradients from flash-attn 4]: the fp32 block gradients, rounded,
+    are bitwise flash-attn 4's own (both deterministic: same kernels, the postprocess only
+    rounds), and closer to fp64."""
+    if late("unrounded"):
+        return
+    kernel, rows = get_kernel("flash_attn4"), []
+    try:
+        torch.use_deterministic_algorithms(True)
+        for s_q, s_k, h_kv, causal, window in UNROUNDED:
+            row: dict[str, object] = dict(s_q=s_q, s_k=s_k, h_kv=h_kv, causal=causal)
+            row["window"] = window
+            try:
+                q, k, v, dout = make_inputs(s_q, s_k, seed=4)
+                k, v = (t[..., :h_kv, :] if h_kv <= H_KV else t.repeat(1, 1, 4, 1) for t in (k, v))
+                kw = dict(causal=causal, scale=SCALE, window=window)
+                out, lse = kernel.forward(q, k, v, **kw)
+                plain = kernel.backward(dout, q, k, v, out, lse, **kw)
+                fp32 = kernel.backward(dout, q, k, v, out, lse, **kw, unrounded=True)
+                ref = reference(q, k, v, dout, **kw)
+                for name, p, u in zip(("dq", "dk", "dv"), plain, fp32, strict=True):
+                    row[name] = dict(
+                        dtype=str(u.dtype),
+                        bitwise_rounded=torch.equal(u.to(p.dtype), p),
+                        err_plain=(p.double() - ref[name]).abs().max().item(),
+                        err_fp32=(u.double() - ref[name]).abs().max().item(),
+                    )
+            except Exception as e:
+                row["status"] = error_text(e)
+            rows.append(row)
+            RESULT["unrounded"] = rows
+            save()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def ring_part(keep: dict) -> None:
     """zigzag W=4 on one device (simulated), and the functional API on a real 1-rank group."""
     rows = []
@@ -347,11 +396,16 @@ def ring_part(keep: dict) -> None:
         window = (1024, 0)
         ref = reference(q, k, v, dout, causal=False, window=window)  # square: causal is implied
         cases.append((window, ref, ("flash_attn4", "cuda_flash")))  # cudnn: no window
+    single = errors(run(get_kernel("flash_attn4"), q, k, v, dout, causal=True), keep["ref"])
     for window, ref, names in cases:
         errs = {}
-        for name in names:
+        for name in (*names, "flash_attn4 rounded"):
+            backend, rounded = name.split()[0], name.endswith("rounded")
             row: dict[str, object] = dict(path="simulate zigzag W=4", backend=name, S=8192)
             row["window"] = window
+            kernel = get_kernel(backend)
+            if rounded:  # the plain backward: bf16 block gradients
+                kernel.unrounded_grads = False
             try:
                 got = simulate_ring(
                     q,
@@ -361,17 +415,21 @@ def ring_part(keep: dict) -> None:
                     layout="zigzag",
                     world_size=4,
                     causal=True,
-                    backend=name,
+                    backend=backend,
                     window_size=window or (-1, -1),
                 )
                 errs[name] = errors(dict(zip(NAMES, got, strict=True)), ref)
                 row["errors"] = errs[name]
+                if window is None:  # the issue's row: against the single-device kernel
+                    row["ratio_vs_single_flash_attn4"] = ratios(errs[name], single)
             except Exception as e:
                 row["status"] = error_text(e)
+            finally:
+                kernel.__dict__.pop("unrounded_grads", None)
             rows.append(row)
         base = "cudnn" if window is None else "cuda_flash"
         if "flash_attn4" in errs and base in errs:
-            rows[-len(names)][f"ratio_vs_{base}"] = ratios(errs["flash_attn4"], errs[base])
+            rows[-len(names) - 1][f"ratio_vs_{base}"] = ratios(errs["flash_attn4"], errs[base])
         RESULT["ring"] = rows
         save()
     if late("functional"):
@@ -432,7 +490,7 @@ def print_tables() -> None:
             f"{_f(r.get('first_s'), '6.1f')} {r.get('status', '')}"
         )
     print("\nsummary (ms over all timed block shapes):", json.dumps(RESULT.get("summary")))
-    for part in ("window", "varlen", "ring"):
+    for part in ("window", "varlen", "unrounded", "ring"):
         print(f"\n{part}:")
         for r in RESULT.get(part, []):
             print(" ", json.dumps(r))
@@ -446,7 +504,7 @@ def main() -> None:
     RESULT["environment"] = environment()
     save()
     keep = {}
-    for part in (dense_part, window_part, varlen_part, deterministic_part):
+    for part in (dense_part, window_part, varlen_part, deterministic_part, unrounded_part):
         try:
             keep = part() or keep
         except Exception as e:

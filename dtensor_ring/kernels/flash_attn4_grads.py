@@ -1,0 +1,347 @@
+"""flash-attn 4's backward on sm90, taken apart so that a ring gets its block gradients in fp32.
+
+Note [Unrounded block gradients from flash-attn 4]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ring's dq, dk and dv are sums of W block gradients (Note [Ring backward]). A kernel that
+rounds each block's gradient to bf16 before the sum adds W roundings where one device has one.
+flash-attn 4's backward holds dq, and for GQA dk and dv, in fp32 accumulators until its last
+kernel, the *postprocess*, scales them and rounds them to the input dtype. Here we run its
+three kernels ourselves and replace the postprocess by a gather in fp32:
+
+    _flash_attn_bwd (flash-attn 4)            unrounded_backward (here)
+    preprocess: dpsum, lse_log2, dq_acc = 0   the same kernel
+    main kernel: dq_acc += ..., dK/dV         the same kernel; dK/dV into fp32 accumulators
+                 (GQA: dk_acc += ...)         zeroed by us (GQA) or bf16 (H == H_kv)
+    postprocess: bf16(scale * dq_acc)         scale * dq_acc[perm]  (fp32, one gather)
+
+The accumulators are flat fp32 tiles, each ``rows x head_dim_rounded`` values in the order of
+the MMA fragments that wrote them, not row-major. That order is the postprocess's to know; we
+learn it from the postprocess itself (:func:`_tile_order`): run it on one tile whose values
+are the bits of their own flat index (0 or 1, exact in bf16), once per bit, and read each
+output element's index back. Cached per configuration; the postprocess is then never run.
+
+    accumulator  [B, H, n_tiles * rows * D_r]   (tile t: rows * D_r values, fragment order)
+        -> [B, H, n_tiles, rows * D_r][..., perm]  ->  [B, H, S_r, D_r][:, :, :S, :D]
+        -> transpose to [B, S, H, D] (a view: the engine adds it into its accumulator)
+
+Which pieces we call, with which arguments, is copied from ``_flash_attn_bwd`` of
+``flash-attn-4==4.0.0b36`` (dense, sm90, no sinks, score_mod, block sparsity or dlse): private
+functions, so :func:`unrounded_reason` accepts only that version and sm90, and every other
+case runs the plain ``_flash_attn_bwd``. Checked on an H200 against fp64
+(``tests/gpu/check_flash_attn4.py``); on CPU against a stand-in of those pieces with a known
+tile order (``tests/test_kernel_adapters.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import math
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+CHECKED_VERSION = "4.0.0b36"
+
+
+@functools.cache
+def _installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def unrounded_reason(interface: ModuleType) -> str | None:
+    """``None`` when :func:`unrounded_backward` can run with this flash-attn 4 on this device,
+    else why not (the plain backward runs then)."""
+    version = _installed_version()
+    if version != CHECKED_VERSION:
+        return f"flash-attn-4 {version} is not {CHECKED_VERSION}, whose internals this uses"
+    if interface._get_device_arch() // 10 != 9:
+        return "fp32 block gradients are implemented for sm90 only"
+    return None
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+@functools.cache
+def _config(interface: ModuleType, head_dim: int, head_dim_v: int, causal: bool, local: bool):
+    """flash-attn 4's sm90 backward configuration (``_tile_size_bwd_sm90``) and the head-dim
+    rounding of its accumulators."""
+    cfg = interface._tile_size_bwd_sm90(head_dim, head_dim_v, causal, local)
+    return cfg, (64 if cfg.dKV_swapAB else 32)
+
+
+def _postprocess_args(interface, cfg, hdim_multiple_of: int, which: str) -> dict:
+    """The arguments ``_flash_attn_bwd`` gives its postprocess for ``which`` ("dq" or "dkv")."""
+    if which == "dq":
+        block, threads = cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128
+        atom, swap = cfg.AtomLayoutMdQ, cfg.dQ_swapAB
+    else:
+        block, threads = cfg.n_block_size, cfg.num_wg * 128
+        atom, swap = cfg.AtomLayoutNdKV, cfg.dKV_swapAB
+    return dict(
+        arch=interface._get_device_arch(),
+        block_size=block,
+        num_threads=threads,
+        atom_layout=atom,
+        swap_ab=swap,
+        hdim_multiple_of=hdim_multiple_of,
+    )
+
+
+def _convert(interface, accum: Tensor, output: Tensor, hdim: int, args: dict) -> None:
+    """flash-attn 4's postprocess: ``output = round(accum)`` (scale 1)."""
+    interface._bwd_postprocess_convert(
+        accum,
+        output,
+        1.0,
+        None,
+        None,
+        args["arch"],
+        interface.torch2cute_dtype_map[output.dtype],
+        hdim,
+        args["block_size"],
+        args["num_threads"],
+        args["atom_layout"],
+        args["swap_ab"],
+        use_2cta_instrs=False,
+        cluster_size=1,
+        accum_order=None,
+        cu_total_m_blocks=None,
+        fake_mode=False,
+        hdim_multiple_of=args["hdim_multiple_of"],
+    )
+
+
+_TILE_ORDERS: dict[tuple, Tensor] = {}
+
+
+def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tensor:
+    """``perm`` with ``tile.flatten()[perm]`` the ``[rows, hdim_rounded]`` row-major tile of a
+    flat accumulator tile, learnt from the postprocess (Note [Unrounded block gradients from
+    flash-attn 4]); columns past ``hdim`` are not read and map to 0."""
+    key = (hdim, tuple(sorted(args.items())), device)
+    perm = _TILE_ORDERS.get(key)
+    if perm is not None:
+        return perm
+    rows, hdim_r = args["block_size"], _round_up(hdim, args["hdim_multiple_of"])
+    size = rows * hdim_r
+    flat = torch.arange(size, device=device)
+    index = torch.zeros(rows, hdim, dtype=torch.int64, device=device)
+    out = torch.empty(1, rows, 1, hdim, dtype=torch.bfloat16, device=device)
+    for bit in range(max(1, math.ceil(math.log2(size)))):
+        accum = ((flat >> bit) & 1).to(torch.float32).view(1, 1, size)
+        _convert(interface, accum, out, hdim, args)
+        index |= out[0, :, 0, :].to(torch.int64) << bit
+    perm = torch.zeros(rows, hdim_r, dtype=torch.int64, device=device)
+    perm[:, :hdim] = index
+    if not torch.equal(index.flatten().sort().values, index.flatten().unique()):
+        raise RuntimeError("flash-attn 4's accumulator tile order is not a permutation")
+    _TILE_ORDERS[key] = perm = perm.flatten()
+    return perm
+
+
+def _from_accum(
+    accum: Tensor, perm: Tensor, rows: int, seq: int, hdim: int, scale: float
+) -> Tensor:
+    """``scale * accum`` as a ``[B, S, H, D]`` fp32 view of a fresh tensor (Note [Unrounded
+    block gradients from flash-attn 4])."""
+    B, H, n = accum.shape
+    tile = perm.numel()
+    rows_total = n // tile * rows
+    x = accum.view(B, H, n // tile, tile).index_select(-1, perm)
+    x = x.view(B, H, rows_total, tile // rows)[:, :, :seq, :hdim]
+    if scale != 1.0:
+        x.mul_(scale)
+    return x.transpose(1, 2)
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def unrounded_backward(
+    interface: ModuleType,
+    dout_BSHD: Tensor,
+    q_BSHD: Tensor,
+    k_BSHD: Tensor,
+    v_BSHD: Tensor,
+    out_BSHD: Tensor,
+    lse_BHS: Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    window_size_left: int | None,
+    window_size_right: int | None,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``_flash_attn_bwd``'s ``(dq, dk, dv)`` of one dense block, before rounding: dq in fp32,
+    and dk, dv in fp32 for GQA (``H > H_kv``; with ``H == H_kv`` the kernel writes them in the
+    input dtype itself). fp32 results are ``[B, S, H, D]`` views (Note [Unrounded block
+    gradients from flash-attn 4]). Call only where :func:`unrounded_reason` is None."""
+    iface = interface
+    causal, local, left, right = iface._resolve_causal_local_window(
+        causal, window_size_left, window_size_right
+    )
+    batch, seqlen_q, num_head, head_dim = q_BSHD.shape
+    seqlen_k, num_head_kv, head_dim_v = k_BSHD.shape[1], k_BSHD.shape[2], v_BSHD.shape[-1]
+    group = num_head // num_head_kv
+    cfg, multiple = _config(iface, head_dim, head_dim_v, causal, local)
+    m, n = cfg.m_block_size, cfg.n_block_size
+    q, k, v, out, dout, lse = (
+        iface.maybe_contiguous(t) for t in (q_BSHD, k_BSHD, v_BSHD, out_BSHD, dout_BSHD, lse_BHS)
+    )
+    seq_q_r, seq_k_r = _round_up(seqlen_q, m), _round_up(seqlen_k, n)
+    hd_r, hdv_r = _round_up(head_dim, multiple), _round_up(head_dim_v, multiple)
+    f32, device = torch.float32, q.device
+    dq_accum = torch.empty(batch, num_head, seq_q_r * hd_r, dtype=f32, device=device)
+    dpsum = torch.empty(batch, num_head, seq_q_r, dtype=f32, device=device)
+    lse_log2 = torch.empty(batch, num_head, seq_q_r, dtype=f32, device=device)
+    if group > 1:
+        dk = torch.zeros(batch, num_head_kv, seq_k_r * hd_r, dtype=f32, device=device)
+        dv = torch.zeros(batch, num_head_kv, seq_k_r * hdv_r, dtype=f32, device=device)
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    semaphores = (
+        (
+            torch.zeros(batch, num_head, seq_q_r // m, 1, dtype=torch.int32, device=device),
+            *(
+                torch.zeros(batch, num_head_kv, seq_k_r // n, 2, dtype=torch.int32, device=device)
+                if group > 1
+                else None
+                for _ in range(2)
+            ),
+        )
+        if deterministic
+        else (None, None, None)
+    )
+    dtype = iface.torch2cute_dtype_map[q.dtype]
+    iface._bwd_preprocess(
+        out,
+        dout,
+        dpsum,
+        lse,
+        lse_log2,
+        dq_accum,
+        None,
+        None,
+        None,
+        dtype,
+        head_dim,
+        head_dim_v,
+        m,
+        cu_total_m_blocks=None,
+        fake_mode=False,
+        hdim_multiple_of=multiple,
+    )
+    key = (
+        dtype,
+        head_dim,
+        head_dim_v,
+        group,
+        causal,
+        local,
+        left is not None,
+        right is not None,
+        deterministic,
+        *(iface.get_broadcast_dims(t) for t in (q, k, v, dout)),
+        seq_q_r == m,  # _flash_attn_bwd's guard against TVM stride poisoning
+        seq_k_r == n,
+    )
+    tensors = [q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk, dv]
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _compile(iface, cfg, key, tensors, semaphores, scale, left, right)
+        _COMPILED[key] = compiled
+    compiled(
+        *tensors,
+        scale,
+        None,
+        None,
+        None,
+        None,
+        left,
+        right,
+        *semaphores,
+        iface.AuxData(None, None),
+        None,
+        None,
+    )
+    dq = _from_accum(
+        dq_accum,
+        _tile_order(iface, head_dim, _postprocess_args(iface, cfg, multiple, "dq"), device),
+        m,
+        seqlen_q,
+        head_dim,
+        scale,
+    )
+    if group > 1:
+        args = _postprocess_args(iface, cfg, multiple, "dkv")
+        perm_k, perm_v = (_tile_order(iface, d, args, device) for d in (head_dim, head_dim_v))
+        dk = _from_accum(dk, perm_k, n, seqlen_k, head_dim, scale)
+        dv = _from_accum(dv, perm_v, n, seqlen_k, head_dim_v, 1.0)
+    return dq, dk, dv
+
+
+def _compile(iface, cfg, key, tensors, semaphores, scale, left, right):
+    """The sm90 main backward kernel, compiled as ``_flash_attn_bwd`` compiles it."""
+    dtype, head_dim, head_dim_v, group, causal, local, *_ = key
+    deterministic = key[8]
+    cute = iface.cute
+    kernel = iface.FlashAttentionBackwardSm90(
+        dtype,
+        head_dim,
+        head_dim_v,
+        group,
+        causal,
+        is_local=local,
+        deterministic=deterministic,
+        tile_m=cfg.m_block_size,
+        tile_n=cfg.n_block_size,
+        Q_stage=cfg.num_stages_Q,
+        dO_stage=cfg.num_stages_dO,
+        PdS_stage=cfg.num_stages_PdS,
+        SdP_swapAB=cfg.SdP_swapAB,
+        dKV_swapAB=cfg.dKV_swapAB,
+        dQ_swapAB=cfg.dQ_swapAB,
+        AtomLayoutMSdP=cfg.AtomLayoutMSdP,
+        AtomLayoutNdKV=cfg.AtomLayoutNdKV,
+        AtomLayoutMdQ=cfg.AtomLayoutMdQ,
+        num_threads=(cfg.num_wg + 1) * 128,
+        V_in_regs=False,
+        score_mod=None,
+        score_mod_bwd=None,
+        mask_mod=None,
+        has_aux_tensors=False,
+        q_subtile_factor=2,
+        dQ_single_wg=cfg.dQ_single_wg,
+    )
+    cute_semaphores = [
+        None
+        if t is None
+        else iface.utils.convert_from_dlpack_leading_static(
+            t.detach(), leading_dim=3, alignment=4, stride_order=t.dim_order()
+        )
+        for t in semaphores
+    ]
+    return cute.compile(
+        kernel,
+        *(iface.to_cute_tensor(t) for t in tensors),
+        scale,
+        None,
+        None,
+        None,
+        None,
+        left,
+        right,
+        *cute_semaphores,
+        iface.AuxData(None, None),
+        None,
+        None,
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options="--enable-tvm-ffi",
+    )
