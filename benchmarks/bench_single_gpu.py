@@ -253,7 +253,9 @@ def rounded_block_grads(backend: str, rounded: bool):
 def block_grads_variants(backend: str, a) -> list[bool]:
     """``rounded`` values to measure: with --compare-rounded and a backend that has unrounded
     block gradients, both."""
-    return [False, True] if a.compare_rounded and get_kernel(backend).unrounded_grads else [False]
+    if not (a.compare_rounded and get_kernel(backend).unrounded_grads):
+        return [False]
+    return [True, False] if a.rounded_first else [False, True]
 
 
 def block_grads_name(backend: str) -> str:
@@ -621,6 +623,7 @@ def main() -> None:
         action="store_true",
         help="also measure backends with fp32 block gradients with their plain backward",
     )
+    p.add_argument("--rounded-first", action="store_true", help="that one first")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--link-gbps", type=float, default=450.0, help="GB/s per direction")
     p.add_argument("--overhead-seq", default="1024,8192", help="W = 1 fixed cost at these S")

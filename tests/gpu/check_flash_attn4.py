@@ -370,7 +370,7 @@ def unrounded_part() -> None:
                 out, lse = kernel.forward(q, k, v, **kw)
                 plain = kernel.backward(dout, q, k, v, out, lse, **kw)
                 fp32 = kernel.backward(dout, q, k, v, out, lse, **kw, unrounded=True)
-                ref = reference(q, k, v, dout, **kw)
+                ref = reference(q, k, v, dout, causal=causal, window=window)
                 for name, p, u in zip(("dq", "dk", "dv"), plain, fp32, strict=True):
                     row[name] = dict(
                         dtype=str(u.dtype),
