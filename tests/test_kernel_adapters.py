@@ -1269,6 +1269,21 @@ def test_flash_attn4_unrounded_grads(
             assert _rounded_once(x.to(p.dtype), w), name
 
 
+def test_flash_attn4_unrounded_grads_under_graph_capture(flash_attn4_pieces, monkeypatch):
+    """While a CUDA graph is captured, a configuration whose tile orders are not learnt yet
+    runs the plain backward (learning them synchronises); once learnt, the fp32 one."""
+    q = torch.randn(1, 40, 4, 8).to(torch.bfloat16)
+    k = torch.randn(1, 40, 2, 8).to(torch.bfloat16)
+    out, lse = FLASH4.forward(q, k, k, causal=True, scale=SCALE)
+    kw = dict(causal=True, scale=SCALE, unrounded=True)
+    monkeypatch.setattr(flash_attn4_grads, "_capturing", lambda device: True)
+    assert [g.dtype for g in FLASH4.backward(q, q, k, k, out, lse, **kw)] == [torch.bfloat16] * 3
+    monkeypatch.setattr(flash_attn4_grads, "_capturing", lambda device: False)
+    FLASH4.backward(q, q, k, k, out, lse, **kw)  # a warm-up call outside the capture
+    monkeypatch.setattr(flash_attn4_grads, "_capturing", lambda device: True)
+    assert [g.dtype for g in FLASH4.backward(q, q, k, k, out, lse, **kw)] == [torch.float32] * 3
+
+
 def _rounded_once(x: Tensor, ref: Tensor) -> bool:
     """Whether bf16 ``x`` is within half a bf16 unit in the last place of fp64 ``ref``, with
     slack for fp32 sums on the way (1e-6 of the largest value: cancellation in a sum of

@@ -174,30 +174,33 @@ class FlashAttn4Kernel(BlockKernel):
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
         interface = _interface()
-        if unrounded_reason(interface) is not None:
-            return self._backward(
+        grads = None
+        if unrounded_reason(interface) is None:
+            grads = unrounded_backward(
+                interface,
                 dout_BSHD,
                 q_BSHD,
                 k_BSHD,
                 v_BSHD,
                 out_BSHD,
                 lse_BHS,
-                causal=causal,
                 scale=scale,
-                window=window,
+                causal=causal,
+                deterministic=torch.are_deterministic_algorithms_enabled(),
+                **_window_args(window),
             )
-        return unrounded_backward(
-            interface,
+        if grads is not None:
+            return grads
+        return self._backward(  # see unrounded_reason and unrounded_backward
             dout_BSHD,
             q_BSHD,
             k_BSHD,
             v_BSHD,
             out_BSHD,
             lse_BHS,
-            scale=scale,
             causal=causal,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            **_window_args(window),
+            scale=scale,
+            window=window,
         )
 
     def _forward_varlen(

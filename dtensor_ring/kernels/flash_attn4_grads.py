@@ -126,11 +126,20 @@ def _convert(interface, accum: Tensor, output: Tensor, hdim: int, args: dict) ->
 _TILE_ORDERS: dict[tuple, Tensor] = {}
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _order_key(hdim: int, args: dict, device: torch.device) -> tuple:
+    return (hdim, tuple(sorted(args.items())), device)
+
+
 def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tensor:
     """``perm`` with ``tile.flatten()[perm]`` the ``[rows, hdim_rounded]`` row-major tile of a
     flat accumulator tile, learnt from the postprocess (Note [Unrounded block gradients from
     flash-attn 4]); columns past ``hdim`` are not read and map to 0."""
-    key = (hdim, tuple(sorted(args.items())), device)
+    key = _order_key(hdim, args, device)
     perm = _TILE_ORDERS.get(key)
     if perm is not None:
         return perm
@@ -193,11 +202,16 @@ def unrounded_backward(
     window_size_left: int | None,
     window_size_right: int | None,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor] | None:
     """``_flash_attn_bwd``'s ``(dq, dk, dv)`` of one dense block, before rounding: dq in fp32,
     and dk, dv in fp32 for GQA (``H > H_kv``; with ``H == H_kv`` the kernel writes them in the
     input dtype itself). fp32 results are ``[B, S, H, D]`` views (Note [Unrounded block
-    gradients from flash-attn 4]). Call only where :func:`unrounded_reason` is None."""
+    gradients from flash-attn 4]). Call only where :func:`unrounded_reason` is None.
+
+    ``None`` (before launching anything) while a CUDA graph is being captured, if this
+    configuration's tile orders are not learnt yet: learning them synchronises, which capture
+    forbids. The caller then runs the plain backward; a warm-up call outside the capture
+    learns them."""
     iface = interface
     causal, local, left, right = iface._resolve_causal_local_window(
         causal, window_size_left, window_size_right
@@ -207,12 +221,20 @@ def unrounded_backward(
     group = num_head // num_head_kv
     cfg, multiple = _config(iface, head_dim, head_dim_v, causal, local)
     m, n = cfg.m_block_size, cfg.n_block_size
+    device = q_BSHD.device
+    orders = [(head_dim, _postprocess_args(iface, cfg, multiple, "dq"))]
+    if group > 1:
+        dkv_args = _postprocess_args(iface, cfg, multiple, "dkv")
+        orders += [(head_dim, dkv_args), (head_dim_v, dkv_args)]
+    if _capturing(device) and any(_order_key(h, a, device) not in _TILE_ORDERS for h, a in orders):
+        return None
+    perms = [_tile_order(iface, h, a, device) for h, a in orders]
     q, k, v, out, dout, lse = (
         iface.maybe_contiguous(t) for t in (q_BSHD, k_BSHD, v_BSHD, out_BSHD, dout_BSHD, lse_BHS)
     )
     seq_q_r, seq_k_r = _round_up(seqlen_q, m), _round_up(seqlen_k, n)
     hd_r, hdv_r = _round_up(head_dim, multiple), _round_up(head_dim_v, multiple)
-    f32, device = torch.float32, q.device
+    f32 = torch.float32
     dq_accum = torch.empty(batch, num_head, seq_q_r * hd_r, dtype=f32, device=device)
     dpsum = torch.empty(batch, num_head, seq_q_r, dtype=f32, device=device)
     lse_log2 = torch.empty(batch, num_head, seq_q_r, dtype=f32, device=device)
@@ -286,19 +308,10 @@ def unrounded_backward(
         None,
         None,
     )
-    dq = _from_accum(
-        dq_accum,
-        _tile_order(iface, head_dim, _postprocess_args(iface, cfg, multiple, "dq"), device),
-        m,
-        seqlen_q,
-        head_dim,
-        scale,
-    )
+    dq = _from_accum(dq_accum, perms[0], m, seqlen_q, head_dim, scale)
     if group > 1:
-        args = _postprocess_args(iface, cfg, multiple, "dkv")
-        perm_k, perm_v = (_tile_order(iface, d, args, device) for d in (head_dim, head_dim_v))
-        dk = _from_accum(dk, perm_k, n, seqlen_k, head_dim, scale)
-        dv = _from_accum(dv, perm_v, n, seqlen_k, head_dim_v, 1.0)
+        dk = _from_accum(dk, perms[1], n, seqlen_k, head_dim, scale)
+        dv = _from_accum(dv, perms[2], n, seqlen_k, head_dim_v, 1.0)
     return dq, dk, dv
 
 
