@@ -1150,6 +1150,19 @@ class FA4BackwardSm90:
         cu_q, cu_k, su_q, su_k, left, right, sem_q, sem_k, sem_v, aux, sparse, cu_blocks = rest
         assert cu_q is cu_k is su_q is su_k is sparse is cu_blocks is None
         assert aux == ("aux", None, None) and (sem_q is None) == (not self.kw["deterministic"])
+        if self.kw["deterministic"]:  # zeroed int32 semaphores, separate for dK and dV
+            B, H, H_kv = q.shape[0], q.shape[2], k.shape[2]
+            n_blocks = _fa4_round_up(k.shape[1], self.kw["tile_n"]) // self.kw["tile_n"]
+            assert sem_q.shape == (B, H, lse_log2.shape[-1] // self.kw["tile_m"], 1)
+            if self.group == 1:
+                assert sem_k is None and sem_v is None
+            else:
+                assert sem_k is not sem_v and sem_k.shape == sem_v.shape == (B, H_kv, n_blocks, 2)
+            assert all(
+                t.dtype == torch.int32 and not t.any()
+                for t in (sem_q, sem_k, sem_v)
+                if t is not None
+            )
         window = (-1, 0) if self.causal else None
         if self.local:
             window = (-1 if left is None else left, -1 if right is None else right)
@@ -1237,6 +1250,7 @@ def flash_attn4_pieces(flash_attn4, monkeypatch: pytest.MonkeyPatch) -> types.Mo
     version = flash_attn4_grads.CHECKED_VERSION
     monkeypatch.setattr(flash_attn4_grads, "_installed_version", lambda: version)
     monkeypatch.setattr(flash_attn4_grads, "_COMPILED", {})
+    monkeypatch.setattr(flash_attn4_grads, "_PLANS", {})
     monkeypatch.setattr(flash_attn4_grads, "_TILE_ORDERS", {})
     return interface
 
@@ -1244,7 +1258,7 @@ def flash_attn4_pieces(flash_attn4, monkeypatch: pytest.MonkeyPatch) -> types.Mo
 @pytest.mark.parametrize("s_q,s_k,causal,window,fa4_window", WINDOWS)
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 def test_flash_attn4_unrounded_grads(
-    flash_attn4_pieces, s_q, s_k, causal, window, fa4_window, num_kv_heads
+    flash_attn4_pieces, monkeypatch, s_q, s_k, causal, window, fa4_window, num_kv_heads
 ):
     """``unrounded=True``: dq in fp32, dk and dv too with GQA (else in bf16), each the fp64
     gradient to fp32 precision (bf16: rounded once). On the H200, rounded, they are bitwise
@@ -1254,7 +1268,11 @@ def test_flash_attn4_unrounded_grads(
     q = torch.randn(B, s_q, H, D, generator=g).to(torch.bfloat16)
     k, v = torch.randn(2, B, s_k, num_kv_heads, D, generator=g).to(torch.bfloat16).unbind(0)
     dout = torch.randn(B, s_q, H, D, generator=g).to(torch.bfloat16)
-    for scale in (SCALE, -SCALE):  # a negative scale folds into q (Note [Kernel inputs])
+    cases = [(SCALE, False), (-SCALE, False), (SCALE, True)]  # -SCALE folds into q
+    for scale, deterministic in cases:
+        monkeypatch.setattr(
+            torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d
+        )
         kw = dict(causal=causal, scale=scale, window=window)
         out, lse = FLASH4.forward(q, k, v, **kw)
         got = FLASH4.backward(dout, q, k, v, out, lse, **kw, unrounded=True)

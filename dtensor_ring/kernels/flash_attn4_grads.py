@@ -42,6 +42,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import math
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -160,19 +161,21 @@ def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tenso
     return perm
 
 
-def _from_accum(
-    accum: Tensor, perm: Tensor, rows: int, seq: int, hdim: int, scale: float
-) -> Tensor:
-    """``scale * accum`` as a ``[B, S, H, D]`` fp32 view of ``accum``, whose tiles are put in
-    row-major order in place (Note [Unrounded block gradients from flash-attn 4])."""
-    B, H, n = accum.shape
-    tile = perm.numel()
-    untile = _triton_untile() if accum.is_cuda else None
+def _untile_(accums: list[Tensor], perms: list[Tensor], scales: list[float]) -> None:
+    """Each ``accum`` (``[B, H, n_tiles * tile]``) scaled and in row-major tile order, in place:
+    one Triton launch on CUDA (Note [Unrounded block gradients from flash-attn 4])."""
+    untile = _triton_untile() if accums[0].is_cuda else None
     if untile is not None:
-        untile(accum, perm, scale)
-    else:
-        tiles = accum.view(B, H, n // tile, tile)
+        untile(accums, perms, scales)
+        return
+    for accum, perm, scale in zip(accums, perms, scales, strict=True):
+        tiles = accum.view(-1, perm.numel())
         tiles.copy_(tiles.index_select(-1, perm).mul_(scale))
+
+
+def _as_BSHD(accum: Tensor, rows: int, tile: int, seq: int, hdim: int) -> Tensor:
+    """The ``[B, S, H, D]`` view of an accumulator in row-major tile order."""
+    B, H, n = accum.shape
     return accum.view(B, H, n // tile * rows, tile // rows)[:, :, :seq, :hdim].transpose(1, 2)
 
 
@@ -185,6 +188,70 @@ def _triton_untile():
     return triton_untile_
 
 
+@dataclass
+class _BlockPlan:
+    """What a block's shapes and options fix, worked out once per signature (host time)."""
+
+    cfg: object
+    multiple: int
+    causal: bool
+    local: bool
+    left: int | None
+    right: int | None
+    seq_q_r: int
+    seq_k_r: int
+    hd_r: int
+    hdv_r: int
+    key: tuple  # of the compiled main kernel
+    orders: list[tuple[int, dict]]  # (head dim, postprocess arguments) of dq (dk, dv)
+    perms: list[Tensor] | None = None  # their tile orders, once learnt
+
+
+def _block_plan(iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic):
+    causal, local, left, right = iface._resolve_causal_local_window(
+        causal, window_size_left, window_size_right
+    )
+    seqlen_q, num_head, head_dim = q.shape[1:]
+    seqlen_k, num_head_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    group = num_head // num_head_kv
+    cfg, multiple = _config(iface, head_dim, head_dim_v, causal, local)
+    m, n = cfg.m_block_size, cfg.n_block_size
+    seq_q_r, seq_k_r = _round_up(seqlen_q, m), _round_up(seqlen_k, n)
+    orders = [(head_dim, _postprocess_args(iface, cfg, multiple, "dq"))]
+    if group > 1:
+        dkv_args = _postprocess_args(iface, cfg, multiple, "dkv")
+        orders += [(head_dim, dkv_args), (head_dim_v, dkv_args)]
+    key = (
+        iface.torch2cute_dtype_map[q.dtype],
+        head_dim,
+        head_dim_v,
+        group,
+        causal,
+        local,
+        left is not None,
+        right is not None,
+        deterministic,
+        *(iface.get_broadcast_dims(t) for t in (q, k, v, dout)),
+        seq_q_r == m,  # _flash_attn_bwd's guard against TVM stride poisoning
+        seq_k_r == n,
+    )
+    return _BlockPlan(
+        cfg,
+        multiple,
+        causal,
+        local,
+        left,
+        right,
+        seq_q_r,
+        seq_k_r,
+        _round_up(head_dim, multiple),
+        _round_up(head_dim_v, multiple),
+        key,
+        orders,
+    )
+
+
+_PLANS: dict[tuple, _BlockPlan] = {}
 _COMPILED: dict[tuple, object] = {}
 
 
@@ -213,50 +280,53 @@ def unrounded_backward(
     forbids. The caller then runs the plain backward; a warm-up call outside the capture
     learns them."""
     iface = interface
-    causal, local, left, right = iface._resolve_causal_local_window(
-        causal, window_size_left, window_size_right
-    )
-    batch, seqlen_q, num_head, head_dim = q_BSHD.shape
-    seqlen_k, num_head_kv, head_dim_v = k_BSHD.shape[1], k_BSHD.shape[2], v_BSHD.shape[-1]
-    group = num_head // num_head_kv
-    cfg, multiple = _config(iface, head_dim, head_dim_v, causal, local)
-    m, n = cfg.m_block_size, cfg.n_block_size
-    device = q_BSHD.device
-    orders = [(head_dim, _postprocess_args(iface, cfg, multiple, "dq"))]
-    if group > 1:
-        dkv_args = _postprocess_args(iface, cfg, multiple, "dkv")
-        orders += [(head_dim, dkv_args), (head_dim_v, dkv_args)]
-    if _capturing(device) and any(_order_key(h, a, device) not in _TILE_ORDERS for h, a in orders):
-        return None
-    perms = [_tile_order(iface, h, a, device) for h, a in orders]
     q, k, v, out, dout, lse = (
         iface.maybe_contiguous(t) for t in (q_BSHD, k_BSHD, v_BSHD, out_BSHD, dout_BSHD, lse_BHS)
     )
-    seq_q_r, seq_k_r = _round_up(seqlen_q, m), _round_up(seqlen_k, n)
-    hd_r, hdv_r = _round_up(head_dim, multiple), _round_up(head_dim_v, multiple)
-    f32 = torch.float32
-    dq_accum = torch.empty(batch, num_head, seq_q_r * hd_r, dtype=f32, device=device)
+    device = q.device
+    signature = (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        device,
+        causal,
+        window_size_left,
+        window_size_right,
+        deterministic,
+        *(0 in t.stride() and iface.get_broadcast_dims(t) for t in (q, k, v, dout)),
+    )
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS[signature] = _block_plan(
+            iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic
+        )
+    if plan.perms is None:
+        if _capturing(device) and any(
+            _order_key(h, a, device) not in _TILE_ORDERS for h, a in plan.orders
+        ):
+            return None
+        plan.perms = [_tile_order(iface, h, a, device) for h, a in plan.orders]
+    batch, seqlen_q, num_head, head_dim = q.shape
+    seqlen_k, num_head_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    gqa = num_head > num_head_kv
+    m, n = plan.cfg.m_block_size, plan.cfg.n_block_size
+    seq_q_r, seq_k_r, f32 = plan.seq_q_r, plan.seq_k_r, torch.float32
+    dq_accum = torch.empty(batch, num_head, seq_q_r * plan.hd_r, dtype=f32, device=device)
     dpsum = torch.empty(batch, num_head, seq_q_r, dtype=f32, device=device)
     lse_log2 = torch.empty(batch, num_head, seq_q_r, dtype=f32, device=device)
-    if group > 1:
-        dk = torch.zeros(batch, num_head_kv, seq_k_r * hd_r, dtype=f32, device=device)
-        dv = torch.zeros(batch, num_head_kv, seq_k_r * hdv_r, dtype=f32, device=device)
+    if gqa:
+        dk = torch.zeros(batch, num_head_kv, seq_k_r * plan.hd_r, dtype=f32, device=device)
+        dv = torch.zeros(batch, num_head_kv, seq_k_r * plan.hdv_r, dtype=f32, device=device)
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-    semaphores = (
-        (
-            torch.zeros(batch, num_head, seq_q_r // m, 1, dtype=torch.int32, device=device),
-            *(
-                torch.zeros(batch, num_head_kv, seq_k_r // n, 2, dtype=torch.int32, device=device)
-                if group > 1
-                else None
-                for _ in range(2)
-            ),
+    semaphores = (None, None, None)
+    if deterministic:
+        shapes = [(batch, num_head, seq_q_r // m, 1)] + [(batch, num_head_kv, seq_k_r // n, 2)] * 2
+        semaphores = tuple(
+            torch.zeros(shape, dtype=torch.int32, device=device) if i == 0 or gqa else None
+            for i, shape in enumerate(shapes)
         )
-        if deterministic
-        else (None, None, None)
-    )
-    dtype = iface.torch2cute_dtype_map[q.dtype]
     iface._bwd_preprocess(
         out,
         dout,
@@ -267,58 +337,35 @@ def unrounded_backward(
         None,
         None,
         None,
-        dtype,
+        plan.key[0],
         head_dim,
         head_dim_v,
         m,
         cu_total_m_blocks=None,
         fake_mode=False,
-        hdim_multiple_of=multiple,
-    )
-    key = (
-        dtype,
-        head_dim,
-        head_dim_v,
-        group,
-        causal,
-        local,
-        left is not None,
-        right is not None,
-        deterministic,
-        *(iface.get_broadcast_dims(t) for t in (q, k, v, dout)),
-        seq_q_r == m,  # _flash_attn_bwd's guard against TVM stride poisoning
-        seq_k_r == n,
+        hdim_multiple_of=plan.multiple,
     )
     tensors = [q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk, dv]
-    compiled = _COMPILED.get(key)
+    compiled = _COMPILED.get(plan.key)
     if compiled is None:
-        compiled = _compile(iface, cfg, key, tensors, semaphores, scale, left, right)
-        _COMPILED[key] = compiled
-    compiled(
-        *tensors,
-        scale,
-        None,
-        None,
-        None,
-        None,
-        left,
-        right,
-        *semaphores,
-        iface.AuxData(None, None),
-        None,
-        None,
-    )
-    dq = _from_accum(dq_accum, perms[0], m, seqlen_q, head_dim, scale)
-    if group > 1:
-        dk = _from_accum(dk, perms[1], n, seqlen_k, head_dim, scale)
-        dv = _from_accum(dv, perms[2], n, seqlen_k, head_dim_v, 1.0)
+        compiled = _COMPILED[plan.key] = _compile(iface, plan, tensors, semaphores, scale)
+    left, right = plan.left, plan.right
+    null = iface.AuxData(None, None)
+    compiled(*tensors, scale, None, None, None, None, left, right, *semaphores, null, None, None)
+    accums, scales = [dq_accum, dk, dv][: len(plan.perms)], [scale, scale, 1.0]
+    _untile_(accums, plan.perms, scales[: len(accums)])
+    tile_q, tile_k = m * plan.hd_r, n * plan.hd_r
+    dq = _as_BSHD(dq_accum, m, tile_q, seqlen_q, head_dim)
+    if gqa:
+        dk = _as_BSHD(dk, n, tile_k, seqlen_k, head_dim)
+        dv = _as_BSHD(dv, n, n * plan.hdv_r, seqlen_k, head_dim_v)
     return dq, dk, dv
 
 
-def _compile(iface, cfg, key, tensors, semaphores, scale, left, right):
+def _compile(iface, plan: _BlockPlan, tensors, semaphores, scale):
     """The sm90 main backward kernel, compiled as ``_flash_attn_bwd`` compiles it."""
-    dtype, head_dim, head_dim_v, group, causal, local, *_ = key
-    deterministic = key[8]
+    dtype, head_dim, head_dim_v, group, causal, local, *_ = plan.key
+    deterministic, cfg, left, right = plan.key[8], plan.cfg, plan.left, plan.right
     cute = iface.cute
     kernel = iface.FlashAttentionBackwardSm90(
         dtype,

@@ -14,7 +14,8 @@ local shard, as the engine passes them.
   window): errors against fp64, ratio against ``cuda_flash`` (cuDNN has neither).
 * deterministic backward (``torch.use_deterministic_algorithms(True)``): two runs bitwise equal.
 * fp32 block gradients (``unrounded=True``, Note [Unrounded block gradients from flash-attn 4]):
-  rounded, bitwise the plain backward's; errors of both against fp64.
+  rounded, bitwise the plain backward's; errors of both against fp64; the time of one backward
+  and the host time to issue it, for both.
 * the ring: ``simulate_ring`` (zigzag, 4 ranks, 8192 tokens, causal; and with a window) and
   the functional API on a real 1-rank NCCL group, ``backend="flash_attn4"`` (with fp32 block
   gradients, and "flash_attn4 rounded" with its plain backward) vs ``cudnn`` / ``cuda_flash``,
@@ -140,6 +141,17 @@ def median_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> floa
         events.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def host_us(fn: Callable[[], object], calls: int = 50) -> float:
+    """Host microseconds to issue one call: ``calls`` back to back, no synchronisation."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
 
 
 def first_call_s(fn: Callable[[], object]) -> float:
@@ -371,6 +383,11 @@ def unrounded_part() -> None:
                 plain = kernel.backward(dout, q, k, v, out, lse, **kw)
                 fp32 = kernel.backward(dout, q, k, v, out, lse, **kw, unrounded=True)
                 ref = reference(q, k, v, dout, causal=causal, window=window)
+                args = (dout, q, k, v, out, lse)
+                for what, grads in (("plain", False), ("fp32", True)):
+                    call = functools.partial(kernel.backward, *args, **kw, unrounded=grads)
+                    row[f"ms_{what}"] = median_ms(call)
+                    row[f"host_us_{what}"] = host_us(call)
                 for name, p, u in zip(("dq", "dk", "dv"), plain, fp32, strict=True):
                     row[name] = dict(
                         dtype=str(u.dtype),
