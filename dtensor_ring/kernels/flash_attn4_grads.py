@@ -173,10 +173,11 @@ def _untile_(accums: list[Tensor], perms: list[Tensor], scales: list[float]) -> 
         tiles.copy_(tiles.index_select(-1, perm).mul_(scale))
 
 
-def _as_BSHD(accum: Tensor, rows: int, tile: int, seq: int, hdim: int) -> Tensor:
-    """The ``[B, S, H, D]`` view of an accumulator in row-major tile order."""
+def _as_BSHD(accum: Tensor, hdim_r: int, seq: int, hdim: int) -> Tensor:
+    """The ``[B, S, H, D]`` view of an accumulator in row-major tile order: row ``s`` of head
+    ``h`` starts at ``h * n + s * hdim_r`` (one op: host time)."""
     B, H, n = accum.shape
-    return accum.view(B, H, n // tile * rows, tile // rows)[:, :, :seq, :hdim].transpose(1, 2)
+    return accum.as_strided((B, seq, H, hdim), (H * n, hdim_r, n, 1))
 
 
 @functools.cache
@@ -354,11 +355,10 @@ def unrounded_backward(
     compiled(*tensors, scale, None, None, None, None, left, right, *semaphores, null, None, None)
     accums, scales = [dq_accum, dk, dv][: len(plan.perms)], [scale, scale, 1.0]
     _untile_(accums, plan.perms, scales[: len(accums)])
-    tile_q, tile_k = m * plan.hd_r, n * plan.hd_r
-    dq = _as_BSHD(dq_accum, m, tile_q, seqlen_q, head_dim)
+    dq = _as_BSHD(dq_accum, plan.hd_r, seqlen_q, head_dim)
     if gqa:
-        dk = _as_BSHD(dk, n, tile_k, seqlen_k, head_dim)
-        dv = _as_BSHD(dv, n, n * plan.hdv_r, seqlen_k, head_dim_v)
+        dk = _as_BSHD(dk, plan.hd_r, seqlen_k, head_dim)
+        dv = _as_BSHD(dv, plan.hdv_r, seqlen_k, head_dim_v)
     return dq, dk, dv
 
 
