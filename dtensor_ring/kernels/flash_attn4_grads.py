@@ -28,6 +28,10 @@ On CUDA the reorder is one Triton kernel, in place (``_triton_tiles.py``): no se
 of the accumulator. What a block's backward hands back is then the fp32 accumulator where
 flash-attn 4 hands back a bf16 copy of it (+64 MiB for dq at 8192 tokens, 32 heads of 128).
 
+Whether a block takes this path (the installed version, the GPU, a graph capture) is a fact of
+one rank; it changes what the rank adds, never what it sends: the ring's dK/dV accumulators are
+fp32 either way.
+
 Which pieces we call, with which arguments, is copied from ``_flash_attn_bwd`` of
 ``flash-attn-4==4.0.0b36`` (dense, sm90, no sinks, score_mod, block sparsity or dlse): private
 functions, so :func:`unrounded_reason` accepts only that version and sm90, and every other
