@@ -174,34 +174,21 @@ class FlashAttn4Kernel(BlockKernel):
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
         interface = _interface()
+        tensors = (dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS)
         grads = None
         if unrounded_reason(interface) is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
             grads = unrounded_backward(
                 interface,
-                dout_BSHD,
-                q_BSHD,
-                k_BSHD,
-                v_BSHD,
-                out_BSHD,
-                lse_BHS,
+                *tensors,
                 scale=scale,
                 causal=causal,
-                deterministic=torch.are_deterministic_algorithms_enabled(),
+                deterministic=deterministic,
                 **_window_args(window),
             )
-        if grads is not None:
-            return grads
-        return self._backward(  # see unrounded_reason and unrounded_backward
-            dout_BSHD,
-            q_BSHD,
-            k_BSHD,
-            v_BSHD,
-            out_BSHD,
-            lse_BHS,
-            causal=causal,
-            scale=scale,
-            window=window,
-        )
+        if grads is None:  # see unrounded_reason and unrounded_backward
+            grads = self._backward(*tensors, causal=causal, scale=scale, window=window)
+        return grads
 
     def _forward_varlen(
         self,
