@@ -1302,6 +1302,25 @@ def test_flash_attn4_unrounded_grads_under_graph_capture(flash_attn4_pieces, mon
     assert [g.dtype for g in FLASH4.backward(q, q, k, k, out, lse, **kw)] == [torch.float32] * 3
 
 
+def test_flash_attn4_unrounded_grads_checks_the_postprocess(flash_attn4_pieces, monkeypatch):
+    """A postprocess that is not a pure reorder of its tile (here: it also adds 1 to one
+    element) fails the check of the learnt order: the plain backward runs, every time."""
+
+    def not_a_reorder(accum, output, *args, **kw):
+        fa4_bwd_postprocess_convert(accum, output, *args, **kw)
+        output[0, 0, 0, 0] += 1
+
+    monkeypatch.setattr(flash_attn4_pieces, "_bwd_postprocess_convert", not_a_reorder)
+    q = torch.randn(1, 40, 4, 8).to(torch.bfloat16)
+    k = torch.randn(1, 40, 2, 8).to(torch.bfloat16)
+    out, lse = FLASH4.forward(q, k, k, causal=True, scale=SCALE)
+    plain = FLASH4.backward(q, q, k, k, out, lse, causal=True, scale=SCALE)
+    for _ in range(2):
+        got = FLASH4.backward(q, q, k, k, out, lse, causal=True, scale=SCALE, unrounded=True)
+        assert [g.dtype for g in got] == [p.dtype for p in plain]
+        assert all(torch.equal(g, p) for g, p in zip(got, plain, strict=True))
+
+
 def _rounded_once(x: Tensor, ref: Tensor) -> bool:
     """Whether bf16 ``x`` is within half a bf16 unit in the last place of fp64 ``ref``, with
     slack for fp32 sums on the way (1e-6 of the largest value: cancellation in a sum of

@@ -128,7 +128,7 @@ def _convert(interface, accum: Tensor, output: Tensor, hdim: int, args: dict) ->
     )
 
 
-_TILE_ORDERS: dict[tuple, Tensor] = {}
+_TILE_ORDERS: dict[tuple, Tensor | None] = {}
 
 
 def _capturing(device: torch.device) -> bool:
@@ -140,14 +140,15 @@ def _order_key(hdim: int, args: dict, device: torch.device) -> tuple:
     return (hdim, tuple(sorted(args.items())), device)
 
 
-def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tensor:
+def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tensor | None:
     """``perm`` with ``tile.flatten()[perm]`` the ``[rows, hdim_rounded]`` row-major tile of a
     flat accumulator tile, learnt from the postprocess (Note [Unrounded block gradients from
-    flash-attn 4]); columns past ``hdim`` are not read and map to 0."""
+    flash-attn 4]); columns past ``hdim`` are not read and map to 0. Checked once on a tile of
+    random integers (exact in bf16): None if the postprocess is not that reorder (then the
+    plain backward runs)."""
     key = _order_key(hdim, args, device)
-    perm = _TILE_ORDERS.get(key)
-    if perm is not None:
-        return perm
+    if key in _TILE_ORDERS:
+        return _TILE_ORDERS[key]
     rows, hdim_r = args["block_size"], _round_up(hdim, args["hdim_multiple_of"])
     size = rows * hdim_r
     flat = torch.arange(size, device=device)
@@ -159,10 +160,15 @@ def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tenso
         index |= out[0, :, 0, :].to(torch.int64) << bit
     perm = torch.zeros(rows, hdim_r, dtype=torch.int64, device=device)
     perm[:, :hdim] = index
-    if not torch.equal(index.flatten().sort().values, index.flatten().unique()):
-        raise RuntimeError("flash-attn 4's accumulator tile order is not a permutation")
-    _TILE_ORDERS[key] = perm = perm.flatten()
-    return perm
+    perm = perm.flatten()
+    values = torch.randint(-128, 128, (size,), generator=torch.Generator().manual_seed(size))
+    values = values.to(device=device, dtype=torch.float32)
+    _convert(interface, values.view(1, 1, size), out, hdim, args)
+    ok = bool(index.lt(size).all()) and torch.equal(
+        out[0, :, 0, :].float(), values[perm].view(rows, hdim_r)[:, :hdim]
+    )
+    _TILE_ORDERS[key] = perm if ok else None
+    return _TILE_ORDERS[key]
 
 
 def _untile_(accums: list[Tensor], perms: list[Tensor], scales: list[float]) -> None:
@@ -280,10 +286,10 @@ def unrounded_backward(
     input dtype itself). fp32 results are ``[B, S, H, D]`` views (Note [Unrounded block
     gradients from flash-attn 4]). Call only where :func:`unrounded_reason` is None.
 
-    ``None`` (before launching anything) while a CUDA graph is being captured, if this
-    configuration's tile orders are not learnt yet: learning them synchronises, which capture
-    forbids. The caller then runs the plain backward; a warm-up call outside the capture
-    learns them."""
+    ``None`` (before launching anything; the caller then runs the plain backward) where the
+    postprocess of this configuration failed the check of :func:`_tile_order`, and while a
+    CUDA graph is being captured if its tile orders are not learnt yet: learning them
+    synchronises, which capture forbids (a warm-up call outside the capture learns them)."""
     iface = interface
     q, k, v, out, dout, lse = (
         iface.maybe_contiguous(t) for t in (q_BSHD, k_BSHD, v_BSHD, out_BSHD, dout_BSHD, lse_BHS)
@@ -312,6 +318,8 @@ def unrounded_backward(
         ):
             return None
         plan.perms = [_tile_order(iface, h, a, device) for h, a in plan.orders]
+    if None in plan.perms:  # a postprocess that is not a reorder (_tile_order)
+        return None
     batch, seqlen_q, num_head, head_dim = q.shape
     seqlen_k, num_head_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     gqa = num_head > num_head_kv
