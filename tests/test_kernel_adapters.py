@@ -1257,17 +1257,18 @@ def flash_attn4_pieces(flash_attn4, monkeypatch: pytest.MonkeyPatch) -> types.Mo
 
 @pytest.mark.parametrize("s_q,s_k,causal,window,fa4_window", WINDOWS)
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_attn4_unrounded_grads(
-    flash_attn4_pieces, monkeypatch, s_q, s_k, causal, window, fa4_window, num_kv_heads
+    flash_attn4_pieces, monkeypatch, s_q, s_k, causal, window, fa4_window, num_kv_heads, dtype
 ):
-    """``unrounded=True``: dq in fp32, dk and dv too with GQA (else in bf16), each the fp64
-    gradient to fp32 precision (bf16: rounded once). On the H200, rounded, they are bitwise
+    """``unrounded=True``: dq in fp32, dk and dv too with GQA (else in the input dtype), each
+    the fp64 gradient to fp32 precision (else rounded once). On the H200, rounded, they are bitwise
     the plain backward's (tests/gpu/check_flash_attn4.py)."""
     B, H, D = 2, 4, 8
     g = torch.Generator().manual_seed(4)
-    q = torch.randn(B, s_q, H, D, generator=g).to(torch.bfloat16)
-    k, v = torch.randn(2, B, s_k, num_kv_heads, D, generator=g).to(torch.bfloat16).unbind(0)
-    dout = torch.randn(B, s_q, H, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(B, s_q, H, D, generator=g).to(dtype)
+    k, v = torch.randn(2, B, s_k, num_kv_heads, D, generator=g).to(dtype).unbind(0)
+    dout = torch.randn(B, s_q, H, D, generator=g).to(dtype)
     cases = [(SCALE, False), (-SCALE, False), (SCALE, True)]  # -SCALE folds into q
     for scale, deterministic in cases:
         monkeypatch.setattr(
@@ -1280,7 +1281,7 @@ def test_flash_attn4_unrounded_grads(
         want = MATH.backward(*(t.double() for t in (dout, q, k, v, out, lse)), **kw)
         for name, x, p, w in zip(("dq", "dk", "dv"), got, plain, want, strict=True):
             fp32 = name == "dq" or num_kv_heads < H
-            assert x.dtype == (torch.float32 if fp32 else torch.bfloat16), name
+            assert x.dtype == (torch.float32 if fp32 else dtype), name
             assert x.shape == p.shape, name
             if fp32:
                 assert (x.double() - w).abs().max() <= 1e-6 * w.abs().max(), name
@@ -1322,11 +1323,12 @@ def test_flash_attn4_unrounded_grads_checks_the_postprocess(flash_attn4_pieces, 
 
 
 def _rounded_once(x: Tensor, ref: Tensor) -> bool:
-    """Whether bf16 ``x`` is within half a bf16 unit in the last place of fp64 ``ref``, with
-    slack for fp32 sums on the way (1e-6 of the largest value: cancellation in a sum of
+    """Whether ``x`` (bf16 or fp16) is within half a unit in its last place of fp64 ``ref``,
+    with slack for fp32 sums on the way (1e-6 of the largest value: cancellation in a sum of
     blocks leaves fp32's absolute error on a small result; a bf16 block gradient leaves
     hundreds of times more)."""
-    half_ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref).exponent - 9)
+    eps = torch.full_like(ref, torch.finfo(x.dtype).eps)  # the unit in the last place at 1
+    half_ulp = torch.ldexp(eps, torch.frexp(ref).exponent - 2)
     return bool(((x.double() - ref).abs() <= half_ulp + 1e-6 * ref.abs().max()).all())
 
 

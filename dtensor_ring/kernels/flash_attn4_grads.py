@@ -6,7 +6,7 @@ A ring's dq, dk and dv are sums of W block gradients (Note [Ring backward]). A k
 rounds each block's gradient to bf16 before the sum adds W roundings where one device has one.
 flash-attn 4's backward holds dq, and for GQA dk and dv, in fp32 accumulators until its last
 kernel, the *postprocess*, scales them and rounds them to the input dtype. Here we run its
-three kernels ourselves and replace the postprocess by a gather in fp32:
+three kernels ourselves and replace the postprocess by a reorder in fp32:
 
     _flash_attn_bwd (flash-attn 4)            unrounded_backward (here)
     preprocess: dpsum, lse_log2, dq_acc = 0   the same kernel
@@ -17,8 +17,10 @@ three kernels ourselves and replace the postprocess by a gather in fp32:
 The accumulators are flat fp32 tiles, each ``rows x head_dim_rounded`` values in the order of
 the MMA fragments that wrote them, not row-major. That order is the postprocess's to know; we
 learn it from the postprocess itself (:func:`_tile_order`): run it on one tile whose values
-are the bits of their own flat index (0 or 1, exact in bf16), once per bit, and read each
-output element's index back. Cached per configuration; the postprocess is then never run.
+are the bits of their own flat index (0 or 1, exact in bf16 and fp16), once per bit, and read
+each output element's index back; then check the order once on a tile of random integers
+(a configuration that fails runs the plain backward). Cached per configuration and dtype; the
+postprocess is then never run.
 
     accumulator  [B, H, n_tiles * rows * D_r]   (tile t: rows * D_r values, fragment order)
         -> [B, H, n_tiles, rows * D_r][..., perm]  ->  [B, H, S_r, D_r][:, :, :S, :D]
@@ -86,8 +88,9 @@ def _config(interface: ModuleType, head_dim: int, head_dim_v: int, causal: bool,
     return cfg, (64 if cfg.dKV_swapAB else 32)
 
 
-def _postprocess_args(interface, cfg, hdim_multiple_of: int, which: str) -> dict:
-    """The arguments ``_flash_attn_bwd`` gives its postprocess for ``which`` ("dq" or "dkv")."""
+def _postprocess_args(interface, cfg, hdim_multiple_of: int, which: str, dtype) -> dict:
+    """The arguments ``_flash_attn_bwd`` gives its postprocess for ``which`` ("dq" or "dkv"),
+    and the output ``dtype`` (the inputs')."""
     if which == "dq":
         block, threads = cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128
         atom, swap = cfg.AtomLayoutMdQ, cfg.dQ_swapAB
@@ -101,6 +104,7 @@ def _postprocess_args(interface, cfg, hdim_multiple_of: int, which: str) -> dict
         atom_layout=atom,
         swap_ab=swap,
         hdim_multiple_of=hdim_multiple_of,
+        dtype=dtype,
     )
 
 
@@ -153,7 +157,7 @@ def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tenso
     size = rows * hdim_r
     flat = torch.arange(size, device=device)
     index = torch.zeros(rows, hdim, dtype=torch.int64, device=device)
-    out = torch.empty(1, rows, 1, hdim, dtype=torch.bfloat16, device=device)
+    out = torch.empty(1, rows, 1, hdim, dtype=args["dtype"], device=device)
     for bit in range(max(1, math.ceil(math.log2(size)))):
         accum = ((flat >> bit) & 1).to(torch.float32).view(1, 1, size)
         _convert(interface, accum, out, hdim, args)
@@ -228,9 +232,9 @@ def _block_plan(iface, q, k, v, dout, causal, window_size_left, window_size_righ
     cfg, multiple = _config(iface, head_dim, head_dim_v, causal, local)
     m, n = cfg.m_block_size, cfg.n_block_size
     seq_q_r, seq_k_r = _round_up(seqlen_q, m), _round_up(seqlen_k, n)
-    orders = [(head_dim, _postprocess_args(iface, cfg, multiple, "dq"))]
+    orders = [(head_dim, _postprocess_args(iface, cfg, multiple, "dq", q.dtype))]
     if group > 1:
-        dkv_args = _postprocess_args(iface, cfg, multiple, "dkv")
+        dkv_args = _postprocess_args(iface, cfg, multiple, "dkv", q.dtype)
         orders += [(head_dim, dkv_args), (head_dim_v, dkv_args)]
     key = (
         iface.torch2cute_dtype_map[q.dtype],
