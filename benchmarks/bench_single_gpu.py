@@ -19,6 +19,10 @@ rank, it measures, in one run:
   (``eff_*_vs_best``: the theoretic of the issue, "against the fastest single-GPU kernel");
 * zigzag with the rank's forward (and forward+backward) captured in one CUDA graph and
   replayed (``eff_*_graph``): the ring without any host work per call;
+* per call of the zigzag rank: the GPU operations it issues (kernels, memsets, copies;
+  torch.profiler) and the host time to issue it (``gpu_ops_*``, ``host_*_ms``);
+* with ``--compare-rounded``, backends that give fp32 block gradients also with their plain
+  backward (``block_grads``);
 * ``layout="auto"``'s candidates (ring, all-gather, Ulysses) measured against the cost
   model's prediction, and whether it chose the fastest (``policy``);
 * the fixed cost of one call at W = 1 (``overhead``, ``--overhead-seq``): eager SDPA, the
@@ -115,6 +119,35 @@ def kernel_times(kernel, q, k, v, dout, causal: bool, reps: int) -> tuple[float,
     return timed(fwd, reps), timed(fwd_bwd, reps)
 
 
+def gpu_ops(fn) -> int | None:
+    """GPU operations (kernels, memsets, copies) one ``fn()`` issues, counted by torch.profiler
+    after a warm-up call; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    fn()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.count for e in prof.key_averages() if e.device_type == cuda)
+
+
+def host_ms(fn, calls: int = 20) -> float:
+    """Host milliseconds to issue one ``fn()``: ``calls`` back to back, synchronised only
+    around them (where the GPU outruns the host, this is the call's time)."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return host * 1e3
+
+
 def peak_bytes(fn) -> int:
     """Peak CUDA memory allocated during ``fn()`` above what was allocated before (0 on CPU)."""
     if not torch.cuda.is_available():
@@ -156,7 +189,14 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
             sim.backward(dout_local)
 
         t_fwd, t_fwd_bwd = timed(sim.forward, a.reps), timed(sim_fwd_bwd, a.reps)
-        graphs = {}
+        graphs, host = {}, {}
+        if layout == "zigzag":  # issue #28 item 4: what the host does per call
+            host = dict(
+                gpu_ops_fwd=gpu_ops(sim.forward),
+                gpu_ops_fwd_bwd=gpu_ops(sim_fwd_bwd),
+                host_fwd_ms=host_ms(sim.forward),
+                host_fwd_bwd_ms=host_ms(sim_fwd_bwd),
+            )
         if device.type == "cuda" and layout == "zigzag":
             try:
                 g_fwd = graph_timed(sim.forward, a.reps)
@@ -195,6 +235,7 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
                 peak_mem_mb=rank_peak / 2**20,
                 local_peak_mem_mb=local_peak / 2**20,
                 **graphs,
+                **host,
             )
         )
     return rows
@@ -781,6 +822,14 @@ def print_tables(results: dict) -> None:
             )
             + f"  {r.get('block_grads', '')}"
         )
+    print(f"\n{'zigzag, per call':<24}{'tok/rank':>8}{'GPU ops f/fb':>14}{'host ms f/fb':>16}")
+    for r in results["rings"]:
+        if "host_fwd_ms" in r:
+            ops = f"{r['gpu_ops_fwd']}/{r['gpu_ops_fwd_bwd']}" if r["gpu_ops_fwd"] else "-"
+            print(
+                f"{r['backend'] + ' ' + r.get('block_grads', ''):<24}{r['tokens_per_rank']:>8}"
+                f"{ops:>14}{r['host_fwd_ms']:>8.2f}/{r['host_fwd_bwd_ms']:<7.2f}"
+            )
     print(
         f"\n{'backend':<11}{'layout':<8}{'tensor':<7}{'max err':>10}{'ratio max':>10}"
         f"{'ratio mean':>11}  block grads"
