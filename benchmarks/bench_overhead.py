@@ -65,7 +65,10 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _host_ms(fn, calls: int = 200) -> float:
+def host_ms(fn, calls: int = 200) -> float:
+    """Host milliseconds to issue one ``fn()``: ``calls`` back to back after a warm-up,
+    synchronised only around them (where the GPU outruns the host, the call's time). Also
+    used by bench_single_gpu.py."""
     for _ in range(3):
         fn()
     if torch.cuda.is_available():
@@ -231,7 +234,7 @@ def measure_overhead(
                     what=name,
                     fwd_ms=median_ms(fwd, reps),
                     fwd_bwd_ms=median_ms(fwd_bwd, reps),
-                    host_fwd_ms=_host_ms(fwd, host_calls),
+                    host_fwd_ms=host_ms(fwd, host_calls),
                 )
             )
     base = {r["seq"]: r for r in rows if r["what"] == "sdpa"}  # eager SDPA: the baseline

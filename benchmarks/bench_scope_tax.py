@@ -5,7 +5,7 @@ DTensor path").
     python benchmarks/bench_scope_tax.py --smoke         # CPU, tiny: checks the code paths
 
 On a real 1-rank group (NCCL on CUDA, gloo on CPU), the host time of one call issued back to
-back (``bench_overhead._host_ms``: the mean over 200 calls, the least of 5 rounds that
+back (``bench_overhead.host_ms``: the mean over 200 calls, the least of 5 rounds that
 interleave the rows, as the host's own noise only ever adds; at these sizes the GPU waits
 for the host), each next to its baseline measured in the same run:
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_overhead import _host_ms  # noqa: E402
+from bench_overhead import host_ms  # noqa: E402
 
 import dtensor_ring as dr  # noqa: E402
 
@@ -110,7 +110,7 @@ def measure(seq: int, device: torch.device, dtype: torch.dtype, dims, calls: int
         for where, rows in cases.items():
             with dr.ring_sdpa() if where == "inside" else contextlib.nullcontext():
                 for what, fn in rows:
-                    ms = _host_ms(fn, calls)
+                    ms = host_ms(fn, calls)
                     best[what, where] = min(best.get((what, where), ms), ms)
     rows = [dict(what=what, where=where, ms=ms) for (what, where), ms in best.items()]
     return rows

@@ -44,6 +44,7 @@ import statistics
 import time
 
 import torch
+from bench_overhead import host_ms  # benchmarks/ is the script's directory
 
 from dtensor_ring import make_plan, shard_local
 from dtensor_ring.kernels import KernelCall, get_kernel
@@ -133,21 +134,6 @@ def gpu_ops(fn) -> int | None:
     return sum(e.count for e in prof.key_averages() if e.device_type == cuda)
 
 
-def host_ms(fn, calls: int = 20) -> float:
-    """Host milliseconds to issue one ``fn()``: ``calls`` back to back, synchronised only
-    around them (where the GPU outruns the host, this is the call's time)."""
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return host * 1e3
-
-
 def peak_bytes(fn) -> int:
     """Peak CUDA memory allocated during ``fn()`` above what was allocated before (0 on CPU)."""
     if not torch.cuda.is_available():
@@ -194,8 +180,8 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
             host = dict(
                 gpu_ops_fwd=gpu_ops(sim.forward),
                 gpu_ops_fwd_bwd=gpu_ops(sim_fwd_bwd),
-                host_fwd_ms=host_ms(sim.forward),
-                host_fwd_bwd_ms=host_ms(sim_fwd_bwd),
+                host_fwd_ms=host_ms(sim.forward, calls=20),
+                host_fwd_bwd_ms=host_ms(sim_fwd_bwd, calls=20),
             )
         if device.type == "cuda" and layout == "zigzag":
             try:
