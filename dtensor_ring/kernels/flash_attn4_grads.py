@@ -148,7 +148,7 @@ def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tenso
     """``perm`` with ``tile.flatten()[perm]`` the ``[rows, hdim_rounded]`` row-major tile of a
     flat accumulator tile, learnt from the postprocess (Note [Unrounded block gradients from
     flash-attn 4]); columns past ``hdim`` are not read and map to 0. Checked once on a tile of
-    random integers (exact in bf16): None if the postprocess is not that reorder (then the
+    random integers (exact in bf16 and fp16): None if the postprocess is not that reorder (then the
     plain backward runs)."""
     key = _order_key(hdim, args, device)
     if key in _TILE_ORDERS:
@@ -209,10 +209,15 @@ class _BlockPlan:
 
     cfg: object
     multiple: int
-    causal: bool
+    cute_dtype: object
+    head_dim: int
+    head_dim_v: int
+    group: int  # query heads per K/V head
+    causal: bool  # as _resolve_causal_local_window resolves the mask
     local: bool
     left: int | None
     right: int | None
+    deterministic: bool
     seq_q_r: int
     seq_k_r: int
     hd_r: int
@@ -236,8 +241,9 @@ def _block_plan(iface, q, k, v, dout, causal, window_size_left, window_size_righ
     if group > 1:
         dkv_args = _postprocess_args(iface, cfg, multiple, "dkv", q.dtype)
         orders += [(head_dim, dkv_args), (head_dim_v, dkv_args)]
+    cute_dtype = iface.torch2cute_dtype_map[q.dtype]
     key = (
-        iface.torch2cute_dtype_map[q.dtype],
+        cute_dtype,
         head_dim,
         head_dim_v,
         group,
@@ -253,10 +259,15 @@ def _block_plan(iface, q, k, v, dout, causal, window_size_left, window_size_righ
     return _BlockPlan(
         cfg,
         multiple,
+        cute_dtype,
+        head_dim,
+        head_dim_v,
+        group,
         causal,
         local,
         left,
         right,
+        deterministic,
         seq_q_r,
         seq_k_r,
         _round_up(head_dim, multiple),
@@ -354,7 +365,7 @@ def unrounded_backward(
         None,
         None,
         None,
-        plan.key[0],
+        plan.cute_dtype,
         head_dim,
         head_dim_v,
         m,
@@ -380,17 +391,15 @@ def unrounded_backward(
 
 def _compile(iface, plan: _BlockPlan, tensors, semaphores, scale):
     """The sm90 main backward kernel, compiled as ``_flash_attn_bwd`` compiles it."""
-    dtype, head_dim, head_dim_v, group, causal, local, *_ = plan.key
-    deterministic, cfg, left, right = plan.key[8], plan.cfg, plan.left, plan.right
-    cute = iface.cute
+    cfg, cute = plan.cfg, iface.cute
     kernel = iface.FlashAttentionBackwardSm90(
-        dtype,
-        head_dim,
-        head_dim_v,
-        group,
-        causal,
-        is_local=local,
-        deterministic=deterministic,
+        plan.cute_dtype,
+        plan.head_dim,
+        plan.head_dim_v,
+        plan.group,
+        plan.causal,
+        is_local=plan.local,
+        deterministic=plan.deterministic,
         tile_m=cfg.m_block_size,
         tile_n=cfg.n_block_size,
         Q_stage=cfg.num_stages_Q,
@@ -427,8 +436,8 @@ def _compile(iface, plan: _BlockPlan, tensors, semaphores, scale):
         None,
         None,
         None,
-        left,
-        right,
+        plan.left,
+        plan.right,
         *cute_semaphores,
         iface.AuxData(None, None),
         None,

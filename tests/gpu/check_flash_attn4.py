@@ -377,7 +377,8 @@ def unrounded_part() -> None:
             row["window"] = window
             try:
                 q, k, v, dout = make_inputs(s_q, s_k, seed=4)
-                k, v = (t[..., :h_kv, :] if h_kv <= H_KV else t.repeat(1, 1, 4, 1) for t in (k, v))
+                if h_kv > H_KV:  # MHA: each K/V head repeated for its query heads
+                    k, v = (t.repeat(1, 1, h_kv // H_KV, 1) for t in (k, v))
                 kw = dict(causal=causal, scale=SCALE, window=window)
                 out, lse = kernel.forward(q, k, v, **kw)
                 plain = kernel.backward(dout, q, k, v, out, lse, **kw)
