@@ -377,7 +377,7 @@ def unrounded_part() -> None:
             row["window"] = window
             try:
                 q, k, v, dout = make_inputs(s_q, s_k, seed=4)
-                if h_kv > H_KV:  # MHA: each K/V head repeated for its query heads
+                if h_kv > H_KV:  # MHA: the 8 K/V heads tiled to H
                     k, v = (t.repeat(1, 1, h_kv // H_KV, 1) for t in (k, v))
                 kw = dict(causal=causal, scale=SCALE, window=window)
                 out, lse = kernel.forward(q, k, v, **kw)
