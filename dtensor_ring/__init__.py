@@ -18,7 +18,8 @@ Public names:
       ``zigzag_ring_flash_attn_varlen_func``, ``llama3_flash_attn_varlen_func`` and their
       packed forms, ``llama3_flash_attn_prepare_cu_seqlens``, ``shard_varlen``,
       ``unshard_varlen``, ``varlen_token_indices``, ``varlen_local_cu_seqlens``,
-      ``varlen_balance``, ``VARLEN_LAYOUTS``;
+      ``varlen_balance``, ``VARLEN_LAYOUTS``, ``document_layout`` (whole documents placed by
+      their work, the heaviest cut over every rank);
     * DTensor (docs/composability.md): ``ring_sdpa`` (scope: ``F.scaled_dot_product_attention``
       on sequence-sharded DTensors runs ring attention), ``scaled_dot_product_ring_attention``,
       ``shard_sequence``, ``unshard_sequence``;
@@ -45,7 +46,7 @@ from .api.context_parallel import (
     cp_options,
     set_rotate_method,
 )
-from .api.documents import document_mask
+from .api.documents import document_layout, document_mask
 from .api.dtensor import (
     ring_sdpa,
     scaled_dot_product_ring_attention,
@@ -168,6 +169,7 @@ __all__ = [
     "zigzag_ring_flash_attn_qkvpacked_func",
     # variable-length sequences
     "VARLEN_LAYOUTS",
+    "document_layout",
     "llama3_flash_attn_prepare_cu_seqlens",
     "llama3_flash_attn_varlen_func",
     "llama3_flash_attn_varlen_kvpacked_func",

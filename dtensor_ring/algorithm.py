@@ -78,6 +78,11 @@ class Route(NamedTuple):
 def check_pair(lay: Layout, algorithm: str) -> None:
     """``ValueError`` unless ``algorithm`` can run tokens placed by ``lay`` (the table of Note
     [Layouts and algorithms]); the mask is checked by the call resolution."""
+    if lay.varlen == "placed" and algorithm != "ring":
+        raise ValueError(
+            f"layout {lay.name!r} (documents placed by dtensor_ring.document_layout) runs only "
+            f"algorithm='ring', got {algorithm!r}"
+        )
     if algorithm == "all_gather":
         if lay.stride(2) != 1 or lay.varlen is None:
             raise ValueError(

@@ -94,14 +94,19 @@ class _Sequence:
         return unshard_varlen(parts, self.cu_seqlens, self.layout, seq_dim)
 
     def plan_and_blocks(
-        self, causal: bool, window: tuple[int, int] | None, tokens: int, device: torch.device
+        self,
+        causal: bool,
+        window: tuple[int, int] | None,
+        tokens: int,
+        device: torch.device,
+        rank: int,
     ):
-        """The plan and the engine's :class:`~dtensor_ring.engine.blocks.Blocks` (None: dense
+        """The plan and ``rank``'s :class:`~dtensor_ring.engine.blocks.Blocks` (None: dense
         default) for ``tokens`` tokens in all; ``window`` normalised."""
         W = self.world_size
         if self.cu_seqlens is None:
             return make_plan(self.layout, W, causal, window, tokens // W), None
-        local = tuple(varlen_local_cu_seqlens(self.cu_seqlens, self.layout, 0, W).tolist())
+        local = tuple(varlen_local_cu_seqlens(self.cu_seqlens, self.layout, rank, W).tolist())
         plan = varlen_plan(local, self.layout, W, causal, window)
         return plan, varlen_blocks(plan, local, device)
 
@@ -168,7 +173,9 @@ class RankSimulator:
             )  # fmt: skip
         else:
             causal, window = normalize_window(window_size, causal, tokens)
-            self.plan, self.blocks = self.sequence.plan_and_blocks(causal, window, tokens, q.device)
+            self.plan, self.blocks = self.sequence.plan_and_blocks(
+                causal, window, tokens, q.device, rank
+            )
             varlen = cu_seqlens is not None
             self.kernel = select_kernel(
                 KernelCall.of(q, k, varlen=varlen, window=window is not None), backend

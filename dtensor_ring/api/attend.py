@@ -12,6 +12,8 @@ run that algorithm's op. Dense and packed (varlen) calls; nothing here climbs ba
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -19,7 +21,7 @@ from torch import Tensor
 from .._compat import resolve_group
 from ..algorithm import DENSE_ALGORITHMS, VARLEN_ALGORITHMS, route
 from ..layouts import get_layout
-from ..layouts.varlen import check_token_positions, host_values
+from ..layouts.varlen import check_token_positions, host_values, placed_locals_disagree
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..ops.varlen import llama3_attention, ring_attention_varlen
@@ -142,12 +144,19 @@ def varlen_attention(
         _check_positions(positions, call, cu_seqlens)
         return (max_seqlen_value(max_seqlen, "max_seqlen"),)
 
+    lay = get_layout(r.layout, "documents")
+    placed = lay.varlen == "placed"  # its local cu_seqlens differ by rank: compare the layout's
     door = Door(
         "ring_attention_varlen",
         form="documents",
         ring_func="ring_flash_attn_varlen_func",
         checks=checks,
-        metadata=lambda: {"cu_seqlens": host_values(cu_seqlens), "max_seqlen": max_seqlen},
+        metadata=lambda: {
+            "cu_seqlens": lay.bounds if placed else host_values(cu_seqlens),
+            "max_seqlen": None if placed else max_seqlen,
+        },
+        local=(lambda: host_values(cu_seqlens)) if placed else None,
+        check_locals=functools.partial(placed_locals_disagree, lay) if placed else None,
     )
     spec = resolve_call(call, door)
     return call_attention(

@@ -1,5 +1,7 @@
-"""``document_mask``: the FlexAttention ``BlockMask`` of packed documents, built from their
-boundaries at tile granularity (no ``S x S`` mask is evaluated).
+"""Packed documents from their boundaries alone: ``document_mask``, the FlexAttention
+``BlockMask`` built at tile granularity (no ``S x S`` mask is evaluated), and
+``document_layout``, the varlen layout that places whole documents by their work (Note
+[Balanced documents] in ``layouts/documents.py``).
 
 Note [Document tiles]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -23,9 +25,61 @@ marks it). Every rank builds the same mask from the same boundaries; flex's kern
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
+
+from ..layouts.documents import DocumentLayout, balance_documents
+from ..layouts.varlen import check_divisible, global_bounds
+from ..resolve import check_bool, check_window_size, normalize_window
+
+
+def document_layout(
+    cu_seqlens: Tensor | Sequence[int],
+    world_size: int,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    tolerance: float = 1.05,
+) -> DocumentLayout:
+    """The balanced varlen layout of packed documents on ``world_size`` ranks (Note [Balanced
+    documents]): documents kept whole on one rank where that balances the work, the heaviest
+    cut over every rank; every rank holds ``T / world_size`` tokens.
+
+    Args:
+        cu_seqlens: the *global* document boundaries ``[N + 1]`` (int32 tensor or ints; any
+            lengths, ``T`` divisible by ``world_size``).
+        causal, window_size: the mask within documents the work is counted for (any mask runs
+            exactly on the layout; this one is balanced).
+        tolerance: stop cutting documents once max/mean work is at most this.
+
+    Returns:
+        A :class:`~dtensor_ring.layouts.documents.DocumentLayout`: pass it as ``layout=`` to
+        :func:`dtensor_ring.ring_varlen_attention_func` (algorithm "ring"), shard with
+        ``shard_varlen(x, cu_seqlens, layout, rank, world_size)`` (which also returns the
+        rank's local ``cu_seqlens``). ``.work`` (visible pairs per rank), ``.imbalance``
+        (max/mean) and ``.split`` (the documents cut; none: no K/V travel) report the balance.
+
+    Raises:
+        ValueError: bad ``cu_seqlens`` (see the varlen functions), ``T`` not divisible by
+            ``world_size``, a malformed window, ``tolerance < 1``.
+    """
+    bounds = global_bounds(cu_seqlens)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_divisible(bounds, "llama3", world_size)  # only T % W
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not (tolerance >= 1)
+    ):
+        raise ValueError(f"tolerance must be a number >= 1 (max/mean work), got {tolerance!r}")
+    causal, window = normalize_window(
+        check_window_size(window_size), check_bool("causal", causal), bounds[-1]
+    )
+    return balance_documents(bounds, world_size, causal, window, float(tolerance))
 
 
 def document_mask(

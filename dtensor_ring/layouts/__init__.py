@@ -10,6 +10,10 @@ names. Built in (Note [Sequence layouts], Note [Varlen layouts]):
     stripe         yes    -           yes
     llama3         -      stream      -      (the all-gather algorithm only)
 
+Layouts as data, passed as ``layout=`` objects (not registered): :class:`TokenLayout` (any
+permutation: a balancer's, the mask-aware one of FlexAttention) and :class:`DocumentLayout`
+(varlen form "placed": packed documents placed by their work, Note [Balanced documents]).
+
 Aliases name a layout and an algorithm (Note [Layouts and algorithms] in
 ``dtensor_ring/algorithm.py``): "llama3_zigzag" (zigzag + all-gather), "auto" (zigzag + the
 algorithm chosen per call).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from .base import Layout, Run, VarlenForm
 from .builtin import TokenLayout
+from .documents import DocumentLayout
 from .registry import (
     LAYOUTS,
     VARLEN_LAYOUTS,
@@ -57,6 +62,7 @@ __all__ = [
     "LayoutName",
     "Run",
     "TokenLayout",
+    "DocumentLayout",
     "VarlenForm",
     "alias_algorithm",
     "find_layout",

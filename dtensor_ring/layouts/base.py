@@ -40,7 +40,7 @@ from torch import Tensor
 from ..parts import Block
 
 Run = tuple[int, int, int]  # (local start, length, global position of its first token)
-VarlenForm = Literal["documents", "stream"]
+VarlenForm = Literal["documents", "stream", "placed"]
 
 
 class Layout:
@@ -59,7 +59,9 @@ class Layout:
             Ulysses, the simulator).
         varlen: its packed-documents form: ``"documents"`` (every document is sharded as a
             sequence of its own), ``"stream"`` (the packed stream is cut into W contiguous
-            slices; documents may straddle ranks: llama3's all-gather), or None.
+            slices; documents may straddle ranks: llama3's all-gather), ``"placed"`` (each
+            document whole on one rank or cut over every rank, as one set of documents
+            says: Note [Balanced documents]), or None.
     """
 
     name: ClassVar[str]

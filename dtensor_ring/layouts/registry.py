@@ -57,7 +57,7 @@ def _has_form(layout: Layout, form: Form) -> bool:
     if form == "varlen":
         return layout.varlen is not None
     if form == "documents":
-        return layout.varlen == "documents"
+        return layout.varlen in ("documents", "placed")
     return True
 
 

@@ -48,7 +48,7 @@ same tensor (other layers, the backward) do not sync. See docs/varlen.md.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -143,6 +143,9 @@ def check_divisible(bounds: Sequence[int], layout: str | Layout, world_size: int
         )
     if lay.varlen == "stream":
         return
+    if lay.varlen == "placed":
+        check_placed(lay, bounds, world_size)
+        return
     m = lay.divisor(world_size)
     for i in range(len(bounds) - 1):
         n = bounds[i + 1] - bounds[i]
@@ -154,6 +157,49 @@ def check_divisible(bounds: Sequence[int], layout: str | Layout, world_size: int
                 f"{m}, or use the 'llama3' layout (llama3_flash_attn_varlen_func), which needs "
                 "no divisibility of documents"
             )
+
+
+def check_placed(layout: Layout, bounds: Sequence[int], world_size: int) -> None:
+    """A placed layout (Note [Balanced documents]) serves only the documents and the world
+    size it was made for."""
+    if tuple(bounds) != layout.bounds or world_size != layout.world_size:
+        raise ValueError(
+            f"layout {layout.name!r} places {len(layout.bounds) - 1} documents "
+            f"({layout.bounds[-1]} tokens) on {layout.world_size} ranks, not these "
+            f"{len(bounds) - 1} documents ({bounds[-1]} tokens) on {world_size} ranks: make the "
+            "layout from these documents (dtensor_ring.document_layout)"
+        )
+
+
+def check_placed_local(
+    layout: Layout, bounds_local: Sequence[int], rank: int, world_size: int
+) -> None:
+    """The local ``cu_seqlens`` a rank passes with a placed layout must be the layout's for
+    that rank (nothing else says which documents the rank's rows hold)."""
+    if world_size != layout.world_size:
+        raise ValueError(
+            f"layout {layout.name!r} places documents on {layout.world_size} ranks, the group "
+            f"has {world_size}"
+        )
+    problem = placed_locals_disagree(layout, {rank: bounds_local})
+    if problem is not None:
+        raise ValueError(
+            f"{problem}; shard with dtensor_ring.shard_varlen(x, cu_seqlens, layout, rank, "
+            "world_size), which returns them"
+        )
+
+
+def placed_locals_disagree(layout: Layout, per_rank: Mapping | Sequence) -> str | None:
+    """The first rank whose local ``cu_seqlens`` (values, ``per_rank[r]``; a list over the
+    ranks in the consistency mode) are not the placed ``layout``'s for it, or None."""
+    items = per_rank.items() if isinstance(per_rank, Mapping) else enumerate(per_rank)
+    for rank, bounds_local in items:
+        if tuple(bounds_local) != layout.local_bounds[rank]:
+            return (
+                f"rank {rank} passed cu_seqlens {list(bounds_local)}, not its local documents "
+                f"under layout {layout.name!r} ({list(layout.local_bounds[rank])})"
+            )
+    return None
 
 
 def check_local_documents(bounds_local: Sequence[int], layout: Layout, world_size: int) -> None:
@@ -218,7 +264,8 @@ def varlen_token_indices(
 
     Args:
         cu_seqlens: the *global* document boundaries ``[N + 1]`` (int32 tensor or ints).
-        layout: "ring", "zigzag" or "llama3" (Note [Varlen layouts]).
+        layout: "ring", "zigzag", "llama3" (Note [Varlen layouts]) or a placed layout
+            (:func:`dtensor_ring.document_layout`, made from these documents).
 
     Positions within documents (for RoPE) follow as ``idx - cu_seqlens[doc]`` with
     ``doc = searchsorted(cu_seqlens, idx, right=True) - 1``.
@@ -230,6 +277,8 @@ def varlen_token_indices(
     _check_rank(rank, world_size)
     if lay.varlen == "stream":
         return lay.token_indices(bounds[-1], rank, world_size)
+    if lay.varlen == "placed":
+        return lay.indices[rank].clone()
     return torch.cat(
         [
             a + lay.token_indices(b - a, rank, world_size)
@@ -257,6 +306,7 @@ def varlen_local_cu_seqlens(
 
     ring / zigzag: ``cu_seqlens // world_size`` (the same on every rank). llama3: the rank's
     slice's document boundaries (= ``cu_seqlens_q`` of ``llama3_flash_attn_prepare_cu_seqlens``).
+    A placed layout: the documents the rank holds, whole or a document's pieces together.
     The result is on ``cu_seqlens``'s device (CPU for a list).
     """
     lay = get_layout(layout, "varlen")
@@ -265,6 +315,8 @@ def varlen_local_cu_seqlens(
     _check_rank(rank, world_size)
     if lay.varlen == "stream":
         local = llama3_local_bounds(bounds, rank, world_size)
+    elif lay.varlen == "placed":
+        local = list(lay.local_bounds[rank])
     else:
         local = [b // world_size for b in bounds]
     device = cu_seqlens.device if isinstance(cu_seqlens, Tensor) else None
@@ -274,7 +326,7 @@ def varlen_local_cu_seqlens(
 def shard_varlen(
     full: Tensor,
     cu_seqlens: Tensor | Sequence[int],
-    layout: str,
+    layout: str | Layout,
     rank: int,
     world_size: int,
     seq_dim: int = 0,
@@ -285,7 +337,8 @@ def shard_varlen(
         full: any tensor whose dim ``seq_dim`` is the packed stream of T tokens (e.g.
             ``q [T, H, D]``, ``qkv [T, 3, H, D]``, position ids ``[T]``).
         cu_seqlens: *global* document boundaries ``[N + 1]`` (int32, ``cu_seqlens[-1] == T``).
-        layout: "ring", "zigzag" or "llama3" (Note [Varlen layouts]).
+        layout: "ring", "zigzag", "llama3" (Note [Varlen layouts]) or a placed layout
+            (:func:`dtensor_ring.document_layout`, made from these documents).
         rank, world_size: position in, and size of, the context-parallel group.
         seq_dim: the packed-token dimension.
 
@@ -359,9 +412,10 @@ def check_token_positions(
         raise ValueError(
             f"positions must be [T_local] = [{cu_seqlens_local[-1]}], got {tuple(positions.shape)}"
         )
-    global_cu = [c * world_size for c in cu_seqlens_local]
+    lay = get_layout(layout, "varlen")
+    global_cu = lay.bounds if lay.varlen == "placed" else [c * world_size for c in cu_seqlens_local]
     got = positions.detach().to("cpu", torch.int64)
-    if torch.equal(got, varlen_token_indices(global_cu, layout, rank, world_size)):
+    if torch.equal(got, varlen_token_indices(global_cu, lay, rank, world_size)):
         return
     total, hint = global_cu[-1], ""
     for dense in ("ring", "zigzag"):

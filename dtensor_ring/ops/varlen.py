@@ -25,7 +25,12 @@ from ..engine.llama3 import llama3_backward, llama3_forward
 from ..engine.ring import ring_backward, ring_forward
 from ..kernels import get_kernel
 from ..layouts import get_layout
-from ..layouts.varlen import check_local_documents, check_max_seqlen, read_cu_seqlens
+from ..layouts.varlen import (
+    check_local_documents,
+    check_max_seqlen,
+    check_placed_local,
+    read_cu_seqlens,
+)
 from ..schedule.llama3 import Llama3Meta, gather_meta, llama3_meta
 from ..schedule.plan import Plan
 from ..schedule.varlen import varlen_plan
@@ -51,11 +56,15 @@ def _setup_ring(
     """Check the local documents; the plan, this rank, the engine's blocks and the group."""
     group = resolve_group(group_name)
     world_size = dist.get_world_size(group)
+    rank, lay = dist.get_rank(group), get_layout(layout, "documents")
     bounds = read_cu_seqlens(cu_seqlens, q.shape[0])
-    check_local_documents(bounds, get_layout(layout, "documents"), world_size)
+    if lay.varlen == "placed":
+        check_placed_local(lay, bounds, rank, world_size)
+    else:
+        check_local_documents(bounds, lay, world_size)
     check_max_seqlen("max_seqlen", max_seqlen, bounds)
-    plan = varlen_plan(bounds, layout, world_size, causal, window)
-    return plan, dist.get_rank(group), varlen_blocks(plan, bounds, q.device), group
+    plan = varlen_plan(bounds, lay, world_size, causal, window)
+    return plan, rank, varlen_blocks(plan, bounds, q.device), group
 
 
 def ring_attention_varlen_impl(

@@ -20,6 +20,22 @@ varlen kernel call, its parts :class:`DocSpans` (one span per document):
 
 Without a window the same construction serves layouts that have no part table (their plans
 are built from runs: Note [Windowed schedules] in ``schedule/plan.py``).
+
+Note [Placed documents plan]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A :class:`~dtensor_ring.layouts.documents.DocumentLayout` (Note [Balanced documents]) places
+each document on its own terms, so the plan is built from the layout, for every rank at
+once: for (rank, src) and each document both hold, the blocks of its query runs against the
+visiting key runs (step 0 without a window: one block over the rank's whole local document,
+causal or full, exact because a rank's tokens are in global order). A document on one rank
+only appears at step 0; when no document is cut, the plan is step 0 alone and no K/V travel.
+Blocks of different documents with the same mask share a kernel call (:class:`DocSpans`);
+two blocks of one document never do (their query rows may be the same). Full blocks of one
+document whose query (key) spans are adjacent and whose key (query) spans are equal are joined
+first, so zigzag's ``all/lo`` stays one block a document:
+
+    cut document, rank 2 (runs a2, a5), K/V of rank 1 (runs a1, a6), causal:
+        a2/a1 full, a5/a1 full  -> joined: a2 a5 / a1 full      a5/a6: nothing
 """
 
 from __future__ import annotations
@@ -28,7 +44,8 @@ import functools
 from collections.abc import Iterable
 
 from ..layouts import Layout, get_layout
-from ..parts import Block, DocSpans
+from ..layouts.documents import DocumentLayout
+from ..parts import Block, DocSpans, Span
 from .plan import Plan, has_part_table, make_plan, plan_from_blocks, run_pair_blocks, window_bounds
 
 
@@ -47,6 +64,8 @@ def varlen_plan(
     :class:`DocSpans`. Cached. Raises ``ValueError`` as :func:`make_plan`.
     """
     lay = get_layout(layout, "documents")
+    if isinstance(lay, DocumentLayout):
+        return _placed_plan(lay, causal, window)
     if window is None and has_part_table(lay):
         return make_plan(lay, world_size, causal)
     lay.check_mask(causal)
@@ -97,4 +116,70 @@ def merge_doc_blocks(per_doc: Iterable[tuple[object, Block, int]]) -> tuple[Bloc
     return tuple(
         Block(DocSpans(tuple(qs)), DocSpans(tuple(kvs)), causal, window, init=not merges)
         for (merges, _, causal, window), (qs, kvs) in sorted(groups.items(), key=lambda i: i[0][:2])
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _placed_plan(layout: DocumentLayout, causal: bool, window: tuple[int, int] | None) -> Plan:
+    bounds = window_bounds(causal, window)
+    docs = layout.documents
+
+    def blocks_of(rank: int, src: int) -> tuple[Block, ...]:
+        per_doc = []
+        for d, mine in docs[rank].items():
+            theirs = docs[src].get(d)
+            if theirs is None:
+                continue
+            if rank == src and window is None:
+                span = Span(mine.start, mine.stop)
+                per_doc.append((d, Block(span, span, causal, init=True)))
+                continue
+            pairs = run_pair_blocks(mine.runs, theirs.runs, 1, bounds, rank == src)
+            per_doc.extend((d, blk) for blk in _join_full([b for _, b in pairs]))
+        return _calls(per_doc)
+
+    return plan_from_blocks(layout.name, layout.world_size, causal, blocks_of, window)
+
+
+def _join_full(blocks: list[Block]) -> list[Block]:
+    """Join full blocks of one document whose query spans are adjacent and key spans equal
+    (or the other way round) until none can be joined."""
+    blocks = list(blocks)
+    joined = True
+    while joined:
+        joined = False
+        for i, a in enumerate(blocks):
+            for j, b in enumerate(blocks):
+                if i == j or a.causal or b.causal or a.window or b.window or a.init != b.init:
+                    continue
+                if a.kv == b.kv and a.q.stop == b.q.start:
+                    new = Block(Span(a.q.start, b.q.stop), a.kv, False, init=a.init)
+                elif a.q == b.q and a.kv.stop == b.kv.start:
+                    new = Block(a.q, Span(a.kv.start, b.kv.stop), False, init=a.init)
+                else:
+                    continue
+                blocks = [c for k, c in enumerate(blocks) if k not in (i, j)] + [new]
+                joined = True
+                break
+            if joined:
+                break
+    return blocks
+
+
+def _calls(per_doc: list[tuple[int, Block]]) -> tuple[Block, ...]:
+    """Blocks ``(document, block with Span parts)`` grouped into kernel calls: the same mask
+    and ``init``, at most one block of a document a call; ``init`` calls first."""
+    calls: list[tuple[tuple, set[int], list, list]] = []
+    for d, blk in sorted(per_doc, key=lambda db: (not db[1].init, db[0], db[1].q.start)):
+        key = (blk.init, blk.causal, blk.window)
+        call = next((c for c in calls if c[0] == key and d not in c[1]), None)
+        if call is None:
+            call = (key, set(), [], [])
+            calls.append(call)
+        call[1].add(d)
+        call[2].append((blk.q.start, blk.q.stop))
+        call[3].append((blk.kv.start, blk.kv.stop))
+    return tuple(
+        Block(DocSpans(tuple(qs)), DocSpans(tuple(kvs)), causal, window, init=init)
+        for (init, causal, window), _, qs, kvs in calls
     )

@@ -1,0 +1,266 @@
+"""Packed documents placed by their work: whole where they fit, the heaviest cut over every rank.
+
+Note [Balanced documents]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+The per-document layouts (Note [Varlen layouts]) cut *every* document into W or 2W pieces:
+balanced for any documents, but a packed batch of many short documents then runs as many
+tiny blocks, at every ring step. A rank's work is the visible pairs of the query rows it
+holds, and a document kept whole on one rank needs nothing from any other rank. So the
+balanced layout keeps documents whole where that balances, and cuts only the heaviest:
+
+    documents (tokens):  A 12   B 4   C 4   D 2   E 2     W = 2, 12 tokens a rank
+    causal work (pairs): A 78   B 10  C 10  D 3   E 3
+
+    A is cut zigzag-wise (pieces a0..a3, 3 tokens each; rank r holds a_r and a_{3-r}):
+        rank 0: a0 a3 | B | D          work 6 + 33 + 10 + 3 = 52
+        rank 1: a1 a2 | C | E          work 15 + 24 + 10 + 3 = 52
+    B, C, D, E stay whole: no rank needs another's keys for them.
+
+The rule: documents sorted by work, heaviest first; for t = 0, 1, ... the t heaviest are cut
+into 2W pieces over every rank (rank r holds pieces r and 2W-1-r, as zigzag), the others are
+placed whole, heaviest first, each on the least loaded rank with room. Every rank holds T/W
+tokens: the heaviest cut document (the "filler") takes the room the whole documents leave on
+each rank (its pieces differ by that much). The first t whose max/mean work is within the
+tolerance wins (the smallest number of cut documents), else the most balanced. With t = 0 no
+K/V travel at all; with t > 0 they travel for the cut documents only.
+
+A rank's tokens are in increasing global order, so a document's pieces on a rank are adjacent
+locally: its local ``cu_seqlens`` has one entry per document it holds, and a causal (or full)
+call over those local documents is exact at step 0, as zigzag's ``all/all c``. The plan of the
+other steps pairs, document by document, the query runs of a rank with the key runs of the
+visiting rank (Note [Windowed schedules]); ``schedule/varlen.py`` builds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .base import Run
+from .builtin import TokenLayout
+
+Piece = tuple[int, int, int]  # (document, start, stop): positions within the document
+
+
+@dataclass(frozen=True)
+class DocumentRuns:
+    """One rank's tokens of one document: its local rows ``[start, stop)`` and the runs
+    ``(local start, length, global start)`` of consecutive global tokens among them."""
+
+    start: int
+    stop: int
+    runs: tuple[Run, ...]
+
+
+class DocumentLayout(TokenLayout):
+    """Packed documents ``bounds`` on ``world_size`` ranks, each rank holding the pieces
+    ``pieces[r]`` (Note [Balanced documents]); made by :func:`dtensor_ring.document_layout`.
+
+    A varlen layout of its own documents only: pass it as ``layout=`` to the ring varlen
+    functions with the local ``cu_seqlens`` it gives (:attr:`local_bounds`,
+    :func:`dtensor_ring.shard_varlen`). ``work`` is the visible pairs per rank under the mask
+    it was balanced for, ``imbalance`` their max/mean, ``split`` the documents cut over every
+    rank.
+    """
+
+    dense = False
+    varlen = "placed"
+
+    def __init__(
+        self,
+        bounds: Sequence[int],
+        pieces: Sequence[Sequence[Piece]],
+        work: Sequence[int],
+        split: Sequence[int],
+    ):
+        self.bounds = tuple(int(b) for b in bounds)
+        self.pieces = tuple(tuple(sorted(p for p in row if p[2] > p[1])) for row in pieces)
+        indices = torch.stack(
+            [
+                torch.cat([torch.arange(self.bounds[d] + a, self.bounds[d] + b) for d, a, b in row])
+                for row in self.pieces
+            ]
+        )
+        super().__init__(indices, prefix="documents")
+        digest = hashlib.blake2b(repr(self.bounds).encode(), digest_size=4).hexdigest()
+        self.name = f"{self.name}_{digest}"
+        self.work, self.split = tuple(work), tuple(split)
+        self.imbalance = max(self.work) / max(sum(self.work) / len(self.work), 1)
+        self.documents = tuple(_document_runs(self.bounds, row) for row in self.pieces)
+        self.local_bounds = tuple(
+            (0, *(doc.stop for doc in row.values())) for row in self.documents
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DocumentLayout) and (self.bounds, self.pieces) == (
+            other.bounds,
+            other.pieces,
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return (
+            f"<layout {self.name!r}: {len(self.bounds) - 1} documents on {self.world_size} "
+            f"ranks, {len(self.split)} cut, imbalance {self.imbalance:.3f}>"
+        )
+
+
+def _document_runs(bounds: tuple[int, ...], row: Sequence[Piece]) -> dict[int, DocumentRuns]:
+    """Per document a rank holds (pieces in global order), its local rows and runs."""
+    out: dict[int, list] = {}
+    local = 0
+    for d, a, b in row:
+        first, runs = out.setdefault(d, [local, []])
+        g = bounds[d] + a
+        if runs and runs[-1][0] + runs[-1][1] == local and runs[-1][2] + runs[-1][1] == g:
+            s, n, g0 = runs[-1]
+            runs[-1] = (s, n + b - a, g0)
+        else:
+            runs.append((local, b - a, g))
+        local += b - a
+    return {
+        d: DocumentRuns(first, runs[-1][0] + runs[-1][1], tuple(runs))
+        for d, (first, runs) in out.items()
+    }
+
+
+def token_work(length: int, causal: bool, window: tuple[int, int] | None) -> torch.Tensor:
+    """Visible keys of each query position of a document of ``length`` tokens (int64
+    ``[length]``) under ``causal`` and a normalised ``window`` (flash-attn's, within it)."""
+    p = torch.arange(length)
+    left, right = (-1, -1) if window is None else window
+    lo = torch.zeros_like(p) if left < 0 else (p - left).clamp(min=0)
+    if causal:
+        hi = p
+    else:
+        hi = torch.full_like(p, length - 1) if right < 0 else (p + right).clamp(max=length - 1)
+    return hi - lo + 1
+
+
+def balance_documents(
+    bounds: Sequence[int],
+    world_size: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    tolerance: float,
+) -> DocumentLayout:
+    """The layout of Note [Balanced documents] for documents ``bounds`` (global, ints) on
+    ``world_size`` ranks, balanced for ``causal`` / ``window`` (normalised) within the
+    documents; ``tolerance``: the max/mean work that ends the search."""
+    W, T = world_size, bounds[-1]
+    n = T // W
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    prefix = [
+        torch.cat([torch.zeros(1, dtype=torch.int64), token_work(L, causal, window).cumsum(0)])
+        for L in lengths
+    ]
+
+    def work_of(d: int, a: int, b: int) -> int:
+        return int(prefix[d][b] - prefix[d][a])
+
+    order = sorted(range(len(lengths)), key=lambda d: (-work_of(d, 0, lengths[d]), d))
+    best = None
+    for t in _cut_counts(len(order)):
+        pieces = _place(order[:t], order[t:], lengths, W, n, prefix)
+        if pieces is None:
+            continue
+        work = [sum(work_of(*p) for p in row) for row in pieces]
+        imbalance = max(work) / max(sum(work) / W, 1)
+        if best is None or imbalance < best[0] - 1e-12:
+            best = (imbalance, pieces, work, order[:t])
+        if imbalance <= tolerance:
+            break
+    assert best is not None  # cutting every document always places them
+    return DocumentLayout(bounds, best[1], best[2], sorted(best[3]))
+
+
+def _cut_counts(n_docs: int):
+    """Numbers of cut documents to try: every count up to 16, then ~25% steps, then all."""
+    t = 0
+    while t < n_docs:
+        yield t
+        t = t + 1 if t < 16 else int(t * 1.25)
+    yield n_docs
+
+
+def _place(cut, whole, lengths, W: int, n: int, prefix) -> list[list[Piece]] | None:
+    """Pieces per rank: ``cut`` documents zigzag over every rank (the first, the filler,
+    takes what room is left), ``whole`` ones on the least loaded rank with room; None when a
+    whole document finds no room. ``prefix[d]``: document d's work before each position."""
+
+    def work_of(d: int, a: int, b: int) -> int:
+        return int(prefix[d][b] - prefix[d][a])
+
+    pieces: list[list[Piece]] = [[] for _ in range(W)]
+    tokens = [0] * W
+    for d in cut[1:]:
+        for r, (a, b) in _zigzag(lengths[d], W, tokens):
+            pieces[r].append((d, a, b))
+            tokens[r] += b - a
+    # The filler's tokens on a rank are what the whole documents leave free there, so a whole
+    # document placed on a rank replaces filler work: it changes the rank's work by its own
+    # minus the filler's at the filler's mean density. Balance those differences (largest
+    # first, each to the rank with the smallest sum so far); without a filler, the work.
+    density = work_of(cut[0], 0, lengths[cut[0]]) / lengths[cut[0]] if cut else 0.0
+    change = {d: work_of(d, 0, lengths[d]) - density * lengths[d] for d in whole}
+    total = [0.0] * W
+    for d in sorted(whole, key=lambda d: (-abs(change[d]), d)):
+        room = [r for r in range(W) if tokens[r] + lengths[d] <= n]
+        if not room:
+            return None
+        pick = min if change[d] >= 0 else max
+        r = pick(room, key=lambda r: (total[r], -r if pick is max else r))
+        pieces[r].append((d, 0, lengths[d]))
+        tokens[r] += lengths[d]
+        total[r] += change[d]
+    if cut:
+        d = cut[0]
+        want = [n - t for t in tokens]
+        if min(want) < 0:
+            return None
+        for r, (early, late) in enumerate(_filler(prefix[d], want, pieces, work_of)):
+            pieces[r] += [(d, *early), (d, *late)]
+    return pieces
+
+
+def _filler(prefix, want, pieces, work_of) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Rank r's early and late piece ``(start, stop)`` of the filler (work ``prefix``), rank r
+    taking ``want[r]`` tokens: pieces in zigzag order (early pieces of ranks 0, 1, ..., then
+    late pieces of ranks W-1, ..., 0), each rank's split between its two chosen so that its
+    work (with what ``pieces`` already hold) comes closest to the mean."""
+    W, length = len(want), len(prefix) - 1
+    held = [sum(work_of(*p) for p in row) for row in pieces]
+    target = (sum(held) + int(prefix[-1])) / W
+    out, start, stop = [], 0, length
+    for r in range(W):
+        x = torch.arange(want[r] + 1)  # tokens of the early piece
+        work = prefix[start + x] - prefix[start] + prefix[stop] - prefix[stop - want[r] + x]
+        miss = (work.double() + held[r] - target).abs() + (x - want[r] / 2).abs() * 1e-9
+        e = int(miss.argmin())
+        out.append(((start, start + e), (stop - want[r] + e, stop)))
+        start, stop = start + e, stop - want[r] + e
+    return out
+
+
+def _zigzag(length: int, W: int, tokens: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
+    """``(rank, (start, stop))`` of a document cut into 2W pieces, rank r holding pieces r and
+    2W-1-r; the ``length % 2W`` extra tokens go to the ranks holding the fewest ``tokens``."""
+    base, extra = divmod(length, 2 * W)
+    fewest = sorted(range(W), key=lambda r: (tokens[r], r))
+    plus = [0] * W
+    for i in range(extra):
+        plus[fewest[i % W]] += 1
+    sizes = [0] * (2 * W)
+    for r in range(W):
+        sizes[r] = base + (plus[r] + 1) // 2
+        sizes[2 * W - 1 - r] = base + plus[r] // 2
+    out, start = [], 0
+    for i, size in enumerate(sizes):
+        out.append((i if i < W else 2 * W - 1 - i, (start, start + size)))
+        start += size
+    return out

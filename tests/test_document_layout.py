@@ -1,0 +1,360 @@
+"""Balanced packed documents (Note [Balanced documents]): ``dtensor_ring.document_layout``.
+
+1. The layout, one process: every rank holds T/W tokens, a permutation of the stream; whole
+   documents stay whole; the reported work is the visible pairs counted token by token; the
+   balance on random documents; a plan that computes every visible pair once, and nothing
+   when no document is cut but step 0.
+2. Numerics, single device: ``simulate_ring`` (every rank of the engine in turn) against the
+   fp64 per-document reference at W = 1-4, causal, full, windows, GQA.
+3. Numerics on the gloo pool (W = 1-4): ``ring_varlen_attention_func`` with the layout object,
+   forward and backward against the fp64 reference; no K/V sent when no document is cut;
+   bad calls raise ``ValueError`` on every rank before any communication.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import reference_attention_varlen
+
+import dtensor_ring as dr
+from dtensor_ring.parts import band_pairs
+from dtensor_ring.schedule.varlen import varlen_plan
+
+
+def random_documents(seed: int, world_size: int, max_docs: int = 9) -> list[int]:
+    """Global boundaries of 1..max_docs documents of any lengths, T a multiple of W."""
+    rng = random.Random(seed)
+    T = world_size * rng.randint(4, 40)
+    cuts = sorted(rng.sample(range(1, T), min(rng.randint(1, max_docs) - 1, T - 1)))
+    return [0, *cuts, T]
+
+
+def visible(p: int, j: int, causal: bool, window: tuple[int, int]) -> bool:
+    """Whether query position p sees key position j of the same document."""
+    left, right = window
+    if causal and j > p:
+        return False
+    return (left < 0 or p - j <= left) and (right < 0 or j - p <= right)
+
+
+def pairs_of(tokens: list[int], bounds: list[int], causal: bool, window) -> int:
+    """Visible (query, key) pairs of the query tokens ``tokens`` (global indices), counted."""
+    total = 0
+    for t in tokens:
+        d = max(i for i in range(len(bounds) - 1) if bounds[i] <= t)
+        a, b = bounds[d], bounds[d + 1]
+        total += sum(visible(t - a, j - a, causal, window) for j in range(a, b))
+    return total
+
+
+def segment_band(blk, s_q: int, s_k: int) -> tuple[int, int]:
+    """A block's mask on one ``s_q x s_k`` segment as ``lo <= j - i <= hi`` (flash-attn's
+    bottom-right window, written out independently)."""
+    big = 1 << 40
+    if blk.causal:
+        return -big, 0
+    left, right = blk.window or (-1, -1)
+    return (-big if left < 0 else s_k - s_q - left, big if right < 0 else s_k - s_q + right)
+
+
+MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 5))]
+
+
+# --- 1. the layout ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_layout_places_every_token_once(world_size):
+    for seed in range(20):
+        bounds = random_documents(seed, world_size)
+        causal, window = MASKS[seed % len(MASKS)]
+        lay = dr.document_layout(bounds, world_size, causal=causal, window_size=window)
+        T, n = bounds[-1], bounds[-1] // world_size
+        assert lay.indices.shape == (world_size, n)
+        assert sorted(lay.indices.flatten().tolist()) == list(range(T))
+        cut = set(lay.split)
+        for r in range(world_size):
+            tokens = lay.indices[r].tolist()
+            assert tokens == sorted(tokens)  # global order: a document's pieces are adjacent
+            assert dr.varlen_token_indices(bounds, lay, r, world_size).tolist() == tokens
+            docs = [max(i for i in range(len(bounds) - 1) if bounds[i] <= t) for t in tokens]
+            local = [0] + [i + 1 for i in range(n - 1) if docs[i] != docs[i + 1]] + [n]
+            assert list(lay.local_bounds[r]) == local
+            assert dr.varlen_local_cu_seqlens(bounds, lay, r, world_size).tolist() == local
+            assert lay.work[r] == pairs_of(tokens, bounds, causal, window)
+        for d in range(len(bounds) - 1):  # a document not cut lies on one rank, whole
+            holders = {r for r in range(world_size) for t in lay.indices[r].tolist()
+                       if bounds[d] <= t < bounds[d + 1]}  # fmt: skip
+            assert len(holders) == 1 or d in cut
+        assert lay.imbalance == pytest.approx(max(lay.work) / (sum(lay.work) / world_size))
+
+
+def test_note_example():
+    """Note [Balanced documents]: A is cut, B..E stay whole, 52 pairs a rank."""
+    lay = dr.document_layout([0, 12, 16, 20, 22, 24], 2)
+    assert lay.split == (0,)
+    assert lay.work == (52, 52)
+    assert lay.indices.tolist() == [
+        [0, 1, 2, 9, 10, 11, 12, 13, 14, 15, 20, 21],
+        [3, 4, 5, 6, 7, 8, 16, 17, 18, 19, 22, 23],
+    ]
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_balance_of_many_documents(world_size):
+    """Random packed batches of 8-100 documents: within the tolerance; with many more
+    documents than ranks, most stay whole."""
+    rng = random.Random(world_size)
+    for n_docs in (8, 32, 100):
+        T = 4096 * world_size
+        bounds = [0, *sorted(rng.sample(range(1, T), n_docs - 1)), T]
+        lay = dr.document_layout(bounds, world_size)
+        assert lay.imbalance <= 1.05, (n_docs, lay)
+        assert n_docs < 4 * world_size or len(lay.split) <= n_docs // 4, (n_docs, lay)
+
+
+def test_tolerance_trades_cuts_for_balance():
+    bounds = [0, *range(1024, 65536, 2048), 65536]  # 32 documents, 1024 then 2048 tokens
+    loose, tight = (dr.document_layout(bounds, 8, tolerance=t) for t in (2.0, 1.0))
+    assert loose.split == () and tight.imbalance <= loose.imbalance
+    assert len(tight.split) >= len(loose.split)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_plan_computes_every_visible_pair_once(world_size):
+    """Each rank's blocks cover exactly its visible pairs (counted token by token), every
+    local row is initialised by exactly one step-0 block, and a kernel call never holds one
+    query row twice."""
+    for seed in range(12):
+        bounds = random_documents(100 + seed, world_size)
+        causal, window = MASKS[seed % len(MASKS)]
+        lay = dr.document_layout(bounds, world_size)
+        norm = None if window == (-1, -1) else window
+        plan = varlen_plan(lay.local_bounds[0], lay, world_size, causal, norm)
+        for r, row in enumerate(plan.steps):
+            got, init_rows = 0, []
+            for step in row:
+                for blk in step.blocks:
+                    rows = [i for a, b in blk.q.spans for i in range(a, b)]
+                    assert len(rows) == len(set(rows))
+                    init_rows += rows if blk.init else []
+                    for (qa, qb), (ka, kb) in zip(blk.q.spans, blk.kv.spans, strict=True):
+                        got += band_pairs(qb - qa, kb - ka, *segment_band(blk, qb - qa, kb - ka))
+            assert sorted(init_rows) == list(range(bounds[-1] // world_size))
+            assert got == pairs_of(lay.indices[r].tolist(), bounds, causal, window)
+
+
+def test_no_cut_document_no_step_but_the_first():
+    bounds = [0, *range(64, 1024, 64), 1024]  # 16 equal documents on 4 ranks
+    lay = dr.document_layout(bounds, 4)
+    assert lay.split == () and lay.imbalance == 1.0
+    for causal, window in MASKS:
+        norm = None if window == (-1, -1) else window
+        assert varlen_plan(lay.local_bounds[0], lay, 4, causal, norm).offsets == (0,)
+
+
+def test_layout_refuses_other_documents():
+    lay = dr.document_layout([0, 8, 16], 2)
+    x = torch.arange(16)
+    with pytest.raises(ValueError, match="not these 2 documents .* on 4 ranks"):
+        dr.shard_varlen(x, [0, 8, 16], lay, 0, 4)
+    with pytest.raises(ValueError, match="not these 3 documents"):
+        dr.shard_varlen(x, [0, 4, 8, 16], lay, 0, 2)
+    local = [dr.shard_varlen(x, [0, 8, 16], lay, r, 2)[0] for r in range(2)]
+    assert torch.equal(dr.unshard_varlen(local, [0, 8, 16], lay), x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"tolerance": 0.5}, ValueError, "tolerance must be a number >= 1"),
+        ({"tolerance": float("nan")}, ValueError, "tolerance must be a number >= 1"),
+        ({"window_size": (2, 0, 1)}, ValueError, "window_size"),
+        ({"causal": "yes"}, TypeError, "causal must be a bool"),
+    ],
+)
+def test_bad_layout_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        dr.document_layout([0, 8, 16], 2, **kwargs)
+
+
+def test_bad_layout_documents():
+    with pytest.raises(ValueError, match="not divisible by world_size=3"):
+        dr.document_layout([0, 8, 16], 3)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        dr.document_layout([0, 8, 8, 16], 2)
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        dr.document_layout([0, 8, 16], 0)
+
+
+# --- 2. numerics, single device ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_simulated_ring_matches_reference(world_size):
+    for seed in range(6):
+        bounds = random_documents(200 + seed, world_size)
+        causal, window = MASKS[seed % len(MASKS)]
+        lay = dr.document_layout(bounds, world_size, causal=causal, window_size=window)
+        gen = torch.Generator().manual_seed(seed)
+        T = bounds[-1]
+        q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+        dout = torch.randn(T, 4, 8, generator=gen, dtype=torch.float64)
+        out, lse, dq, dk, dv = dr.simulate_ring(
+            q, k, v, dout, layout=lay, world_size=world_size, causal=causal,
+            cu_seqlens=bounds, window_size=window,
+        )  # fmt: skip
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        out_ref, lse_ref = reference_attention_varlen(*full, cu, causal=causal, window_size=window)
+        grads = torch.autograd.grad(out_ref, full, dout)
+        for got, want in zip((out, lse, dq, dk, dv), (out_ref, lse_ref, *grads), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-10)
+
+
+# --- 3. on the gloo pool -------------------------------------------------------------------------
+
+CASES = [  # (seed, causal, window, H, H_kv, dtype)
+    (0, True, (-1, -1), 4, 2, torch.float64),
+    (1, False, (-1, -1), 4, 4, torch.float64),
+    (2, True, (3, 0), 4, 1, torch.float64),
+    (3, False, (2, 5), 2, 2, torch.float64),
+    (4, True, (-1, -1), 4, 2, torch.float32),
+]
+
+
+def check_ring(group: dist.ProcessGroup, seed, causal, window, H, H_kv, dtype) -> None:
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = random_documents(300 + seed + 10 * W, W)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    lay = dr.document_layout(cu, W, causal=causal, window_size=window)
+    gen = torch.Generator().manual_seed(seed)
+    T = bounds[-1]
+    q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64) for h in (H, H_kv, H_kv))
+    dout = torch.randn(T, H, 8, generator=gen, dtype=torch.float64)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_ref, lse_ref = reference_attention_varlen(*full, cu, causal=causal, window_size=window)
+    grads = torch.autograd.grad(out_ref, full, dout)
+    idx = lay.indices[rank]
+    local = []
+    for x in (q, k, v):
+        shard, cu_local = dr.shard_varlen(x.to(dtype), cu, lay, rank, W)
+        local.append(shard.requires_grad_())
+    out, lse, _ = dr.ring_varlen_attention_func(
+        lay, *local, cu_local, None, causal=causal, window_size=window, group=group,
+        return_attn_probs=True,
+    )  # fmt: skip
+    out.backward(dout[idx].to(dtype))
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for name, got, want in zip(
+        ("out", "lse", "dq", "dk", "dv"),
+        (out, lse, *(x.grad for x in local)),
+        (out_ref[idx], lse_ref[:, idx], *(g[idx] for g in grads)),
+        strict=True,
+    ):
+        torch.testing.assert_close(
+            got.double(), want.detach(), rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.parametrize("world_size, case", list(itertools.product([1, 2, 3, 4], CASES)))
+def test_ring_matches_reference(dist_pool, world_size, case):
+    seed, causal, window, H, H_kv, dtype = case
+    dist_pool.run(
+        check_ring, world_size, seed=seed, causal=causal, window=window, H=H, H_kv=H_kv,
+        dtype=dtype,
+    )  # fmt: skip
+
+
+def check_nothing_sent(group: dist.ProcessGroup) -> None:
+    """No document cut: the call computes its documents locally, sending nothing."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = [0, *range(8, 8 * 2 * W, 8), 16 * W]  # 2W documents of 8 tokens
+    lay = dr.document_layout(bounds, W)
+    assert lay.split == ()
+    x = torch.randn(16 * W, 2, 4, dtype=torch.float64, generator=torch.Generator())
+    q, cu_local = dr.shard_varlen(x, bounds, lay, rank, W)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("K/V sent although no document is cut")
+
+    originals = dist.batch_isend_irecv, dist.isend, dist.irecv
+    dist.batch_isend_irecv = dist.isend = dist.irecv = refuse
+    try:
+        q.requires_grad_()
+        out = dr.ring_varlen_attention_func(lay, q, q, q, cu_local, None, causal=True, group=group)
+        out.sum().backward()
+    finally:
+        dist.batch_isend_irecv, dist.isend, dist.irecv = originals
+    assert q.grad is not None
+
+
+def test_no_cut_document_sends_nothing(dist_pool):
+    dist_pool.run(check_nothing_sent, 3)
+
+
+def _bad_call(group, what: str):
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = [0, 6, 10, 12, 18, 24]
+    lay = dr.document_layout(bounds, W)
+    x = torch.randn(24, 2, 4, dtype=torch.float64, generator=torch.Generator())
+    q, cu_local = dr.shard_varlen(x, bounds, lay, rank, W)
+    if what == "other_rank_cu":
+        cu_local = dr.shard_varlen(x, bounds, lay, (rank + 1) % W, W)[1]
+        if torch.equal(cu_local, dr.shard_varlen(x, bounds, lay, rank, W)[1]):
+            cu_local = torch.tensor([0, len(q)], dtype=torch.int32)
+    algorithm = "all_gather" if what == "all_gather" else None
+    if what == "other_world":
+        lay = dr.document_layout([0, 8, 16, 24], W + 1 if 24 % (W + 1) == 0 else 1)
+    return dr.ring_varlen_attention_func(
+        lay, q, q, q, cu_local, None, causal=True, group=group, algorithm=algorithm
+    )
+
+
+BAD = {
+    "other_rank_cu": r"not its local documents under layout .*shard_varlen",
+    "all_gather": r"runs only algorithm='ring', got 'all_gather'",
+    "other_world": r"places documents on \d ranks, the group has 2",
+}
+
+
+def check_bad(group: dist.ProcessGroup, what: str) -> str:
+    with pytest.raises(ValueError) as info:
+        _bad_call(group, what)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("what", list(BAD))
+def test_bad_call_raises_on_every_rank(dist_pool, what):
+    for message in dist_pool.run(check_bad, 2, timeout_s=60, what=what):
+        assert re.search(BAD[what], message, re.S), message
+
+
+def check_one_rank_disagrees(group: dist.ProcessGroup) -> str:
+    """In the consistency mode a rank passing another rank's local documents makes every rank
+    raise (without it, that rank raises alone, before communicating)."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = [0, 6, 10, 12, 18, 24]
+    lay = dr.document_layout(bounds, W)
+    x = torch.randn(24, 2, 4, dtype=torch.float64, generator=torch.Generator())
+    q, cu_local = dr.shard_varlen(x, bounds, lay, rank, W)
+    if rank == 1:
+        cu_local = torch.tensor([0, len(q)], dtype=torch.int32)
+    dr.set_consistency_checks(True)
+    try:
+        with pytest.raises(ValueError) as info:
+            dr.ring_varlen_attention_func(lay, q, q, q, cu_local, None, causal=True, group=group)
+    finally:
+        dr.set_consistency_checks(None)
+    return str(info.value)
+
+
+def test_rank_disagreement_raises_everywhere(dist_pool):
+    for message in dist_pool.run(check_one_rank_disagrees, 2, timeout_s=60):
+        assert re.search(r"rank 1 passed cu_seqlens \[0, 12\], not its local", message), message
