@@ -17,8 +17,12 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
 * the balance report of the plan (``flex_balance``: max/mean work, K/V transfers a rank),
   and the slowest rank's block kernels alone, back to back (forward, forward + backward):
   the rank's time minus everything outside the kernels;
-* for the document masks, the library's own varlen path (zigzag varlen, ``RankSimulator``
-  with ``cu_seqlens``, its default kernel) against the same ideal.
+* for the document masks, also the balanced layout of whole documents
+  (``dtensor_ring.document_layout``) under flex, one varlen kernel call on the whole stream
+  per varlen kernel that runs here (cuda_flash, flash_attn4 when installed), and the library's
+  varlen path (``RankSimulator`` with ``cu_seqlens``) in zigzag and in the balanced layout,
+  per varlen kernel; "best" efficiencies are against the fastest one-GPU time of the mask
+  (flex or varlen) / W.
 
 It prints a table and writes ``bench_flex.json`` to --out (default: benchmarks/results/,
 ``bench_flex_<device>_<date>.json``).
@@ -55,18 +59,34 @@ def documents(seq_len: int, n: int, device) -> tuple[torch.Tensor, list[int]]:
 
 
 def masks(seq_len: int, device) -> dict:
+    """name -> (mask_mod, document boundaries or None, flash-attn window within documents)."""
     doc5, b5 = documents(seq_len, 5, device)
     doc32, b32 = documents(seq_len, 32, device)
     prefix, window = seq_len // 4, 2048
+    causal = (-1, 0)
     return {
-        "documents x5": (lambda b, h, q, kv: (doc5[q] == doc5[kv]) & (q >= kv), b5),
-        "documents x32": (lambda b, h, q, kv: (doc32[q] == doc32[kv]) & (q >= kv), b32),
+        "documents x5": (lambda b, h, q, kv: (doc5[q] == doc5[kv]) & (q >= kv), b5, causal),
+        "documents x32": (lambda b, h, q, kv: (doc32[q] == doc32[kv]) & (q >= kv), b32, causal),
         "documents x5 + window": (
             lambda b, h, q, kv: (doc5[q] == doc5[kv]) & (q >= kv) & (q - kv < window),
-            None,
+            b5,
+            (window - 1, 0),
         ),
-        "prefix-LM": (lambda b, h, q, kv: (kv < prefix) | (q >= kv), None),
+        "prefix-LM": (lambda b, h, q, kv: (kv < prefix) | (q >= kv), None, None),
     }
+
+
+def varlen_kernels(device) -> list[str]:
+    """The varlen block kernels that run here (``cuda_flash``, ``flash_attn4``, ...)."""
+    from dtensor_ring.kernels import BACKEND_NAMES, KernelCall, get_kernel
+
+    x = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16, device=device)
+    call = KernelCall.of(x, x[:, :, :2], varlen=True, window=True)
+    return [
+        name
+        for name in BACKEND_NAMES
+        if name != "math" and get_kernel(name).unsupported_reason(call) is None
+    ]
 
 
 def slowest_rank(sims, reps) -> tuple[float, float, int]:
@@ -85,29 +105,28 @@ def slowest_rank(sims, reps) -> tuple[float, float, int]:
 
 
 def kernels_alone(sim, reps) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of a flex rank's block kernels alone, called
-    back to back on the blocks of its plan (no merges, accumulations or engine): what the
-    rank's time would be if everything else were free."""
+    """(forward, forward + backward) seconds of a rank's block kernels alone, called back to
+    back on the blocks of its plan (no merges, accumulations or engine): what the rank's time
+    would be if everything else were free."""
     out, lse = sim.forward()
     dout = torch.randn_like(sim.q)
     kvs = [(sim.k, sim.v), *sim.kv_deliveries]
-    take, take_lse = sim.blocks.take, sim.blocks.take_lse
+    blocks, take, take_lse = sim.blocks, sim.blocks.take, sim.blocks.take_lse
     calls = [
         (blk, *(take(x, blk.q) for x in (sim.q, out, dout)), take_lse(lse, blk.q),
          *(take(x, blk.kv) for x in kvs[i]))
         for i, step in enumerate(sim.steps)
         for blk in step.blocks
     ]  # fmt: skip
-    mods, kernel = sim.blocks.mods, sim.kernel
 
     def fwd():
         for blk, q, _, _, _, k, v in calls:
-            kernel.forward(q, k, v, blk.origin, sim.scale, mods)
+            blocks.forward(sim.kernel, q, k, v, blk, sim.scale)
 
     def fwd_bwd():
         fwd()
         for blk, q, o, do, lse_b, k, v in calls:
-            kernel.backward(do, q, k, v, o, lse_b, blk.origin, sim.scale, mods)
+            blocks.backward(sim.kernel, do, q, k, v, o, lse_b, blk, sim.scale)
 
     return timed(fwd, reps), timed(fwd_bwd, reps)
 
@@ -120,6 +139,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--masks", default=None, help="comma-separated mask names to run (default: all)"
+    )
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     dev, S, W = torch.device("cuda"), a.seq_len, a.world_size
@@ -132,9 +154,15 @@ def main() -> None:
     q_BSHD, k_BSHD, v_BSHD = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     rows = []
     print(f"S = {S}, W = {W} simulated, bf16, H = {a.heads}, H_kv = {a.kv_heads}, D = {a.head_dim}")
-    head = f"{'fwd ms':>9}{'eff':>7}{'f+b ms':>9}{'eff':>7}{'imbal':>7}{'K/V':>5}"
-    print(f"{'mask':<22}{'path':<22}{head}")
-    for name, (mask_mod, bounds) in masks(S, dev).items():
+    head = (
+        f"{'fwd ms':>9}{'eff':>7}{'f+b ms':>9}{'eff':>7}{'best f':>7}{'best fb':>7}{'imbal':>7}"
+        f"{'K/V':>5}"
+    )
+    print(f"{'mask':<22}{'path':<30}{head}")
+    kernels = varlen_kernels(dev)
+    for name, (mask_mod, bounds, window) in masks(S, dev).items():
+        if a.masks is not None and name not in a.masks.split(","):
+            continue
         t0 = time.time()
         bm = create_block_mask(mask_mod, None, None, S, S, dev)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -146,10 +174,17 @@ def main() -> None:
             full_fwd().backward(dout)
 
         ideal = (timed(full_fwd, a.reps) / W, timed(full_fwd_bwd, a.reps) / W)
-        row = {"mask": name, "path": f"one GPU / {W}", "fwd_s": ideal[0], "fwd_bwd_s": ideal[1]}
-        rows.append(row)
-        print(f"{name:<22}{row['path']:<22}{ideal[0] * 1e3:>9.3f}{'':>7}{ideal[1] * 1e3:>9.3f}")
+        rows.append(ideal_row(name, f"one GPU flex / {W}", ideal))
+        best = ideal
+        q_T, k_T, v_T = (t[0] for t in (q_BSHD, k_BSHD, v_BSHD))
+        for kernel in kernels if bounds is not None else ():  # one GPU, varlen kernels
+            one = one_gpu_varlen(q_T, k_T, v_T, dout[0].transpose(0, 1), bounds, window, kernel)
+            t = (timed(one[0], a.reps) / W, timed(one[1], a.reps) / W)
+            rows.append(ideal_row(name, f"one GPU {kernel} / {W}", t))
+            best = tuple(min(x, y) for x, y in zip(best, t, strict=True))
         paths = [("ring", "ring"), ("zigzag", "zigzag"), ("mask-aware k=8", dr.flex_layout(bm, W))]
+        if bounds is not None:
+            paths.append(("documents", dr.document_layout(bounds, W, window_size=window)))
         for label, layout in paths:
             sims = [
                 RankSimulator(
@@ -164,71 +199,102 @@ def main() -> None:
                 )  # fmt: skip
                 for r in range(W)
             ]
-            fwd, fwd_bwd, slowest = slowest_rank(sims, a.reps)
-            kernel_fwd, kernel_fwd_bwd = kernels_alone(sims[slowest], a.reps)
             report = dr.flex_balance(bm, W, layout)
             rows.append(
-                {
-                    "mask": name,
-                    "path": f"flex {label}",
-                    "fwd_s": fwd,
-                    "fwd_bwd_s": fwd_bwd,
-                    "eff_fwd": ideal[0] / fwd,
-                    "eff_fwd_bwd": ideal[1] / fwd_bwd,
-                    "imbalance": report.imbalance,
-                    "kv_transfers": report.kv_transfers,
-                    "slowest_rank": slowest,
-                    "kernels_alone_fwd_s": kernel_fwd,
-                    "kernels_alone_fwd_bwd_s": kernel_fwd_bwd,
-                }  # fmt: skip
+                path_row(name, f"flex {label}", sims, a.reps, ideal, best)
+                | {"imbalance": report.imbalance, "kv_transfers": report.kv_transfers}
             )
             del sims
-        if bounds is not None:  # the library's varlen path on the same documents
-            q_T, k_T, v_T = (t[0] for t in (q_BSHD, k_BSHD, v_BSHD))
-            sims = [
-                RankSimulator(
-                    q_T,
-                    k_T,
-                    v_T,
-                    layout="zigzag",
-                    world_size=W,
-                    rank=r,
-                    cu_seqlens=bounds,
-                    causal=True,
-                )  # fmt: skip
-                for r in range(W)
-            ]
-            fwd, fwd_bwd, _ = slowest_rank(sims, a.reps)
-            rows.append(
-                {
-                    "mask": name,
-                    "path": f"varlen zigzag ({sims[0].kernel.name})",
-                    "fwd_s": fwd,
-                    "fwd_bwd_s": fwd_bwd,
-                    "eff_fwd": ideal[0] / fwd,
-                    "eff_fwd_bwd": ideal[1] / fwd_bwd,
-                }  # fmt: skip
-            )
-            del sims
+        for kernel in kernels if bounds is not None else ():  # the library's varlen path
+            balanced = dr.document_layout(bounds, W, window_size=window)
+            for label, layout in (("zigzag", "zigzag"), ("documents", balanced)):
+                sims = [
+                    RankSimulator(
+                        q_T,
+                        k_T,
+                        v_T,
+                        layout=layout,
+                        world_size=W,
+                        rank=r,
+                        cu_seqlens=bounds,
+                        causal=True,
+                        window_size=window,
+                        backend=kernel,
+                    )  # fmt: skip
+                    for r in range(W)
+                ]
+                row = path_row(name, f"varlen {label} ({kernel})", sims, a.reps, ideal, best)
+                row["kv_transfers"] = sims[0].plan.kv_transfers()
+                if layout is balanced:
+                    row["imbalance"], row["cut_documents"] = layout.imbalance, len(layout.split)
+                rows.append(row)
+                del sims
         for row in rows:
             if row["mask"] == name and "eff_fwd" in row:
                 print(
-                    f"{'':<22}{row['path']:<22}{row['fwd_s'] * 1e3:>9.3f}{row['eff_fwd']:>7.1%}"
+                    f"{'':<22}{row['path']:<30}{row['fwd_s'] * 1e3:>9.3f}{row['eff_fwd']:>7.1%}"
                     f"{row['fwd_bwd_s'] * 1e3:>9.3f}{row['eff_fwd_bwd']:>7.1%}"
+                    f"{row['eff_best_fwd']:>7.1%}{row['eff_best_fwd_bwd']:>7.1%}"
                     + (
                         f"{row['imbalance']:>7.3f}{row['kv_transfers']:>5}"
                         if "imbalance" in row
-                        else ""
+                        else f"{'':>7}{row['kv_transfers']:>5}"
                     )
-                    + (
-                        f"  kernels alone {row['kernels_alone_fwd_s'] * 1e3:.3f} | "
-                        f"{row['kernels_alone_fwd_bwd_s'] * 1e3:.3f} ms"
-                        if "kernels_alone_fwd_s" in row
-                        else ""
-                    )
+                    + f"  kernels alone {row['kernels_alone_fwd_s'] * 1e3:.3f} | "
+                    f"{row['kernels_alone_fwd_bwd_s'] * 1e3:.3f} ms"
                 )
         print(f"  ({time.time() - t0:.0f} s)", flush=True)
         _write(a, rows)
+
+
+def ideal_row(mask: str, path: str, per_rank: tuple[float, float]) -> dict:
+    """A one-GPU baseline divided by W, printed."""
+    print(f"{mask:<22}{path:<30}{per_rank[0] * 1e3:>9.3f}{'':>7}{per_rank[1] * 1e3:>9.3f}")
+    return {"mask": mask, "path": path, "fwd_s": per_rank[0], "fwd_bwd_s": per_rank[1]}
+
+
+def path_row(mask, path, sims, reps, ideal, best) -> dict:
+    """The slowest rank of ``sims`` against the flex ideal and the best one-GPU time / W, and
+    its block kernels alone."""
+    fwd, fwd_bwd, slowest = slowest_rank(sims, reps)
+    kernel_fwd, kernel_fwd_bwd = kernels_alone(sims[slowest], reps)
+    return {
+        "mask": mask,
+        "path": path,
+        "fwd_s": fwd,
+        "fwd_bwd_s": fwd_bwd,
+        "eff_fwd": ideal[0] / fwd,
+        "eff_fwd_bwd": ideal[1] / fwd_bwd,
+        "eff_best_fwd": best[0] / fwd,
+        "eff_best_fwd_bwd": best[1] / fwd_bwd,
+        "kv_transfers": sims[0].plan.kv_transfers(),
+        "slowest_rank": slowest,
+        "kernels_alone_fwd_s": kernel_fwd,
+        "kernels_alone_fwd_bwd_s": kernel_fwd_bwd,
+    }
+
+
+def one_gpu_varlen(q, k, v, dout, bounds, window, backend):
+    """(forward, forward + backward) closures of one varlen kernel call on the whole stream."""
+    from dtensor_ring.kernels import get_kernel
+
+    kernel = get_kernel(backend)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+    n = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    scale = q.shape[-1] ** -0.5
+    win = None if window[0] < 0 else window
+    causal = win is None
+
+    def fwd():
+        return kernel.forward_varlen(q, k, v, cu, cu, n, n, causal=causal, scale=scale, window=win)
+
+    def fwd_bwd():
+        out, lse = fwd()
+        kernel.backward_varlen(
+            dout, q, k, v, out, lse, cu, cu, n, n, causal=causal, scale=scale, window=win
+        )
+
+    return fwd, fwd_bwd
 
 
 def _write(a, rows) -> None:

@@ -427,9 +427,14 @@ def _llama3_run(ql, kl, vl, k_gathered, v_gathered, meta, kernel, scale, a, rank
 
 
 def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
-    """ring / zigzag varlen (simulated slowest rank) and llama3 / llama3_zigzag (forward of
-    the slowest rank) vs one full call."""
-    from dtensor_ring import llama3_flash_attn_prepare_cu_seqlens, shard_varlen, varlen_balance
+    """ring / zigzag / balanced-documents varlen (simulated slowest rank) and llama3 /
+    llama3_zigzag (forward of the slowest rank) vs one full call."""
+    from dtensor_ring import (
+        document_layout,
+        llama3_flash_attn_prepare_cu_seqlens,
+        shard_varlen,
+        varlen_balance,
+    )
     from dtensor_ring.schedule.llama3 import gather_meta, llama3_meta
 
     W, backend = a.world_size, "cuda_flash" if device.type == "cuda" else "math"
@@ -456,8 +461,11 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
         theoretic_fwd_ms=theo_fwd * 1e3,
         theoretic_fwd_bwd_ms=theo_fwd_bwd * 1e3,
     )
-    for layout in ("ring", "zigzag"):
-        rank = max(range(W), key=balance[layout].__getitem__)
+    balanced = document_layout(bounds, W)  # whole documents where they fit
+    balance["documents"] = list(balanced.work)
+    row["documents_cut"] = len(balanced.split)
+    for name, layout in (("ring", "ring"), ("zigzag", "zigzag"), ("documents", balanced)):
+        rank = max(range(W), key=balance[name].__getitem__)
         sim = RankSimulator(
             q, k, v, layout=layout, world_size=W, rank=rank, backend=backend, cu_seqlens=bounds
         )
@@ -468,9 +476,9 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
             sim.backward(dl)
 
         t_fwd, t_fwd_bwd = timed(sim.forward, a.reps), timed(fwd_bwd, a.reps)
-        row[f"{layout}_eff_fwd"] = theo_fwd / t_fwd
-        row[f"{layout}_eff_fwd_bwd"] = theo_fwd_bwd / t_fwd_bwd
-        row[f"{layout}_limit"] = sum(balance[layout]) / W / max(balance[layout])
+        row[f"{name}_eff_fwd"] = theo_fwd / t_fwd
+        row[f"{name}_eff_fwd_bwd"] = theo_fwd_bwd / t_fwd_bwd
+        row[f"{name}_limit"] = sum(balance[name]) / W / max(balance[name])
     rank = max(range(W), key=balance["llama3"].__getitem__)
     cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
     L = bounds[-1] // W
@@ -827,7 +835,8 @@ def print_tables(results: dict) -> None:
         )
     print(
         f"\n{'local cu_seqlens':<36}{'ring f':>8}{'ring fb':>8}{'zz f':>8}{'zz fb':>8}"
-        f"{'llama3 f':>9}{'l3zz f':>8}{'l3zz fb':>8}{'limits r/zz/l3/l3zz':>22}"
+        f"{'docs f':>8}{'docs fb':>8}{'llama3 f':>9}{'l3zz f':>8}{'l3zz fb':>8}"
+        f"{'limits r/zz/l3/l3zz':>22}"
     )
     for r in results["varlen"]:
         l3zz = r.get("llama3_zigzag_limit")  # absent: documents not multiples of 2W
@@ -839,7 +848,8 @@ def print_tables(results: dict) -> None:
         print(
             f"{str(r['local_cu_seqlens']):<36}{r['ring_eff_fwd']:>8.1%}"
             f"{r['ring_eff_fwd_bwd']:>8.1%}{r['zigzag_eff_fwd']:>8.1%}"
-            f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}"
+            f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['documents_eff_fwd']:>8.1%}"
+            f"{r['documents_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}"
             + ("       -" if l3zz_eff is None else f"{l3zz_eff:>8.1%}")
             + ("       -" if l3zz_fb is None else f"{l3zz_fb:>8.1%}")
             + f"{limits:>22}"

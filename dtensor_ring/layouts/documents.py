@@ -61,12 +61,13 @@ class DocumentLayout(TokenLayout):
 
     A varlen layout of its own documents only: pass it as ``layout=`` to the ring varlen
     functions with the local ``cu_seqlens`` it gives (:attr:`local_bounds`,
-    :func:`dtensor_ring.shard_varlen`). ``work`` is the visible pairs per rank under the mask
+    :func:`dtensor_ring.shard_varlen`). As a :class:`TokenLayout` it also places the tokens of
+    dense calls (e.g. :func:`dtensor_ring.flex_attention` with these documents'
+    :func:`dtensor_ring.document_mask`). ``work`` is the visible pairs per rank under the mask
     it was balanced for, ``imbalance`` their max/mean, ``split`` the documents cut over every
     rank.
     """
 
-    dense = False
     varlen = "placed"
 
     def __init__(
