@@ -20,8 +20,9 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
 * for the document masks, also the balanced layout of whole documents
   (``dtensor_ring.document_layout``) under flex, one varlen kernel call on the whole stream
   per varlen kernel that runs here (cuda_flash, flash_attn4 when installed), and the library's
-  varlen path (``RankSimulator`` with ``cu_seqlens``) in zigzag and in the balanced layout,
-  per varlen kernel; "best" efficiencies are against the fastest one-GPU time of the mask
+  varlen path (``RankSimulator`` with ``cu_seqlens``) in zigzag, in the balanced layout and
+  in the layout of least predicted time (``document_layout(..., heads=...)``), per varlen
+  kernel; "best" efficiencies are against the fastest one-GPU time of the mask
   (flex or varlen) / W.
 
 It prints a table and writes ``bench_flex.json`` to --out (default: benchmarks/results/,
@@ -207,7 +208,12 @@ def main() -> None:
             del sims
         for kernel in kernels if bounds is not None else ():  # the library's varlen path
             balanced = dr.document_layout(bounds, W, window_size=window)
-            for label, layout in (("zigzag", "zigzag"), ("documents", balanced)):
+            shape = {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim}
+            modelled = dr.document_layout(bounds, W, window_size=window, **shape)
+            varlen_paths = [("zigzag", "zigzag"), ("documents", balanced)]
+            if modelled != balanced:
+                varlen_paths.append(("documents by model", modelled))
+            for label, layout in varlen_paths:
                 sims = [
                     RankSimulator(
                         q_T,
@@ -225,7 +231,7 @@ def main() -> None:
                 ]
                 row = path_row(name, f"varlen {label} ({kernel})", sims, a.reps, ideal, best)
                 row["kv_transfers"] = sims[0].plan.kv_transfers()
-                if layout is balanced:
+                if layout is not varlen_paths[0][1]:
                     row["imbalance"], row["cut_documents"] = layout.imbalance, len(layout.split)
                 rows.append(row)
                 del sims

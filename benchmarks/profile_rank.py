@@ -4,9 +4,11 @@
 
 Profiles the slowest rank of a plan (default: zigzag, W = 8, 8192 tokens per rank, the seed
 configuration) run by the real engine with a simulated communicator, forward and
-forward+backward, and prints: the GPU time per kernel family (attention kernels, merges,
-dq/dK/dV adds, copies, fills), the compute stream's idle time between kernels (the time the
-GPU waited for the host), and the host time per op. Chrome traces go to --out.
+forward+backward (``--documents N``: N packed causal documents, as bench_flex.py's, through the
+varlen path; ``--layout documents``: :func:`dtensor_ring.document_layout`'s), and prints:
+the GPU time per kernel family (attention kernels, merges, dq/dK/dV adds, copies, fills), the
+compute stream's idle time between kernels (the time the GPU waited for the host), and the
+host time per op. Chrome traces go to --out.
 """
 
 from __future__ import annotations
@@ -18,10 +20,17 @@ import re
 from collections import defaultdict
 
 import torch
+from bench_flex import documents
 from bench_single_gpu import qkv
 from torch.profiler import ProfilerActivity, profile
 
-from dtensor_ring import make_plan, shard_local
+from dtensor_ring import (
+    document_layout,
+    make_plan,
+    shard_local,
+    shard_varlen,
+    varlen_balance,
+)
 from dtensor_ring.simulate import RankSimulator
 
 FAMILIES = [  # (family, regex on the kernel name), first match wins
@@ -83,16 +92,28 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--documents", type=int, default=0)
     a = p.parse_args()
     device = torch.device("cuda")
     a.dtype = torch.bfloat16
     W = a.world_size
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = qkv(W * a.tokens, a, a.dtype, device, gen)
-    plan = make_plan(a.layout, W, True)
-    rank = max(range(W), key=plan.flops(a.tokens).__getitem__)
-    sim = RankSimulator(q, k, v, layout=a.layout, world_size=W, rank=rank, backend=a.backend)
-    dout_local = shard_local(dout, a.layout, rank, W)
+    if a.documents:
+        q, k, v, dout = (t[0] for t in (q, k, v, dout))  # packed [T, H, D]
+        bounds = documents(W * a.tokens, a.documents, device)[1]
+        layout = document_layout(bounds, W) if a.layout == "documents" else a.layout
+        work = varlen_balance(bounds, W)[a.layout] if isinstance(layout, str) else layout.work
+        rank = max(range(W), key=work.__getitem__)
+        sim = RankSimulator(
+            q, k, v, layout=layout, world_size=W, rank=rank, backend=a.backend, cu_seqlens=bounds
+        )
+        dout_local = shard_varlen(dout, bounds, layout, rank, W)[0]
+    else:
+        plan = make_plan(a.layout, W, True)
+        rank = max(range(W), key=plan.flops(a.tokens).__getitem__)
+        sim = RankSimulator(q, k, v, layout=a.layout, world_size=W, rank=rank, backend=a.backend)
+        dout_local = shard_local(dout, a.layout, rank, W)
 
     def fwd_bwd():
         sim.forward()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from reference import reference_attention_varlen
 
 import dtensor_ring as dr
+from dtensor_ring.layouts.documents import _candidates, _offsets
 from dtensor_ring.parts import band_pairs
 from dtensor_ring.schedule.varlen import varlen_plan
 
@@ -69,12 +70,21 @@ MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 5))]
 # --- 1. the layout ------------------------------------------------------------------------------
 
 
+def every_candidate(seeds, world_size: int, every: int = 1):
+    """``(causal, window, layout)`` for every placement the balancer weighs (Note [Balanced
+    documents]), not just its pick, of random documents per seed (every ``every``-th)."""
+    for seed in seeds:
+        causal, window = MASKS[seed % len(MASKS)]
+        norm = None if window == (-1, -1) else window
+        bounds = random_documents(seed, world_size)
+        for lay in list(_candidates(bounds, world_size, causal, norm))[::every]:
+            yield causal, window, lay
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
 def test_layout_places_every_token_once(world_size):
-    for seed in range(20):
-        bounds = random_documents(seed, world_size)
-        causal, window = MASKS[seed % len(MASKS)]
-        lay = dr.document_layout(bounds, world_size, causal=causal, window_size=window)
+    for causal, window, lay in every_candidate(range(20), world_size):
+        bounds = list(lay.bounds)
         T, n = bounds[-1], bounds[-1] // world_size
         assert lay.indices.shape == (world_size, n)
         assert sorted(lay.indices.flatten().tolist()) == list(range(T))
@@ -119,6 +129,21 @@ def test_balance_of_many_documents(world_size):
         assert n_docs < 4 * world_size or len(lay.split) <= n_docs // 4, (n_docs, lay)
 
 
+def test_predicted_time_prefers_fewer_steps_for_small_work():
+    """With the attention's shape, a packed batch whose ranks hold little work keeps its
+    documents on few ranks (a ring step costs at least its host time); the balance-only pick
+    cuts documents over every rank. Both are candidates of the same search."""
+    bounds = [0, *range(1024, 65536, 1024), 65536]  # 64 documents of 1024 tokens on 8 ranks
+    bounds[1:3] = [6144, 12288]  # two heavy ones
+    bounds = sorted(set(bounds))
+    balanced = dr.document_layout(bounds, 8)
+    timed = dr.document_layout(bounds, 8, heads=32, kv_heads=8, head_dim=128)
+    causal_offsets = [len(_offsets(lay, True)) for lay in (balanced, timed)]
+    assert causal_offsets[1] < causal_offsets[0], causal_offsets
+    with pytest.raises(ValueError, match="heads, kv_heads and head_dim are given together"):
+        dr.document_layout(bounds, 8, heads=32)
+
+
 def test_tolerance_trades_cuts_for_balance():
     bounds = [0, *range(1024, 65536, 2048), 65536]  # 32 documents, 1024 then 2048 tokens
     loose, tight = (dr.document_layout(bounds, 8, tolerance=t) for t in (2.0, 1.0))
@@ -131,10 +156,8 @@ def test_plan_computes_every_visible_pair_once(world_size):
     """Each rank's blocks cover exactly its visible pairs (counted token by token), every
     local row is initialised by exactly one step-0 block, and a kernel call never holds one
     query row twice."""
-    for seed in range(12):
-        bounds = random_documents(100 + seed, world_size)
-        causal, window = MASKS[seed % len(MASKS)]
-        lay = dr.document_layout(bounds, world_size)
+    for causal, window, lay in every_candidate(range(100, 112), world_size):
+        bounds = list(lay.bounds)
         norm = None if window == (-1, -1) else window
         plan = varlen_plan(lay.local_bounds[0], lay, world_size, causal, norm)
         for r, row in enumerate(plan.steps):
@@ -198,11 +221,9 @@ def test_bad_layout_documents():
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_simulated_ring_matches_reference(world_size):
-    for seed in range(6):
-        bounds = random_documents(200 + seed, world_size)
-        causal, window = MASKS[seed % len(MASKS)]
-        lay = dr.document_layout(bounds, world_size, causal=causal, window_size=window)
-        gen = torch.Generator().manual_seed(seed)
+    for i, (causal, window, lay) in enumerate(every_candidate(range(200, 206), world_size, 3)):
+        bounds = list(lay.bounds)
+        gen = torch.Generator().manual_seed(i)
         T = bounds[-1]
         q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
         dout = torch.randn(T, 4, 8, generator=gen, dtype=torch.float64)

@@ -34,6 +34,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from ..layouts.documents import DocumentLayout, balance_documents
 from ..layouts.varlen import check_divisible, global_bounds
 from ..resolve import check_bool, check_window_size, normalize_window
+from ..schedule.policy import ring_steps_ms
+from ..schedule.varlen import step_pairs, varlen_plan
 
 
 def document_layout(
@@ -43,6 +45,9 @@ def document_layout(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     tolerance: float = 1.05,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
 ) -> DocumentLayout:
     """The balanced varlen layout of packed documents on ``world_size`` ranks (Note [Balanced
     documents]): documents kept whole on one rank where that balances the work, the heaviest
@@ -54,6 +59,11 @@ def document_layout(
         causal, window_size: the mask within documents the work is counted for (any mask runs
             exactly on the layout; this one is balanced).
         tolerance: stop cutting documents once max/mean work is at most this.
+        heads, kv_heads, head_dim: of the attention the layout serves (all three, or none):
+            choose the placement of least predicted time of the slowest rank instead
+            (``dtensor_ring.get_machine``'s constants: a ring step costs at least its host
+            time, so a few cut documents that make every step run can cost more than the
+            imbalance they remove; ``tolerance`` is then unused).
 
     Returns:
         A :class:`~dtensor_ring.layouts.documents.DocumentLayout`: pass it as ``layout=`` to
@@ -79,7 +89,25 @@ def document_layout(
     causal, window = normalize_window(
         check_window_size(window_size), check_bool("causal", causal), bounds[-1]
     )
-    return balance_documents(bounds, world_size, causal, window, float(tolerance))
+    shape = (heads, kv_heads, head_dim)
+    if shape != (None, None, None) and not all(
+        isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape
+    ):
+        raise ValueError(
+            f"heads, kv_heads and head_dim are given together, as positive ints; got {shape}"
+        )
+
+    def predicted_ms(layout: DocumentLayout) -> float:
+        plan = varlen_plan(layout.local_bounds[0], layout, world_size, causal, window)
+        return max(
+            ring_steps_ms(
+                row, bounds[-1] // world_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim
+            )
+            for row in step_pairs(plan)
+        )
+
+    cost = None if heads is None else predicted_ms
+    return balance_documents(bounds, world_size, causal, window, float(tolerance), cost)
 
 
 def document_mask(

@@ -16,13 +16,26 @@ balanced layout keeps documents whole where that balances, and cuts only the hea
         rank 1: a1 a2 | C | E          work 15 + 24 + 10 + 3 = 52
     B, C, D, E stay whole: no rank needs another's keys for them.
 
-The rule: documents sorted by work, heaviest first; for t = 0, 1, ... the t heaviest are cut
-into 2W pieces over every rank (rank r holds pieces r and 2W-1-r, as zigzag), the others are
-placed whole, heaviest first, each on the least loaded rank with room. Every rank holds T/W
-tokens: the heaviest cut document (the "filler") takes the room the whole documents leave on
-each rank (its pieces differ by that much). The first t whose max/mean work is within the
-tolerance wins (the smallest number of cut documents), else the most balanced. With t = 0 no
-K/V travel at all; with t > 0 they travel for the cut documents only.
+The search weighs two families of placements, documents sorted by work, heaviest first,
+every rank holding exactly T/W tokens:
+
+* zigzag cuts: for t = 0, 1, ... the t heaviest are cut into 2W pieces over every rank (rank
+  r holds pieces r and 2W-1-r, as zigzag), the others are placed whole. The heaviest cut
+  document (the "filler") takes the room the whole documents leave on each rank, so whole
+  documents are placed by the work they add beyond the filler work they displace, and each
+  rank's early/late split of the filler brings its work to the mean. Balanced, but K/V
+  travel at every step once t > 0.
+* contiguous cuts: a document of more work than a limit (a fraction of the mean) is cut at
+  equal-work points into the fewest pieces under it, piece i on rank g + i (each rank needs
+  K/V only from the few ranks before it); the others whole; each on the ranks whose load,
+  with their remaining room filled at the density of what is left, stays lowest; what finds
+  no room is poured into the room left, in rank order. Few ring offsets, balance approximate.
+
+The pick: of the placements whose max/mean work is within the tolerance, the one whose K/V
+travel the fewest ring offsets, then with the fewest documents on several ranks (none: the
+most balanced). Given the attention's shape, the placement of least predicted time instead
+(``schedule/policy.py``'s model: a step costs at least its host time, so for ranks with
+little work, fewer steps beat balance).
 
 A rank's tokens are in increasing global order, so a document's pieces on a rank are adjacent
 locally: its local ``cu_seqlens`` has one entry per document it holds, and a causal (or full)
@@ -34,7 +47,8 @@ visiting rank (Note [Windowed schedules]); ``schedule/varlen.py`` builds it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +78,8 @@ class DocumentLayout(TokenLayout):
     :func:`dtensor_ring.shard_varlen`). As a :class:`TokenLayout` it also places the tokens of
     dense calls (e.g. :func:`dtensor_ring.flex_attention` with these documents'
     :func:`dtensor_ring.document_mask`). ``work`` is the visible pairs per rank under the mask
-    it was balanced for, ``imbalance`` their max/mean, ``split`` the documents cut over every
-    rank.
+    it was balanced for, ``imbalance`` their max/mean, ``split`` the documents on more than
+    one rank.
     """
 
     varlen = "placed"
@@ -75,10 +89,9 @@ class DocumentLayout(TokenLayout):
         bounds: Sequence[int],
         pieces: Sequence[Sequence[Piece]],
         work: Sequence[int],
-        split: Sequence[int],
     ):
         self.bounds = tuple(int(b) for b in bounds)
-        self.pieces = tuple(tuple(sorted(p for p in row if p[2] > p[1])) for row in pieces)
+        self.pieces = tuple(_joined(row) for row in pieces)
         indices = torch.stack(
             [
                 torch.cat([torch.arange(self.bounds[d] + a, self.bounds[d] + b) for d, a, b in row])
@@ -88,12 +101,17 @@ class DocumentLayout(TokenLayout):
         super().__init__(indices, prefix="documents")
         digest = hashlib.blake2b(repr(self.bounds).encode(), digest_size=4).hexdigest()
         self.name = f"{self.name}_{digest}"
-        self.work, self.split = tuple(work), tuple(split)
+        self.work = tuple(work)
         self.imbalance = max(self.work) / max(sum(self.work) / len(self.work), 1)
         self.documents = tuple(_document_runs(self.bounds, row) for row in self.pieces)
         self.local_bounds = tuple(
             (0, *(doc.stop for doc in row.values())) for row in self.documents
         )
+        holders: dict[int, int] = {}
+        for row in self.documents:
+            for d in row:
+                holders[d] = holders.get(d, 0) + 1
+        self.split = tuple(sorted(d for d, k in holders.items() if k > 1))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DocumentLayout) and (self.bounds, self.pieces) == (
@@ -109,6 +127,18 @@ class DocumentLayout(TokenLayout):
             f"<layout {self.name!r}: {len(self.bounds) - 1} documents on {self.world_size} "
             f"ranks, {len(self.split)} cut, imbalance {self.imbalance:.3f}>"
         )
+
+
+def _joined(row: Sequence[Piece]) -> tuple[Piece, ...]:
+    """A rank's pieces in global order, empty ones dropped, adjacent ones of a document joined
+    (so that equal tokens give equal pieces)."""
+    out: list[Piece] = []
+    for d, a, b in sorted(p for p in row if p[2] > p[1]):
+        if out and out[-1][0] == d and out[-1][2] == a:
+            out[-1] = (d, out[-1][1], b)
+        else:
+            out.append((d, a, b))
+    return tuple(out)
 
 
 def _document_runs(bounds: tuple[int, ...], row: Sequence[Piece]) -> dict[int, DocumentRuns]:
@@ -149,12 +179,44 @@ def balance_documents(
     causal: bool,
     window: tuple[int, int] | None,
     tolerance: float,
+    cost: Callable[[DocumentLayout], float] | None = None,
 ) -> DocumentLayout:
     """The layout of Note [Balanced documents] for documents ``bounds`` (global, ints) on
     ``world_size`` ranks, balanced for ``causal`` / ``window`` (normalised) within the
-    documents; ``tolerance``: the max/mean work that ends the search."""
-    W, T = world_size, bounds[-1]
-    n = T // W
+    documents: of the candidates whose max/mean work is within ``tolerance``, the one whose
+    K/V travel the fewest ring offsets, then with the fewest documents on several ranks (else
+    the most balanced candidate), or, given ``cost``
+    (a layout's predicted time), the candidate of least cost."""
+    candidates = list(_candidates(bounds, world_size, causal, window))
+    if cost is not None:
+        return min(candidates, key=cost)
+    within = [c for c in candidates if c.imbalance <= tolerance]
+    if not within:
+        return min(candidates, key=lambda c: c.imbalance)
+    return min(within, key=lambda c: (len(_offsets(c, causal)), len(c.split), c.imbalance))
+
+
+def _offsets(layout: DocumentLayout, causal: bool) -> set[int]:
+    """The ring offsets ``(r - src) % W`` at which rank r needs K/V of rank src, under a
+    causal (later pieces see earlier ones) or full mask within documents."""
+    W, held = layout.world_size, {}
+    for r, row in enumerate(layout.pieces):
+        for d, a, _ in row:
+            held.setdefault(d, []).append((a, r))
+    offsets = set()
+    for parts in held.values():
+        for a_q, r in parts:
+            for a_k, src in parts:
+                if src != r and (not causal or a_k < a_q):
+                    offsets.add((r - src) % W)
+    return offsets
+
+
+def _candidates(
+    bounds: Sequence[int], W: int, causal: bool, window: tuple[int, int] | None
+) -> Iterator[DocumentLayout]:
+    """The placements with t = 0, 1, ... of the heaviest documents cut, where they exist."""
+    n = bounds[-1] // W
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     prefix = [
         torch.cat([torch.zeros(1, dtype=torch.int64), token_work(L, causal, window).cumsum(0)])
@@ -165,19 +227,67 @@ def balance_documents(
         return int(prefix[d][b] - prefix[d][a])
 
     order = sorted(range(len(lengths)), key=lambda d: (-work_of(d, 0, lengths[d]), d))
-    best = None
+    total = sum(work_of(d, 0, lengths[d]) for d in order)
+    for limit in (math.inf, *(total / W * f for f in (1.5, 1.0, 0.75, 0.5, 0.35, 0.25))):
+        pieces = _place_runs(order, lengths, W, n, prefix, limit)
+        yield DocumentLayout(bounds, pieces, [sum(work_of(*p) for p in row) for row in pieces])
     for t in _cut_counts(len(order)):
         pieces = _place(order[:t], order[t:], lengths, W, n, prefix)
-        if pieces is None:
+        if pieces is not None:
+            yield DocumentLayout(bounds, pieces, [sum(work_of(*p) for p in row) for row in pieces])
+
+
+def _place_runs(order, lengths, W: int, n: int, prefix, limit: float) -> list[list[Piece]]:
+    """Pieces per rank, placing few K/V far: documents (``order``: heaviest first) of more
+    work than ``limit`` cut at equal-work points into the fewest contiguous pieces under it,
+    piece i on rank g + i (mod W: the ring's next rank) for the start g that keeps the most
+    loaded rank lightest; the others whole on the least loaded rank with room; what finds no
+    room poured, in order, into the room left on ranks 0, 1, ... (a document poured across
+    a rank boundary is cut there)."""
+    pieces: list[list[Piece]] = [[] for _ in range(W)]
+    tokens, load, poured = [0] * W, [0] * W, []
+    left_work, left_tokens = sum(int(prefix[d][-1]) for d in order), sum(lengths)
+    for d in order:
+        # a rank's room ends up filled at about the density of what is left: compare ranks by
+        # the load they would have then
+        density = left_work / max(left_tokens, 1)
+        work = int(prefix[d][-1])
+        left_work, left_tokens = left_work - work, left_tokens - lengths[d]
+        m = min(W, max(1, math.ceil(work / limit))) if limit < math.inf else 1
+        targets = torch.arange(1, m, dtype=torch.int64) * work // m
+        cuts = [0, *torch.searchsorted(prefix[d], targets).tolist(), lengths[d]]
+        parts = [
+            (a, b, int(prefix[d][b] - prefix[d][a]))
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+        ]
+        best = None
+        for g in range(W):
+            ranks = [(g + i) % W for i in range(m)]
+            if all(tokens[r] + b - a <= n for r, (a, b, _) in zip(ranks, parts, strict=True)):
+                worst = max(
+                    load[r] + w + density * (n - tokens[r] - b + a)
+                    for r, (a, b, w) in zip(ranks, parts, strict=True)
+                )
+                if best is None or worst < best[0]:
+                    best = (worst, ranks)
+        if best is None:
+            poured.append(d)
             continue
-        work = [sum(work_of(*p) for p in row) for row in pieces]
-        imbalance = max(work) / max(sum(work) / W, 1)
-        if best is None or imbalance < best[0] - 1e-12:
-            best = (imbalance, pieces, work, order[:t])
-        if imbalance <= tolerance:
-            break
-    assert best is not None  # cutting every document always places them
-    return DocumentLayout(bounds, best[1], best[2], sorted(best[3]))
+        for r, (a, b, w) in zip(best[1], parts, strict=True):
+            pieces[r].append((d, a, b))
+            tokens[r] += b - a
+            load[r] += w
+    r = 0
+    for d in poured:
+        a = 0
+        while a < lengths[d]:
+            while tokens[r] == n:
+                r += 1
+            b = min(lengths[d], a + n - tokens[r])
+            pieces[r].append((d, a, b))
+            tokens[r] += b - a
+            a = b
+    return pieces
 
 
 def _cut_counts(n_docs: int):

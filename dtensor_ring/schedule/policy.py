@@ -141,6 +141,27 @@ def _ring_ms(pairs, per_pair, rate, kv_bytes, m: Machine, bwd: bool) -> float:
     )
 
 
+def ring_steps_ms(
+    step_pairs: Sequence[int],
+    seq_local: int,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    batch: int = 1,
+    itemsize: int = 2,
+    backward: bool = True,
+    machine: Machine | None = None,
+) -> float:
+    """The model's time of one rank's ring steps that compute ``step_pairs`` (query-key pairs
+    per step) on ``seq_local`` tokens a rank: each step costs the most of its kernels, its K/V
+    transfer and the host time of a step (Note [Choosing ring, all-gather or Ulysses])."""
+    m = get_machine() if machine is None else machine
+    rate = m.rate(max(seq_local // 2, 1)) * 1e9
+    kv_bytes = 2.0 * batch * seq_local * kv_heads * head_dim * itemsize
+    return _ring_ms(step_pairs, 4.0 * batch * heads * head_dim, rate, kv_bytes, m, backward)
+
+
 def _all_gather_ms(flops, rate, kv_bytes, W, groups, m: Machine, bwd: bool) -> float:
     gathered = (W - 1) * kv_bytes / groups  # one group's share of the others' K/V
     first = _step_ms(0.0, gathered, 0.0, m)
