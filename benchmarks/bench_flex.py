@@ -159,7 +159,7 @@ def main() -> None:
         f"{'fwd ms':>9}{'eff':>7}{'f+b ms':>9}{'eff':>7}{'best f':>7}{'best fb':>7}{'imbal':>7}"
         f"{'K/V':>5}"
     )
-    print(f"{'mask':<22}{'path':<30}{head}")
+    print(f"{'mask':<22}{'path':<36}{head}")
     kernels = varlen_kernels(dev)
     for name, (mask_mod, bounds, window) in masks(S, dev).items():
         if a.masks is not None and name not in a.masks.split(","):
@@ -212,7 +212,7 @@ def main() -> None:
             modelled = dr.document_layout(bounds, W, window_size=window, **shape)
             varlen_paths = [("zigzag", "zigzag"), ("documents", balanced)]
             if modelled != balanced:
-                varlen_paths.append(("documents by model", modelled))
+                varlen_paths.append(("docs by model", modelled))
             for label, layout in varlen_paths:
                 sims = [
                     RankSimulator(
@@ -238,7 +238,7 @@ def main() -> None:
         for row in rows:
             if row["mask"] == name and "eff_fwd" in row:
                 print(
-                    f"{'':<22}{row['path']:<30}{row['fwd_s'] * 1e3:>9.3f}{row['eff_fwd']:>7.1%}"
+                    f"{'':<22}{row['path']:<36}{row['fwd_s'] * 1e3:>9.3f}{row['eff_fwd']:>7.1%}"
                     f"{row['fwd_bwd_s'] * 1e3:>9.3f}{row['eff_fwd_bwd']:>7.1%}"
                     f"{row['eff_best_fwd']:>7.1%}{row['eff_best_fwd_bwd']:>7.1%}"
                     + (
@@ -255,7 +255,7 @@ def main() -> None:
 
 def ideal_row(mask: str, path: str, per_rank: tuple[float, float]) -> dict:
     """A one-GPU baseline divided by W, printed."""
-    print(f"{mask:<22}{path:<30}{per_rank[0] * 1e3:>9.3f}{'':>7}{per_rank[1] * 1e3:>9.3f}")
+    print(f"{mask:<22}{path:<36}{per_rank[0] * 1e3:>9.3f}{'':>7}{per_rank[1] * 1e3:>9.3f}")
     return {"mask": mask, "path": path, "fwd_s": per_rank[0], "fwd_bwd_s": per_rank[1]}
 
 
