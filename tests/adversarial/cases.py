@@ -91,6 +91,7 @@ from . import oracle
 from .doors import (
     ALL_DOORS,
     AUTO_DOORS,
+    DOCUMENTS_DOOR,
     DOORS,
     HYBRID_SPLIT,
     NEW_DOORS,
@@ -1433,6 +1434,19 @@ GATHER_ARG_CASES = (
 )
 
 
+def documents_cases() -> list[Case]:
+    """``ring_varlen_attention_func`` on ``dr.document_layout`` (documents of any lengths
+    placed whole or cut by their work, each rank's local ``cu_seqlens`` its own): base, masks,
+    memory layouts, non-finite values, arguments, ranks that disagree, dtypes, values, shapes
+    and the consistency mode."""
+    doors = [DOCUMENTS_DOOR]
+    cases = base_cases(doors) + mask_cases(doors) + layout_cases(doors) + debug_on_cases(doors)
+    cases += nonfinite_cases(doors) + scale_cases(doors) + args_cases(doors)
+    cases += disagree_cases(doors) + dtype_cases(doors) + values_cases(doors)
+    cases += shapes_cases(doors)
+    return _retag(cases, "documents")
+
+
 def llama3_zigzag_cases() -> list[Case]:
     """The "llama3_zigzag" layout (zigzag's tokens, K/V all-gathered): its flash and varlen
     front doors through every adversity, and the doors that take a layout (``ring_attention_func``,
@@ -1685,6 +1699,7 @@ KINDS = {
     "rank_local": rank_local_cases,
     "shards": shards_cases,
     "flex": flex_cases,
+    "documents": documents_cases,
 }
 FAST_PER_KIND = 4  # the CI subset: 4 per kind
 

@@ -221,13 +221,16 @@ class Door:
 
     def default_docs(self, world: int) -> tuple[int, ...]:
         """Document lengths of the packed stream (8 tokens per rank): multiples of 2W for
-        ring/zigzag varlen, uneven (straddling the rank slices) for llama3."""
-        if self.layout == "llama3":
+        ring/zigzag varlen, uneven (straddling the rank slices) for llama3 and the balanced
+        documents (``dr.document_layout``, any lengths)."""
+        if self.layout in ("llama3", "documents"):
             return (3, 8 * world - 5, 2)
         return (4 * world, 2 * world, 2 * world)
 
     def indices(self, rank: int, world: int, seq_len: int, bounds: list[int] | None) -> Tensor:
         """Global positions of this rank's tokens, in local order."""
+        if self.layout == "documents":  # the balancer's placement (checked by its own tests)
+            return document_layout_of(bounds, world).indices[rank]
         if self.packed_stream:
             return oracle.varlen_indices(self.layout, bounds, rank, world)
         if self.family == "hybrid":
@@ -314,16 +317,29 @@ def _call_flash(door, ctx, q, k, v, kw, view, tokens):
 def _call_varlen(door, ctx, q, k, v, kw, view, tokens):
     kw.setdefault("group", ctx.group)
     args = _packed_args(door, q[0], k[0], v[0], view)
-    cu = kw.pop("cu_seqlens", oracle.local_cu_seqlens(tokens.bounds, ctx.world))
+    layout = door.layout
+    if layout == "documents":
+        layout = document_layout_of(tokens.bounds, ctx.world)
+        local = torch.tensor(layout.local_bounds[ctx.rank], dtype=torch.int32)
+        cu = kw.pop("cu_seqlens", local)
+    else:
+        cu = kw.pop("cu_seqlens", oracle.local_cu_seqlens(tokens.bounds, ctx.world))
     max_seqlen = kw.pop("max_seqlen", None)
     if door.generic_varlen:
         from dtensor_ring.api.varlen import ring_varlen_attention_func
 
-        result = ring_varlen_attention_func(door.layout, *args, cu, max_seqlen, **kw)
+        result = ring_varlen_attention_func(layout, *args, cu, max_seqlen, **kw)
     else:
         result = _func(door)(*args, cu, max_seqlen, **kw)
     out, lse = _split_result(result)
     return out.unsqueeze(0), None if lse is None else lse.unsqueeze(0)
+
+
+def document_layout_of(bounds: list[int], world: int):
+    """``dr.document_layout`` of the stream's documents (every rank builds the same)."""
+    import dtensor_ring as dr
+
+    return dr.document_layout(bounds, world)
 
 
 def _call_llama3(door, ctx, q, k, v, kw, view, tokens):
@@ -620,7 +636,14 @@ def _auto_doors() -> dict[str, Door]:
 
 
 AUTO_DOORS: dict[str, Door] = _auto_doors()
-ALL_DOORS: dict[str, Door] = {**DOORS, **NEW_DOORS, **AUTO_DOORS}
+#: ``ring_varlen_attention_func`` on ``dr.document_layout``'s placement of the documents
+DOCUMENTS_DOOR = Door("ring_varlen_attention_func[documents]", "varlen", "documents")
+ALL_DOORS: dict[str, Door] = {
+    **DOORS,
+    **NEW_DOORS,
+    **AUTO_DOORS,
+    DOCUMENTS_DOOR.name: DOCUMENTS_DOOR,
+}
 
 
 # --- the doors of the recompute kind ------------------------------------------------------------
