@@ -82,6 +82,29 @@ def summarize(prof, label: str) -> dict:
     )
 
 
+def python_profile(fn, path: str, calls: int = 20) -> None:
+    """cProfile of ``calls`` calls of ``fn`` (after a warm-up), host side only: what Python
+    spends per call, by function (cumulative), printed and written to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    print(f"== host, {calls} calls (cProfile, cumulative):\n{text.getvalue()[:6000]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -93,6 +116,9 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--documents", type=int, default=0)
+    p.add_argument(
+        "--python", action="store_true", help="also cProfile the host side of 20 forwards"
+    )
     a = p.parse_args()
     device = torch.device("cuda")
     a.dtype = torch.bfloat16
@@ -120,6 +146,8 @@ def main() -> None:
         sim.backward(dout_local)
 
     os.makedirs(a.out, exist_ok=True)
+    if a.python:
+        python_profile(sim.forward, os.path.join(a.out, "python_forward.txt"))
     results = []
     for label, fn in (("forward", sim.forward), ("forward+backward", fwd_bwd)):
         for _ in range(3):

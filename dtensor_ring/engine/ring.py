@@ -80,22 +80,35 @@ class _SideStream:
 
     def __init__(self, device: torch.device):
         self.stream = _side_stream(device) if device.type == "cuda" else None
+        if self.stream is not None:
+            # the caller's stream, read once. On the current device, switching by set_stream
+            # costs a fraction of the stream context manager's host time (paid per block);
+            # set_stream also makes the stream's device current, so elsewhere the manager
+            self.compute = torch.cuda.current_stream(device)
+            self.switch = self.stream.device_index == torch.cuda.current_device()
 
     def run(self, update, *results: Tensor) -> None:
         """``update()`` after everything queued so far; ``results`` are the tensors it reads."""
         if self.stream is None:
             update()
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            update()
+        self.stream.wait_stream(self.compute)
+        if self.switch:
+            torch.cuda.set_stream(self.stream)
+            try:
+                update()
+            finally:
+                torch.cuda.set_stream(self.compute)
+        else:
+            with torch.cuda.stream(self.stream):
+                update()
         for t in results:
             t.record_stream(self.stream)
 
     def join(self) -> None:
         """Make the compute stream wait for every update."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.compute.wait_stream(self.stream)
 
 
 @functools.cache
