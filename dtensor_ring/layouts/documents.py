@@ -46,6 +46,7 @@ visiting rank (Note [Windowed schedules]); ``schedule/varlen.py`` builds it.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -107,10 +108,7 @@ class DocumentLayout(TokenLayout):
         self.local_bounds = tuple(
             (0, *(doc.stop for doc in row.values())) for row in self.documents
         )
-        holders: dict[int, int] = {}
-        for row in self.documents:
-            for d in row:
-                holders[d] = holders.get(d, 0) + 1
+        holders = collections.Counter(d for row in self.documents for d in row)
         self.split = tuple(sorted(d for d, k in holders.items() if k > 1))
 
     def __eq__(self, other: object) -> bool:
@@ -142,21 +140,16 @@ def _joined(row: Sequence[Piece]) -> tuple[Piece, ...]:
 
 
 def _document_runs(bounds: tuple[int, ...], row: Sequence[Piece]) -> dict[int, DocumentRuns]:
-    """Per document a rank holds (pieces in global order), its local rows and runs."""
-    out: dict[int, list] = {}
+    """Per document a rank holds, its local rows and runs: one run a piece (joined pieces
+    are never consecutive globally)."""
+    out: dict[int, list[Run]] = {}
     local = 0
     for d, a, b in row:
-        first, runs = out.setdefault(d, [local, []])
-        g = bounds[d] + a
-        if runs and runs[-1][0] + runs[-1][1] == local and runs[-1][2] + runs[-1][1] == g:
-            s, n, g0 = runs[-1]
-            runs[-1] = (s, n + b - a, g0)
-        else:
-            runs.append((local, b - a, g))
+        out.setdefault(d, []).append((local, b - a, bounds[d] + a))
         local += b - a
     return {
-        d: DocumentRuns(first, runs[-1][0] + runs[-1][1], tuple(runs))
-        for d, (first, runs) in out.items()
+        d: DocumentRuns(runs[0][0], runs[-1][0] + runs[-1][1], tuple(runs))
+        for d, runs in out.items()
     }
 
 
@@ -184,9 +177,8 @@ def balance_documents(
     """The layout of Note [Balanced documents] for documents ``bounds`` (global, ints) on
     ``world_size`` ranks, balanced for ``causal`` / ``window`` (normalised) within the
     documents: of the candidates whose max/mean work is within ``tolerance``, the one whose
-    K/V travel the fewest ring offsets, then with the fewest documents on several ranks (else
-    the most balanced candidate), or, given ``cost``
-    (a layout's predicted time), the candidate of least cost."""
+    K/V travel the fewest ring offsets, then with the fewest documents on several ranks (none
+    within: the most balanced); given ``cost`` (a layout's predicted time), the cheapest."""
     candidates = list(_candidates(bounds, world_size, causal, window))
     if cost is not None:
         return min(candidates, key=cost)
@@ -232,7 +224,7 @@ def _candidates(
         pieces = _place_runs(order, lengths, W, n, prefix, limit)
         yield DocumentLayout(bounds, pieces, [sum(work_of(*p) for p in row) for row in pieces])
     for t in _cut_counts(len(order)):
-        pieces = _place(order[:t], order[t:], lengths, W, n, prefix)
+        pieces = _place_zigzag(order[:t], order[t:], lengths, W, n, prefix)
         if pieces is not None:
             yield DocumentLayout(bounds, pieces, [sum(work_of(*p) for p in row) for row in pieces])
 
@@ -299,7 +291,7 @@ def _cut_counts(n_docs: int):
     yield n_docs
 
 
-def _place(cut, whole, lengths, W: int, n: int, prefix) -> list[list[Piece]] | None:
+def _place_zigzag(cut, whole, lengths, W: int, n: int, prefix) -> list[list[Piece]] | None:
     """Pieces per rank: ``cut`` documents zigzag over every rank (the first, the filler,
     takes what room is left), ``whole`` ones on the least loaded rank with room; None when a
     whole document finds no room. ``prefix[d]``: document d's work before each position."""
