@@ -275,11 +275,9 @@ class VarlenBlocks:
 
     def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         rows = self.rows[part]
-        out_rows, lse_rows = rows.take(out_acc, 0), rows.take(lse_acc, 1)
-        merge_(out_rows[None], lse_rows[None], out_b[None], lse_b[None])
-        if rows.index is not None:  # take made copies: write them back
-            out_acc.index_copy_(0, rows.index, out_rows)
-            lse_acc.index_copy_(1, rows.index, lse_rows)
+        if rows.index is None:
+            out_acc, lse_acc = rows.take(out_acc, 0), rows.take(lse_acc, 1)
+        merge_(out_acc[None], lse_acc[None], out_b[None], lse_b[None], rows.index)
 
     def finish_(self, out, lse, whole):
         return softmax_empty_rows_(out, lse, whole)

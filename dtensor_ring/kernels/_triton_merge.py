@@ -18,6 +18,7 @@ def _merge_kernel(
     lse_ptr,
     blk_out_ptr,
     blk_lse_ptr,
+    rows_ptr,
     S,
     H,
     D,
@@ -35,16 +36,18 @@ def _merge_kernel(
     bl_ss,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0)  # one (b, s) row of the block
     b = row // S
     s = row % S
+    acc_s = tl.load(rows_ptr + s) if HAS_ROWS else s  # its row of the accumulators
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     h_ok = h < H
     hd_ok = h_ok[:, None] & (d[None, :] < D)
 
-    lse_ptrs = lse_ptr + b * l_sb + h * l_sh + s * l_ss
+    lse_ptrs = lse_ptr + b * l_sb + h * l_sh + acc_s * l_ss
     lse = tl.load(lse_ptrs, mask=h_ok, other=0.0)
     blk_lse = tl.load(blk_lse_ptr + b * bl_sb + h * bl_sh + s * bl_ss, mask=h_ok, other=0.0)
     blk_lse = blk_lse.to(tl.float32)
@@ -56,7 +59,7 @@ def _merge_kernel(
         tl.abs(top) == float("inf"), top, top + tl.log(tl.exp(lse - top) + tl.exp(blk_lse - top))
     )
 
-    o_ptrs = out_ptr + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
+    o_ptrs = out_ptr + b * o_sb + acc_s * o_ss + h[:, None] * o_sh + d[None, :]
     o = tl.load(o_ptrs, mask=hd_ok, other=0.0)
     bo_ptrs = blk_out_ptr + b * bo_sb + s * bo_ss + h[:, None] * bo_sh + d[None, :]
     blk_o = tl.load(bo_ptrs, mask=hd_ok, other=0.0).to(tl.float32)
@@ -65,10 +68,15 @@ def _merge_kernel(
 
 
 def triton_merge_(
-    out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor, lse_BHS: Tensor
+    out_acc_BSHD: Tensor,
+    lse_acc_BHS: Tensor,
+    out_BSHD: Tensor,
+    lse_BHS: Tensor,
+    rows: Tensor | None = None,
 ) -> None:
-    """Same contract as :func:`dtensor_ring.merge.merge_`; fp32 accumulators, unit D stride."""
-    B, S, H, D = out_acc_BSHD.shape
+    """Same contract as :func:`dtensor_ring.merge.merge_`; fp32 accumulators, unit D stride;
+    ``rows``: the accumulator row of each block row (read and written in place), or None."""
+    B, S, H, D = out_BSHD.shape
     block_d = triton.next_power_of_2(D)
     block_h = max(1, min(triton.next_power_of_2(H), 2048 // block_d))
     grid = (B * S, triton.cdiv(H, block_h))
@@ -77,6 +85,7 @@ def triton_merge_(
         lse_acc_BHS,
         out_BSHD,
         lse_BHS,
+        out_BSHD if rows is None else rows,  # unread without rows
         S,
         H,
         D,
@@ -90,4 +99,5 @@ def triton_merge_(
         *lse_BHS.stride(),
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        HAS_ROWS=rows is not None,
     )

@@ -37,16 +37,25 @@ import torch
 from torch import Tensor
 
 
-def merge_(out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor, lse_BHS: Tensor) -> None:
+def merge_(
+    out_acc_BSHD: Tensor,
+    lse_acc_BHS: Tensor,
+    out_BSHD: Tensor,
+    lse_BHS: Tensor,
+    rows: Tensor | None = None,
+) -> None:
     """Fold one block result into the accumulators, in place (Note [Online-softmax merge]).
 
     Args:
         out_acc_BSHD: running output, accumulation dtype; updated in place.
         lse_acc_BHS: running log-sum-exp, accumulation dtype; updated in place.
         out_BSHD, lse_BHS: the block's output (any float dtype) and log-sum-exp, same rows.
+        rows: int64 ``[S_block]``, the accumulator row (dim S) of each block row, or None
+            (the same rows): a packed block's rows gathered from the whole shard.
 
     On CUDA with fp32 accumulators it runs one fused Triton kernel when Triton is installed
-    (``_triton_merge.py``), else the eager torch ops of :func:`merge_eager_`.
+    (``_triton_merge.py``; with ``rows``, reading and writing the accumulator rows in place),
+    else the eager torch ops of :func:`merge_eager_` on the gathered rows, scattered back.
     """
     fused = _fused_merge() if out_acc_BSHD.is_cuda else None
     if (
@@ -55,9 +64,14 @@ def merge_(out_acc_BSHD: Tensor, lse_acc_BHS: Tensor, out_BSHD: Tensor, lse_BHS:
         and out_acc_BSHD.stride(-1) == 1
         and out_BSHD.stride(-1) == 1
     ):
-        fused(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS)
-    else:
+        fused(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS, rows)
+    elif rows is None:
         merge_eager_(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS)
+    else:
+        out_rows, lse_rows = out_acc_BSHD.index_select(1, rows), lse_acc_BHS.index_select(2, rows)
+        merge_eager_(out_rows, lse_rows, out_BSHD, lse_BHS)
+        out_acc_BSHD.index_copy_(1, rows, out_rows)
+        lse_acc_BHS.index_copy_(2, rows, lse_rows)
 
 
 @functools.cache

@@ -111,8 +111,23 @@ def check_merge() -> dict:
     merge_eager_(eager_out, eager_lse, out_b, lse_b)
     fused_out, fused_lse = out_acc.clone(), lse_acc.clone()
     triton_merge_(fused_out, fused_lse, out_b, lse_b)
+    # with rows: the block's rows are scattered rows of a 3x longer accumulator, merged in
+    # place; the eager reference gathers them, merges and scatters back
+    rows = torch.randperm(3 * Sm, device="cuda", generator=gen)[:Sm]
+    big_out = torch.randn(Bm, 3 * Sm, Hm, Dm, device="cuda", generator=gen)
+    big_lse = torch.randn(Bm, Hm, 3 * Sm, device="cuda", generator=gen)
+    big_out[:, rows], big_lse[:, :, rows] = out_acc, lse_acc
+    fused_big_out, fused_big_lse = big_out.clone(), big_lse.clone()
+    triton_merge_(fused_big_out, fused_big_lse, out_b, lse_b, rows)
+    eager_big_out, eager_big_lse = big_out.clone(), big_lse.clone()
+    eager_big_out[:, rows], eager_big_lse[:, :, rows] = eager_out, eager_lse
     result = {}
-    for name, got, want in (("out", fused_out, eager_out), ("lse", fused_lse, eager_lse)):
+    for name, got, want in (
+        ("out", fused_out, eager_out),
+        ("lse", fused_lse, eager_lse),
+        ("out with rows", fused_big_out, eager_big_out),
+        ("lse with rows", fused_big_lse, eager_big_lse),
+    ):
         same = all(
             torch.equal(f(got), f(want)) for f in (torch.isnan, torch.isposinf, torch.isneginf)
         )
