@@ -23,7 +23,7 @@ import torch.distributed as dist
 from reference import reference_attention_varlen
 
 import dtensor_ring as dr
-from dtensor_ring.layouts.documents import _candidates, _offsets
+from dtensor_ring.layouts.documents import _candidates
 from dtensor_ring.parts import band_pairs
 from dtensor_ring.schedule.varlen import varlen_plan
 
@@ -77,8 +77,8 @@ def every_candidate(seeds, world_size: int, every: int = 1):
         causal, window = MASKS[seed % len(MASKS)]
         norm = None if window == (-1, -1) else window
         bounds = random_documents(seed, world_size)
-        for lay in list(_candidates(bounds, world_size, causal, norm))[::every]:
-            yield causal, window, lay
+        for c in list(_candidates(bounds, world_size, causal, norm))[::every]:
+            yield causal, window, c.layout(bounds)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
@@ -138,8 +138,11 @@ def test_predicted_time_prefers_fewer_steps_for_small_work():
     bounds = sorted(set(bounds))
     balanced = dr.document_layout(bounds, 8)
     timed = dr.document_layout(bounds, 8, heads=32, kv_heads=8, head_dim=128)
-    causal_offsets = [len(_offsets(lay, True)) for lay in (balanced, timed)]
-    assert causal_offsets[1] < causal_offsets[0], causal_offsets
+    transfers = [
+        varlen_plan(lay.local_bounds[0], lay, 8, True, None).kv_transfers()
+        for lay in (balanced, timed)
+    ]
+    assert transfers[1] < transfers[0], transfers
     with pytest.raises(ValueError, match="heads, kv_heads and head_dim are given together"):
         dr.document_layout(bounds, 8, heads=32)
 

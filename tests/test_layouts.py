@@ -26,6 +26,7 @@ from dtensor_ring.api.functional import ring_attention_func
 from dtensor_ring.api.varlen import ring_varlen_attention_func
 from dtensor_ring.layouts import (
     Layout,
+    TokenLayout,
     get_layout,
     layout_names,
     register_layout,
@@ -282,3 +283,14 @@ def test_toy_layout_in_varlen_balance():
     bounds = [0, 8, 24, 48]
     report = dtensor_ring.varlen_balance(bounds, W, causal=True)
     assert sum(report["halves"]) == sum(n * (n + 1) // 2 for n in lengths)
+
+
+def test_token_layouts_of_other_world_sizes_are_other_layouts():
+    """The same flattened permutation on 1 and 2 ranks: two layouts, two names (a name shared
+    by both made the second one's use raise: two layout objects of one name)."""
+    one, two = TokenLayout(torch.arange(8)[None]), TokenLayout(torch.arange(8).view(2, 4))
+    assert one.name != two.name and one != two
+    for layout, world in ((one, 1), (two, 2)):
+        assert get_layout(layout) is layout
+        shard = dtensor_ring.shard_local(torch.arange(8)[None], layout, 0, world)
+        assert shard.shape == (1, 8 // world)

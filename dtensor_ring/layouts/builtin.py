@@ -121,7 +121,9 @@ class TokenLayout(Layout):
             )
         self.indices = indices
         self.world_size, self.seq_local = indices.shape
-        digest = hashlib.blake2b(indices.numpy().tobytes(), digest_size=6).hexdigest()
+        # the shape too: the same permutation on another number of ranks is another layout
+        data = repr(tuple(indices.shape)).encode() + indices.numpy().tobytes()
+        digest = hashlib.blake2b(data, digest_size=6).hexdigest()
         self.name = f"{prefix}_{digest}"
         self._runs = tuple(_consecutive_runs(row) for row in indices)
 

@@ -178,36 +178,70 @@ def balance_documents(
     ``world_size`` ranks, balanced for ``causal`` / ``window`` (normalised) within the
     documents: of the candidates whose max/mean work is within ``tolerance``, the one whose
     K/V travel the fewest ring offsets, then with the fewest documents on several ranks (none
-    within: the most balanced); given ``cost`` (a layout's predicted time), the cheapest."""
-    candidates = list(_candidates(bounds, world_size, causal, window))
+    within: the most balanced); given ``cost`` (a layout's predicted time), the cheapest of
+    the most balanced candidate of each number of offsets."""
+    best: dict[int, Candidate] = {}  # number of offsets -> its most balanced candidate
+    within: Candidate | None = None
+    for c in _candidates(bounds, world_size, causal, window):
+        if c.offsets not in best or c.imbalance < best[c.offsets].imbalance:
+            best[c.offsets] = c
+        if c.imbalance <= tolerance and (within is None or c.rank < within.rank):
+            within = c
+        if cost is None and c.zigzag and c.imbalance <= tolerance:
+            break  # more zigzag cuts only add cut documents
     if cost is not None:
-        return min(candidates, key=cost)
-    within = [c for c in candidates if c.imbalance <= tolerance]
-    if not within:
-        return min(candidates, key=lambda c: c.imbalance)
-    return min(within, key=lambda c: (len(_offsets(c, causal)), len(c.split), c.imbalance))
+        layouts = [c.layout(bounds) for c in best.values()]
+        return min(layouts, key=cost)
+    if within is None:
+        return min(best.values(), key=lambda c: c.imbalance).layout(bounds)
+    return within.layout(bounds)
 
 
-def _offsets(layout: DocumentLayout, causal: bool) -> set[int]:
-    """The ring offsets ``(r - src) % W`` at which rank r needs K/V of rank src, under a
-    causal (later pieces see earlier ones) or full mask within documents."""
-    W, held = layout.world_size, {}
-    for r, row in enumerate(layout.pieces):
-        for d, a, _ in row:
-            held.setdefault(d, []).append((a, r))
+@dataclass(frozen=True)
+class Candidate:
+    """A placement the search weighs: ``pieces`` per rank, their ``work``, and what the pick
+    compares (the layout itself is built for the chosen one only)."""
+
+    pieces: list
+    work: list[int]
+    offsets: int  # ring offsets whose K/V some rank needs (causal: later pieces see earlier)
+    split: int  # documents on more than one rank
+    zigzag: bool  # of the zigzag family
+
+    @property
+    def imbalance(self) -> float:
+        return max(self.work) / max(sum(self.work) / len(self.work), 1)
+
+    @property
+    def rank(self) -> tuple:
+        return (self.offsets, self.split, self.imbalance)
+
+    def layout(self, bounds: Sequence[int]) -> DocumentLayout:
+        return DocumentLayout(bounds, self.pieces, self.work)
+
+
+def _candidate(pieces, work_of, causal: bool, zigzag: bool) -> Candidate:
+    W, held = len(pieces), {}
+    for r, row in enumerate(pieces):
+        for d, a, b in row:
+            if b > a:
+                held.setdefault(d, []).append((a, r))
     offsets = set()
     for parts in held.values():
         for a_q, r in parts:
             for a_k, src in parts:
                 if src != r and (not causal or a_k < a_q):
                     offsets.add((r - src) % W)
-    return offsets
+    work = [sum(work_of(*p) for p in row) for row in pieces]
+    split = sum(len({r for _, r in parts}) > 1 for parts in held.values())
+    return Candidate(pieces, work, len(offsets), split, zigzag)
 
 
 def _candidates(
     bounds: Sequence[int], W: int, causal: bool, window: tuple[int, int] | None
-) -> Iterator[DocumentLayout]:
-    """The placements with t = 0, 1, ... of the heaviest documents cut, where they exist."""
+) -> Iterator[Candidate]:
+    """The contiguous placements (a few limits), then the zigzag ones with t = 0, 1, ... of
+    the heaviest documents cut, where they exist."""
     n = bounds[-1] // W
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     prefix = [
@@ -222,11 +256,11 @@ def _candidates(
     total = sum(work_of(d, 0, lengths[d]) for d in order)
     for limit in (math.inf, *(total / W * f for f in (1.5, 1.0, 0.75, 0.5, 0.35, 0.25))):
         pieces = _place_runs(order, lengths, W, n, prefix, limit)
-        yield DocumentLayout(bounds, pieces, [sum(work_of(*p) for p in row) for row in pieces])
+        yield _candidate(pieces, work_of, causal, zigzag=False)
     for t in _cut_counts(len(order)):
         pieces = _place_zigzag(order[:t], order[t:], lengths, W, n, prefix)
         if pieces is not None:
-            yield DocumentLayout(bounds, pieces, [sum(work_of(*p) for p in row) for row in pieces])
+            yield _candidate(pieces, work_of, causal, zigzag=True)
 
 
 def _place_runs(order, lengths, W: int, n: int, prefix, limit: float) -> list[list[Piece]]:
