@@ -43,6 +43,7 @@ from ._compat import group_name as _group_name
 from ._compat import refuse_simulated_ranks
 from .consistency import PerRankCheck, check_consistent, comparing, relay_errors
 from .kernels import KernelCall, select_kernel
+from .kernels.base import is_small
 from .layouts import Form, Layout, alias_algorithm, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
 from .schedule.cost import kv_repeat
@@ -385,10 +386,11 @@ def _select_backend(
     varlen: bool,
     deterministic: bool,
     window: bool,
+    small: bool,
     backend: str | None,
 ) -> str:
     call = KernelCall(
-        device_type, dtype, head_dim, num_heads, num_kv_heads, varlen, deterministic, window
+        device_type, dtype, head_dim, num_heads, num_kv_heads, varlen, deterministic, window, small
     )
     return select_kernel(call, backend).name
 
@@ -418,15 +420,20 @@ def select_backend(
     H, H_kv = operator.index(q.shape[-2]), operator.index(k.shape[-2])
     if head_split > 1:
         H, H_kv = H // head_split, H_kv * kv_repeat(H_kv, head_split) // head_split
+    D = operator.index(q.shape[-1])
+    # the sequence the kernel sees (Ulysses: every rank's); bool() of a comparison, so under
+    # torch.compile with dynamic shapes Dynamo guards on the comparison, not on the length
+    small = bool(is_small(q.shape[-3] * head_split, H, D))
     return _select_backend(
         q.device.type,
         q.dtype,
-        operator.index(q.shape[-1]),
+        D,
         H,
         H_kv,
         bool(varlen),
         bool(deterministic),
         bool(window),
+        small,
         backend,
     )
 

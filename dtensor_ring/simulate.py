@@ -176,14 +176,15 @@ class RankSimulator:
             self.plan, self.blocks = self.sequence.plan_and_blocks(
                 causal, window, tokens, q.device, rank
             )
-            varlen = cu_seqlens is not None
-            self.kernel = select_kernel(
-                KernelCall.of(q, k, varlen=varlen, window=window is not None), backend
-            )
         self.scale = q.shape[-1] ** -0.5 if scale is None else scale
         local = [[self.sequence.shard(t, r) for t in (k, v)] for r in range(world_size)]
         self.q = self.sequence.shard(q, rank)
         self.k, self.v = local[rank]
+        if block_mask is None and score_mod is None:  # chosen on the shards, as a rank does
+            call = KernelCall.of(
+                self.q, self.k, varlen=cu_seqlens is not None, window=window is not None
+            )
+            self.kernel = select_kernel(call, backend)
         steps = self.plan.steps[rank]
         # the K/V that arrive at the end of step s are those of step s + 1's source rank
         self.kv_deliveries = [local[st.src] for st in steps[1:]] or [local[rank]]

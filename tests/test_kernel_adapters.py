@@ -1356,3 +1356,25 @@ def test_ring_sums_unrounded_block_grads(flash_attn4_pieces, monkeypatch, world_
         assert all(once) if world_size == 1 else not all(once), once
     finally:
         clear_selection_cache()
+
+
+def test_small_calls_prefer_a_kernel_of_little_host_time(flash_attn4, monkeypatch):
+    """The automatic choice passes over flash-attn 4 for small calls (its host time sets their
+    pace: kernels/base.py SMALL_BLOCK_WORK) when cuDNN can run them; large calls, what cuDNN
+    cannot run (varlen) and an explicit backend= keep flash-attn 4. The threshold follows the
+    work S^2 * H * D: the same tokens with more heads are a large call."""
+    from dtensor_ring.kernels.base import SMALL_BLOCK_WORK, is_small
+
+    monkeypatch.setattr(CudnnKernel, "is_available", lambda self: None)
+    monkeypatch.setattr(CudnnKernel, "extra_reason", lambda self, call: None)
+    small = KernelCall("cuda", torch.bfloat16, 128, 32, 8, small=True)
+    assert select_kernel(small).name == "cudnn"
+    assert select_kernel(KernelCall("cuda", torch.bfloat16, 128, 32, 8)).name == "flash_attn4"
+    assert select_kernel(small, "flash_attn4").name == "flash_attn4"
+    varlen = KernelCall("cuda", torch.bfloat16, 128, 32, 8, varlen=True, small=True)
+    assert select_kernel(varlen).name == "flash_attn4"
+    # the measured crossover (H = 32, D = 128): 4096 tokens small, 8192 not
+    assert is_small(4096, 32, 128) and not is_small(8192, 32, 128)
+    assert not is_small(4096, 32 * 4, 128) and 6144**2 * 32 * 128 == SMALL_BLOCK_WORK
+    q_small, q_large = (torch.empty(1, s, 32, 128, device="meta") for s in (4096, 8192))
+    assert KernelCall.of(q_small, q_small).small and not KernelCall.of(q_large, q_large).small

@@ -1,8 +1,10 @@
 """Block-kernel backends and their selection.
 
 ``BACKENDS`` is the priority list (fastest first). :func:`select_kernel` returns the first
-backend that supports a call, or the one named by ``backend=``; when none fits it raises one
-error that lists every backend and why it was rejected.
+backend that supports a call (for a small call, that backend's substitute for small calls if
+one can run it: ``BlockKernel.small_calls_to``, ``base.SMALL_BLOCK_WORK``), or the one named
+by ``backend=``; when none fits it raises one error that lists every backend and why it was
+rejected.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from .math import MathKernel
 # took 21.1 ms against cuDNN's 22.6 over the ring's 12 block shapes (2048-8192 tokens, square
 # causal and not, zigzag halves): 8.5% less at 4096 tokens, 6.8% at 8192, 1.3% more at 2048,
 # where its forward is host-bound (0.11-0.13 ms a call whatever the block; forward alone 0.46
-# vs 0.37 ms); benchmarks/results/check_flash_attn4_h200_2026-12-03.json. cuDNN next: 570-680
+# vs 0.37 ms); benchmarks/results/check_flash_attn4_h200_2026-12-03.json. A whole eager ring
+# rank pays that host time at every step: below base.SMALL_BLOCK_WORK (about 6144 tokens a
+# rank at H * D = 4096) cuDNN ran faster, and small calls go to it. cuDNN next: 570-680
 # TFLOP/s forward against ~350 for FlashAttention-2 (docs/performance.md); flash_attn then
 # serves what cuDNN cannot (varlen, windows, fp16 with head dim beyond cuDNN's limits) ahead of
 # PyTorch's vendored copy of the same kernels.
@@ -56,7 +60,8 @@ _SELECTED: dict[tuple, BlockKernel] = {}
 
 
 def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
-    """Pick the backend for ``call``: ``backend`` if given (and able), else the fastest able one.
+    """Pick the backend for ``call``: ``backend`` if given (and able), else the fastest able one
+    (for a small call, one whose host time does not set the pace, where one can run it).
 
     The choice is remembered per ``(call, backend)`` for the process; after installing or
     removing a backend package at run time, call :func:`clear_selection_cache`.
@@ -85,11 +90,16 @@ def clear_selection_cache() -> None:
 def _select_kernel(call: KernelCall, backend: str | None) -> BlockKernel:
     candidates = BACKENDS if backend is None else (get_kernel(backend),)
     reasons = []
+    able = []
     for b in candidates:
         reason = b.unsupported_reason(call)
         if reason is None:
-            return b
-        reasons.append(f"  {b.name}: {reason}")
+            able.append(b)
+        else:
+            reasons.append(f"  {b.name}: {reason}")
+    if able:  # a small call goes to the first kernel's substitute for small calls, if able
+        names = able[0].small_calls_to if call.small and backend is None else ()
+        return next((b for name in names for b in able if b.name == name), able[0])
     what = "no attention backend" if backend is None else f"backend={backend!r}"
     raise ValueError(
         f"{what} supports this call ({call}):\n"

@@ -60,6 +60,7 @@ class KernelCall:
     varlen: bool = False
     deterministic: bool = False
     window: bool = False
+    small: bool = False  # blocks of little work: see SMALL_BLOCK_WORK
 
     @classmethod
     def of(
@@ -71,7 +72,7 @@ class KernelCall:
         deterministic: bool = False,
         window: bool = False,
     ) -> KernelCall:
-        """Describe a call from ``q`` and ``k`` (``[..., H, D]`` layouts)."""
+        """Describe a call from ``q`` and ``k`` (``[..., S, H, D]`` layouts)."""
         return cls(
             q.device.type,
             q.dtype,
@@ -81,14 +82,32 @@ class KernelCall:
             varlen,
             deterministic,
             window,
+            is_small(q.shape[-3], q.shape[-2], q.shape[-1]),
         )
+
+
+# Below this much work a call, S_local^2 * H * D, a rank's eager ring is host-bound where a
+# kernel's host time is long: on an H200 (2026-12-04, torch 2.11, cuDNN 9.19, flash-attn-4
+# 4.0.0b36; bf16, H = 32, H_kv = 8, D = 128, zigzag on 8 simulated ranks) cuDNN took 2.22 /
+# 8.96 ms forward / forward + backward at 4096 tokens a rank against flash-attn 4's 2.72 /
+# 9.66 (2048: 1.65 / 4.11 against 2.50 / 6.95), and flash-attn 4 7.18 / 28.6 at 8192
+# against 7.80 / 33.0 (benchmarks/results/bench_single_gpu_h200.json): its forward costs
+# 0.11-0.13 ms of host time a call, cuDNN's a fraction. The threshold sits between the two.
+SMALL_BLOCK_WORK = 6144 * 6144 * 32 * 128
+
+
+def is_small(tokens: int, heads: int, head_dim: int) -> bool:
+    """Whether a call of ``tokens`` local tokens (the sequence a kernel sees), ``heads`` query
+    heads of ``head_dim`` is a small one (:data:`SMALL_BLOCK_WORK`)."""
+    return tokens * tokens * heads * head_dim < SMALL_BLOCK_WORK
 
 
 class BlockKernel:
     """Base class of the block-kernel backends; subclasses declare what they support.
 
     Capability attributes are checked by :meth:`unsupported_reason`; a backend with further
-    limits overrides :meth:`extra_reason`. ``relative_speed``: its rate on long blocks
+    limits overrides :meth:`extra_reason`; ``small_calls_to``: a preference, not a limit
+    (:func:`~dtensor_ring.kernels.select_kernel`). ``relative_speed``: its rate on long blocks
     relative to cuDNN's, measured on an H200 (1.0 where not measured: the CPU kernels, the
     flash-attn package), for the cost model of ``layout="auto"``
     (Note [Choosing ring, all-gather or Ulysses]).
@@ -104,6 +123,9 @@ class BlockKernel:
     deterministic_backward: ClassVar[bool] = True
     unrounded_grads: ClassVar[bool] = False
     relative_speed: ClassVar[float] = 1.0
+    # for small calls (KernelCall.small) the automatic choice takes the first of these that
+    # can run the call instead: measured faster there, where this one's host time sets the pace
+    small_calls_to: ClassVar[tuple[str, ...]] = ()
 
     def is_available(self) -> str | None:
         """``None`` when the backend can run in this process, else why not."""

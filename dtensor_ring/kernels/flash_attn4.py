@@ -119,6 +119,7 @@ class FlashAttn4Kernel(BlockKernel):
     """flash-attn 4 (CuTe DSL) from the ``flash-attn-4`` package (dense and varlen, GQA native)."""
 
     name: ClassVar[str] = "flash_attn4"
+    small_calls_to: ClassVar[tuple[str, ...]] = ("cudnn",)  # its wrappers' host time: base.py
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     max_head_dim: ClassVar[int] = 256  # 128 or exactly 256 on sm100/sm110, see extra_reason
