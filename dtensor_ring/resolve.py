@@ -421,9 +421,9 @@ def select_backend(
     if head_split > 1:
         H, H_kv = H // head_split, H_kv * kv_repeat(H_kv, head_split) // head_split
     D = operator.index(q.shape[-1])
-    # the sequence the kernel sees (Ulysses: every rank's); bool() of a comparison, so under
-    # torch.compile with dynamic shapes Dynamo guards on the comparison, not on the length
-    small = bool(is_small(q.shape[-3] * head_split, H, D))
+    # the sequence the kernel sees (Ulysses: every rank's). Compiled graphs keep the choice
+    # for large calls: a length (symbolic with dynamic shapes) must not enter a constant
+    small = not torch.compiler.is_compiling() and is_small(q.shape[-3] * head_split, H, D)
     return _select_backend(
         q.device.type,
         q.dtype,
