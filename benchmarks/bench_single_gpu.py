@@ -662,6 +662,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--link-gbps", type=float, default=450.0, help="GB/s per direction")
     p.add_argument("--overhead-seq", default="1024,8192", help="W = 1 fixed cost at these S")
+    p.add_argument("--only", choices=("varlen",), default=None, help="run that part alone")
     a = p.parse_args()
     if a.smoke:
         a.world_size, a.tokens, a.heads, a.kv_heads, a.head_dim = 3, "8,16", 4, 2, 16
@@ -708,6 +709,18 @@ def main() -> None:
             results["varlen"] += varlen_rings(bounds, a, device, gen)
         except Exception as e:
             results["errors"].append(f"varlen {bounds}: {type(e).__name__}: {e}")
+    if a.only is None:
+        run_the_rest(results, a, device, gen, backends, tokens)
+    with open(os.path.join(a.out, "bench_single_gpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plots(results, a.out)
+    print_tables(results)
+    if a.smoke and results["errors"]:
+        raise SystemExit("\n".join(results["errors"]))
+
+
+def run_the_rest(results: dict, a, device, gen, backends, tokens) -> None:
+    """Every part but the varlen rows, into ``results``."""
     try:
         results["merges"] = merge_bench(tokens[-1] if a.smoke else 8192, a, device, gen)
         if device.type == "cuda":
@@ -760,12 +773,6 @@ def main() -> None:
         )
     except Exception as e:
         results["errors"].append(f"overhead: {type(e).__name__}: {e}")
-    with open(os.path.join(a.out, "bench_single_gpu.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    plots(results, a.out)
-    print_tables(results)
-    if a.smoke and results["errors"]:
-        raise SystemExit("\n".join(results["errors"]))
 
 
 def against_fastest_kernel(rings: list[dict]) -> None:
