@@ -23,7 +23,8 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
   varlen path (``RankSimulator`` with ``cu_seqlens``) in zigzag, in the balanced layout and
   in the layout of least predicted time (``document_layout(..., heads=...)``), per varlen
   kernel; "best" efficiencies are against the fastest one-GPU time of the mask
-  (flex or varlen) / W.
+  (flex or varlen) / W; ``--graphs``: the varlen ranks also replayed from a CUDA graph (what
+  they cost without host time).
 
 It prints a table and writes ``bench_flex.json`` to --out (default: benchmarks/results/,
 ``bench_flex_<device>_<date>.json``).
@@ -43,7 +44,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_single_gpu import timed  # noqa: E402  (median of CUDA-event timings)
+from bench_single_gpu import graph_timed, timed  # noqa: E402  (medians of CUDA-event timings)
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.simulate import RankSimulator  # noqa: E402
@@ -143,6 +144,9 @@ def main() -> None:
     parser.add_argument(
         "--masks", default=None, help="comma-separated mask names to run (default: all)"
     )
+    parser.add_argument(
+        "--graphs", action="store_true", help="also replay the varlen ranks from CUDA graphs"
+    )
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     dev, S, W = torch.device("cuda"), a.seq_len, a.world_size
@@ -230,6 +234,22 @@ def main() -> None:
                     for r in range(W)
                 ]
                 row = path_row(name, f"varlen {label} ({kernel})", sims, a.reps, ideal, best)
+                if a.graphs:  # the slowest rank replayed from a CUDA graph: no host time
+                    sim = sims[row["slowest_rank"]]
+                    dout_rank = torch.randn_like(sim.q)
+
+                    def step(sim=sim, dout_rank=dout_rank):
+                        sim.forward()
+                        sim.backward(dout_rank)
+
+                    g = (graph_timed(sim.forward, a.reps), graph_timed(step, a.reps))
+                    row["graph_fwd_s"], row["graph_fwd_bwd_s"] = g
+                    row["graph_eff_best_fwd"] = best[0] / g[0]
+                    row["graph_eff_best_fwd_bwd"] = best[1] / g[1]
+                    print(
+                        f"{'':<22}{'  from a CUDA graph':<36}{g[0] * 1e3:>9.3f}{'':>7}"
+                        f"{g[1] * 1e3:>9.3f}{'':>7}{best[0] / g[0]:>7.1%}{best[1] / g[1]:>7.1%}"
+                    )
                 row["kv_transfers"] = sims[0].plan.kv_transfers()
                 if layout is not varlen_paths[0][1]:
                     row["imbalance"], row["cut_documents"] = layout.imbalance, len(layout.split)
