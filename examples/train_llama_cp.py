@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --verify        # 4 CPU ranks (gloo)
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --layout llama3 --verify  # packed
+    torchrun --nproc-per-node 4 examples/train_llama_cp.py --layout documents --verify  # packed
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --window 24 --verify  # sliding window
     torchrun --nproc-per-node 4 examples/train_llama_cp.py --steps 6 --check-resume 3  # DCP resume
     torchrun --nproc-per-node 8 examples/train_llama_cp.py --cuda --cp 4   # 8 GPUs (NCCL)
@@ -22,7 +23,9 @@ back, positions restarting at 0 in each document, the label of each document's l
 ignored (-100). A dp row's rows form one packed stream (``[1, T]``) cut into ``cp`` contiguous
 slices; attention is ``dr.llama3_flash_attn_varlen_func`` (K/V all-gathered over the cp group)
 through the model's attention hook (``model.set_attention_fn``) with this rank's metadata from
-``dr.llama3_flash_attn_prepare_cu_seqlens``.
+``dr.llama3_flash_attn_prepare_cu_seqlens``. ``--layout documents``: the same batches placed by
+``dr.document_layout`` (whole documents on one rank where that balances, docs/varlen.md),
+sharded with ``dr.shard_varlen``; attention is ``dr.ring_varlen_attention_func`` on the ring.
 
 FSDP2: ``fully_shard`` with the 2-D mesh, i.e. HSDP: parameters are sharded over the cp dim and
 replicated over the dp dim. All ``dp * cp`` ranks compute gradients of the same parameters
@@ -37,7 +40,7 @@ included; Mistral's ``sliding_window``): ``window_size=(N - 1, 0)`` in ``dr.ring
 llama3 call (docs/window.md).
 
 ``--verify`` trains the same model (same initial weights, same batches) in one process on
-rank 0 without context parallelism afterwards (llama3: attending within each document), and
+rank 0 without context parallelism afterwards (packed: attending within each document), and
 checks the per-step losses agree.
 
 Checkpoints (``torch.distributed.checkpoint``): ``--checkpoint-dir DIR --save-every N`` saves
@@ -77,7 +80,8 @@ from torch.distributed.fsdp import fully_shard
 import dtensor_ring as dr
 from dtensor_ring.testing import TinyConfig, TinyTransformer
 
-LAYOUTS = (*dr.LAYOUTS, "llama3")
+LAYOUTS = (*dr.LAYOUTS, "llama3", "documents")
+PACKED = ("llama3", "documents")  # packed documents (varlen attention)
 VERIFY_TOLERANCE = 1e-4
 IGNORE = -100  # label of a token that predicts nothing (a document's last token)
 
@@ -117,6 +121,25 @@ def packed_batch(
             t += n
             bounds.append(b * seq + t)
     return tokens, labels, positions, bounds
+
+
+def documents_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: dist.ProcessGroup,
+    window_size: tuple[int, int],
+    layout: dr.Layout,
+    cu_seqlens: Tensor,
+) -> Tensor:
+    """``q [1, T_local, H, D]``, ``k, v [1, T_local, K, D]``: this rank's documents under
+    ``dr.document_layout`` (whole where that balances), ring varlen attention over them;
+    ``cu_seqlens`` the rank's local boundaries (``dr.shard_varlen``'s)."""
+    return dr.ring_varlen_attention_func(
+        layout, q[0], k[0], v[0], cu_seqlens, None, causal=True, window_size=window_size,
+        group=group,
+    )[None]  # fmt: skip
 
 
 def llama3_attention(
@@ -208,7 +231,7 @@ def reference_losses(args: argparse.Namespace, cfg: TinyConfig) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for step in range(args.steps):
-        if args.layout == "llama3":  # the whole batch as one packed stream
+        if args.layout in PACKED:  # the whole batch as one packed stream
             tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq, args.vocab)
             model.set_attention_fn(
                 functools.partial(per_document_attention, cu_seqlens=bounds, window=args.window)
@@ -266,7 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--layout",
         choices=LAYOUTS,
         default="zigzag",
-        help="sequence layout; llama3: packed documents (varlen)",
+        help="sequence layout; llama3, documents: packed documents (varlen)",
     )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
@@ -328,10 +351,11 @@ def build(
     """The model (initialized from ``seed``, FSDP2 on ``mesh``) and its optimizer."""
     torch.manual_seed(seed)  # same initial weights on every rank (and in --verify)
     model = TinyTransformer(cfg).to(device)
-    if args.layout == "llama3":
+    if args.layout in PACKED:
         window_size = (args.window - 1, 0) if args.window else (-1, -1)
+        attend = llama3_attention if args.layout == "llama3" else documents_attention
         model.set_attention_fn(
-            functools.partial(llama3_attention, group=mesh.get_group("cp"), window_size=window_size)
+            functools.partial(attend, group=mesh.get_group("cp"), window_size=window_size)
         )
     else:
         model.set_cp_mesh(mesh["cp"])
@@ -365,7 +389,23 @@ def train(
     losses = []
     for step in steps:
         attn_kwargs = {}
-        if args.layout == "llama3":  # this dp row's rows as one stream; this cp rank's slice
+        if args.layout == "documents":  # this dp row's rows as one stream; this cp rank's docs
+            tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq, args.vocab)
+            total_tokens = int((labels != IGNORE).sum())
+            lo, hi = rows.start * args.seq, rows.stop * args.seq
+            cu_seqlens = [b - lo for b in bounds if lo <= b <= hi]
+            layout = dr.document_layout(cu_seqlens, args.cp, window_size=window_size)
+            tokens, labels, positions = (
+                dr.shard_varlen(t[rows].reshape(-1), cu_seqlens, layout, cp_rank, args.cp)[0]
+                .reshape(1, -1)
+                .to(device)
+                for t in (tokens, labels, positions)
+            )
+            positions = positions[0]
+            local_cu = dr.varlen_local_cu_seqlens(cu_seqlens, layout, cp_rank, args.cp)
+            attn_kwargs = dict(layout=layout, cu_seqlens=local_cu.to(device))
+            scope = contextlib.nullcontext()
+        elif args.layout == "llama3":  # this dp row's rows as one stream; this cp rank's slice
             tokens, labels, positions, bounds = packed_batch(step, args.batch, args.seq, args.vocab)
             total_tokens = int((labels != IGNORE).sum())
             lo, hi = rows.start * args.seq, rows.stop * args.seq

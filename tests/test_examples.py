@@ -57,14 +57,14 @@ def test_train_llama_cp_verify():
     assert "verify:" in out and "OK" in out, out
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "llama3"])
+@pytest.mark.parametrize("layout", ["zigzag", "llama3", "documents"])
 def test_train_llama_cp_window_verify(layout):
     """A sliding window of 24 tokens (sequences of 128) against the windowed single process;
-    llama3 trains on packed documents (llama3 varlen attention) against per-document
-    attention with the window."""
+    llama3 and documents train on packed documents (llama3 varlen attention; ring varlen on
+    dr.document_layout) against per-document attention with the window."""
     out = _torchrun("train_llama_cp.py", "--layout", layout, "--window", "24", "--verify")
     assert "window=24" in out and "verify:" in out and "OK" in out, out
-    assert layout != "llama3" or "(llama3)" in out, out
+    assert layout == "zigzag" or f"({layout})" in out, out
 
 
 def test_train_llama_cp_check_resume(tmp_path):
