@@ -63,7 +63,9 @@ def document_layout(
             choose the placement of least predicted time of the slowest rank instead
             (``dtensor_ring.get_machine``'s constants: a ring step costs at least its host
             time, so a few cut documents that make every step run can cost more than the
-            imbalance they remove; ``tolerance`` is then unused).
+            imbalance they remove; ``tolerance`` is then unused). This builds a plan per
+            weighed placement: on the 2-core CPU, 0.2 s for 100 documents, 1.9 s for 1000
+            (without: 0.01 s and 0.11 s; 0.7 s for 10000 documents of 1M tokens).
 
     Returns:
         A :class:`~dtensor_ring.layouts.documents.DocumentLayout`: pass it as ``layout=`` to

@@ -220,6 +220,25 @@ class Candidate:
         return DocumentLayout(bounds, self.pieces, self.work)
 
 
+class _Work:
+    """Visible pairs of the query positions ``[a, b)`` of document d: ``prefix[d]`` (int64,
+    the work before each position) and its total as an int (whole documents, the common
+    case, without a tensor read)."""
+
+    def __init__(self, lengths: Sequence[int], causal: bool, window: tuple[int, int] | None):
+        self.lengths = lengths
+        self.prefix = [
+            torch.cat([torch.zeros(1, dtype=torch.int64), token_work(L, causal, window).cumsum(0)])
+            for L in lengths
+        ]
+        self.totals = [int(p[-1]) for p in self.prefix]
+
+    def __call__(self, d: int, a: int, b: int) -> int:
+        if a == 0 and b == self.lengths[d]:
+            return self.totals[d]
+        return int(self.prefix[d][b] - self.prefix[d][a])
+
+
 def _candidate(pieces, work_of, causal: bool, zigzag: bool) -> Candidate:
     W, held = len(pieces), {}
     for r, row in enumerate(pieces):
@@ -244,26 +263,19 @@ def _candidates(
     the heaviest documents cut, where they exist."""
     n = bounds[-1] // W
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    prefix = [
-        torch.cat([torch.zeros(1, dtype=torch.int64), token_work(L, causal, window).cumsum(0)])
-        for L in lengths
-    ]
-
-    def work_of(d: int, a: int, b: int) -> int:
-        return int(prefix[d][b] - prefix[d][a])
-
-    order = sorted(range(len(lengths)), key=lambda d: (-work_of(d, 0, lengths[d]), d))
-    total = sum(work_of(d, 0, lengths[d]) for d in order)
+    work = _Work(lengths, causal, window)
+    order = sorted(range(len(lengths)), key=lambda d: (-work.totals[d], d))
+    total = sum(work.totals)
     for limit in (math.inf, *(total / W * f for f in (1.5, 1.0, 0.75, 0.5, 0.35, 0.25))):
-        pieces = _place_runs(order, lengths, W, n, prefix, limit)
-        yield _candidate(pieces, work_of, causal, zigzag=False)
+        pieces = _place_runs(order, W, n, work, limit)
+        yield _candidate(pieces, work, causal, zigzag=False)
     for t in _cut_counts(len(order)):
-        pieces = _place_zigzag(order[:t], order[t:], lengths, W, n, prefix)
+        pieces = _place_zigzag(order[:t], order[t:], W, n, work)
         if pieces is not None:
-            yield _candidate(pieces, work_of, causal, zigzag=True)
+            yield _candidate(pieces, work, causal, zigzag=True)
 
 
-def _place_runs(order, lengths, W: int, n: int, prefix, limit: float) -> list[list[Piece]]:
+def _place_runs(order, W: int, n: int, work_of: _Work, limit: float) -> list[list[Piece]]:
     """Pieces per rank, placing few K/V far: documents (``order``: heaviest first) of more
     work than ``limit`` cut at equal-work points into the fewest contiguous pieces under it,
     piece i on rank g + i (mod W: the ring's next rank) for the start g that keeps the most
@@ -272,16 +284,27 @@ def _place_runs(order, lengths, W: int, n: int, prefix, limit: float) -> list[li
     a rank boundary is cut there)."""
     pieces: list[list[Piece]] = [[] for _ in range(W)]
     tokens, load, poured = [0] * W, [0] * W, []
-    left_work, left_tokens = sum(int(prefix[d][-1]) for d in order), sum(lengths)
+    lengths, totals, prefix = work_of.lengths, work_of.totals, work_of.prefix
+    left_work, left_tokens = sum(totals), sum(lengths)
     for d in order:
         # a rank's room ends up filled at about the density of what is left: compare ranks by
         # the load they would have then
         density = left_work / max(left_tokens, 1)
-        work = int(prefix[d][-1])
-        left_work, left_tokens = left_work - work, left_tokens - lengths[d]
+        work, length = totals[d], lengths[d]
+        left_work, left_tokens = left_work - work, left_tokens - length
         m = min(W, max(1, math.ceil(work / limit))) if limit < math.inf else 1
+        if m == 1:  # whole: the rank with room whose load would then be lowest
+            room = [r for r in range(W) if tokens[r] + length <= n]
+            if not room:
+                poured.append(d)
+                continue
+            r = min(room, key=lambda r: load[r] - density * tokens[r])
+            pieces[r].append((d, 0, length))
+            tokens[r] += length
+            load[r] += work
+            continue
         targets = torch.arange(1, m, dtype=torch.int64) * work // m
-        cuts = [0, *torch.searchsorted(prefix[d], targets).tolist(), lengths[d]]
+        cuts = [0, *torch.searchsorted(prefix[d], targets).tolist(), length]
         parts = [
             (a, b, int(prefix[d][b] - prefix[d][a]))
             for a, b in zip(cuts[:-1], cuts[1:], strict=True)
@@ -325,14 +348,11 @@ def _cut_counts(n_docs: int):
     yield n_docs
 
 
-def _place_zigzag(cut, whole, lengths, W: int, n: int, prefix) -> list[list[Piece]] | None:
+def _place_zigzag(cut, whole, W: int, n: int, work_of: _Work) -> list[list[Piece]] | None:
     """Pieces per rank: ``cut`` documents zigzag over every rank (the first, the filler,
     takes what room is left), ``whole`` ones on the least loaded rank with room; None when a
-    whole document finds no room. ``prefix[d]``: document d's work before each position."""
-
-    def work_of(d: int, a: int, b: int) -> int:
-        return int(prefix[d][b] - prefix[d][a])
-
+    whole document finds no room."""
+    lengths = work_of.lengths
     pieces: list[list[Piece]] = [[] for _ in range(W)]
     tokens = [0] * W
     for d in cut[1:]:
@@ -360,7 +380,7 @@ def _place_zigzag(cut, whole, lengths, W: int, n: int, prefix) -> list[list[Piec
         want = [n - t for t in tokens]
         if min(want) < 0:
             return None
-        for r, (early, late) in enumerate(_filler(prefix[d], want, pieces, work_of)):
+        for r, (early, late) in enumerate(_filler(work_of.prefix[d], want, pieces, work_of)):
             pieces[r] += [(d, *early), (d, *late)]
     return pieces
 
