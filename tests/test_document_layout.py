@@ -23,7 +23,7 @@ import torch.distributed as dist
 from reference import reference_attention_varlen
 
 import dtensor_ring as dr
-from dtensor_ring.layouts.documents import _candidates
+from dtensor_ring.layouts.documents import _candidates, pairs_by_offset
 from dtensor_ring.parts import band_pairs
 from dtensor_ring.schedule.varlen import varlen_plan
 
@@ -157,21 +157,29 @@ def test_tolerance_trades_cuts_for_balance():
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_plan_computes_every_visible_pair_once(world_size):
     """Each rank's blocks cover exactly its visible pairs (counted token by token), every
-    local row is initialised by exactly one step-0 block, and a kernel call never holds one
-    query row twice."""
+    local row is initialised by exactly one step-0 block, a kernel call never holds one query
+    row twice, and each step computes what the cost model counts for it without a plan
+    (``pairs_by_offset``)."""
     for causal, window, lay in every_candidate(range(100, 112), world_size):
         bounds = list(lay.bounds)
         norm = None if window == (-1, -1) else window
         plan = varlen_plan(lay.local_bounds[0], lay, world_size, causal, norm)
+        counted = pairs_by_offset(lay, causal, norm)
+        assert set(plan.offsets) == {0}.union(*counted)
         for r, row in enumerate(plan.steps):
             got, init_rows = 0, []
-            for step in row:
+            for offset, step in zip(plan.offsets, row, strict=True):
+                in_step = 0
                 for blk in step.blocks:
                     rows = [i for a, b in blk.q.spans for i in range(a, b)]
                     assert len(rows) == len(set(rows))
                     init_rows += rows if blk.init else []
                     for (qa, qb), (ka, kb) in zip(blk.q.spans, blk.kv.spans, strict=True):
-                        got += band_pairs(qb - qa, kb - ka, *segment_band(blk, qb - qa, kb - ka))
+                        in_step += band_pairs(
+                            qb - qa, kb - ka, *segment_band(blk, qb - qa, kb - ka)
+                        )
+                assert in_step == counted[r].get(offset, 0), (r, offset)
+                got += in_step
             assert sorted(init_rows) == list(range(bounds[-1] // world_size))
             assert got == pairs_of(lay.indices[r].tolist(), bounds, causal, window)
 

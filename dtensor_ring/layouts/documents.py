@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parts import UNBOUNDED, band_pairs
 from .base import Run
 from .builtin import TokenLayout
 
@@ -153,6 +154,31 @@ def _document_runs(bounds: tuple[int, ...], row: Sequence[Piece]) -> dict[int, D
     }
 
 
+def pairs_by_offset(
+    layout: DocumentLayout, causal: bool, window: tuple[int, int] | None
+) -> list[dict[int, int]]:
+    """Per rank, the visible (query, key) pairs it computes with the K/V of the rank each ring
+    offset ``(r - src) % W`` away (0: its own), counted piece by piece: what its plan's
+    steps compute (Note [Placed documents plan]), without building the plan."""
+    left, right = (-1, -1) if window is None else window
+    W, held = layout.world_size, {}
+    for r, row in enumerate(layout.pieces):
+        for d, a, b in row:
+            held.setdefault(d, []).append((r, a, b))
+    out: list[dict[int, int]] = [{} for _ in range(W)]
+    for parts in held.values():
+        for r, qa, qb in parts:
+            for src, ka, kb in parts:
+                d = qa - ka  # key j - query p = jj - i - d in piece coordinates
+                lo = -UNBOUNDED if left < 0 else d - left
+                hi = d if causal else UNBOUNDED if right < 0 else d + right
+                pairs = band_pairs(qb - qa, kb - ka, lo, hi)
+                if pairs:
+                    offset = (r - src) % W
+                    out[r][offset] = out[r].get(offset, 0) + pairs
+    return out
+
+
 def token_work(length: int, causal: bool, window: tuple[int, int] | None) -> torch.Tensor:
     """Visible keys of each query position of a document of ``length`` tokens (int64
     ``[length]``) under ``causal`` and a normalised ``window`` (flash-attn's, within it)."""
@@ -187,7 +213,7 @@ def balance_documents(
             best[c.offsets] = c
         if c.imbalance <= tolerance and (within is None or c.rank < within.rank):
             within = c
-        if cost is None and c.zigzag and c.imbalance <= tolerance:
+        if c.zigzag and c.imbalance <= tolerance:
             break  # more zigzag cuts only add cut documents
     if cost is not None:
         layouts = [c.layout(bounds) for c in best.values()]

@@ -183,19 +183,3 @@ def _calls(per_doc: list[tuple[int, Block]]) -> tuple[Block, ...]:
         Block(DocSpans(tuple(qs)), DocSpans(tuple(kvs)), causal, window, init=init)
         for (init, causal, window), _, qs, kvs in calls
     )
-
-
-def step_pairs(plan: Plan) -> list[list[int]]:
-    """Per rank and step, the (query, key) pairs a plan of :class:`DocSpans` blocks computes
-    (each segment with its block's mask)."""
-    return [
-        [
-            sum(
-                Block(Span(0, qb - qa), Span(0, kb - ka), b.causal, b.window).score_pairs(0)
-                for b in step.blocks
-                for (qa, qb), (ka, kb) in zip(b.q.spans, b.kv.spans, strict=True)
-            )
-            for step in row
-        ]
-        for row in plan.steps
-    ]
