@@ -164,7 +164,7 @@ def test_plan_computes_every_visible_pair_once(world_size):
         bounds = list(lay.bounds)
         norm = None if window == (-1, -1) else window
         plan = varlen_plan(lay.local_bounds[0], lay, world_size, causal, norm)
-        counted = pairs_by_offset(lay, causal, norm)
+        counted = pairs_by_offset(lay.pieces, causal, norm)
         assert set(plan.offsets) == {0}.union(*counted)
         for r, row in enumerate(plan.steps):
             got, init_rows = 0, []

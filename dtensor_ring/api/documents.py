@@ -50,7 +50,8 @@ def document_layout(
 ) -> DocumentLayout:
     """The balanced varlen layout of packed documents on ``world_size`` ranks (Note [Balanced
     documents]): documents kept whole on one rank where that balances the work, the heaviest
-    cut over every rank; every rank holds ``T / world_size`` tokens.
+    cut (zigzag over every rank, or contiguous pieces on consecutive ranks); every rank holds
+    ``T / world_size`` tokens.
 
     Args:
         cu_seqlens: the *global* document boundaries ``[N + 1]`` (int32 tensor or ints; any
@@ -96,8 +97,8 @@ def document_layout(
             f"heads, kv_heads and head_dim are given together, as positive ints; got {shape}"
         )
 
-    def predicted_ms(layout: DocumentLayout) -> float:
-        per_rank = pairs_by_offset(layout, causal, window)
+    def predicted_ms(pieces) -> float:
+        per_rank = pairs_by_offset(pieces, causal, window)
         offsets = sorted({0}.union(*per_rank))  # the plan's steps: every rank runs each
         return max(
             ring_steps_ms(

@@ -60,8 +60,8 @@ class Layout:
         varlen: its packed-documents form: ``"documents"`` (every document is sharded as a
             sequence of its own), ``"stream"`` (the packed stream is cut into W contiguous
             slices; documents may straddle ranks: llama3's all-gather), ``"placed"`` (each
-            document whole on one rank or cut over every rank, as one set of documents
-            says: Note [Balanced documents]), or None.
+            document whole on one rank or cut over several, as one set of documents says:
+            Note [Balanced documents]), or None.
     """
 
     name: ClassVar[str]

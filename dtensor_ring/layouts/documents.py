@@ -1,4 +1,4 @@
-"""Packed documents placed by their work: whole where they fit, the heaviest cut over every rank.
+"""Packed documents placed by their work: whole where they fit, the heaviest cut.
 
 Note [Balanced documents]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -46,7 +46,6 @@ visiting rank (Note [Windowed schedules]); ``schedule/varlen.py`` builds it.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -104,13 +103,12 @@ class DocumentLayout(TokenLayout):
         digest = hashlib.blake2b(repr(self.bounds).encode(), digest_size=4).hexdigest()
         self.name = f"{self.name}_{digest}"
         self.work = tuple(work)
-        self.imbalance = max(self.work) / max(sum(self.work) / len(self.work), 1)
+        self.imbalance = _imbalance(self.work)
         self.documents = tuple(_document_runs(self.bounds, row) for row in self.pieces)
         self.local_bounds = tuple(
             (0, *(doc.stop for doc in row.values())) for row in self.documents
         )
-        holders = collections.Counter(d for row in self.documents for d in row)
-        self.split = tuple(sorted(d for d, k in holders.items() if k > 1))
+        self.split = _split(_held(self.pieces))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DocumentLayout) and (self.bounds, self.pieces) == (
@@ -140,6 +138,21 @@ def _joined(row: Sequence[Piece]) -> tuple[Piece, ...]:
     return tuple(out)
 
 
+def _held(pieces: Sequence[Sequence[Piece]]) -> dict[int, list[tuple[int, int, int]]]:
+    """Per document, its non-empty pieces ``(rank, start, stop)``, in rank order."""
+    held: dict[int, list[tuple[int, int, int]]] = {}
+    for r, row in enumerate(pieces):
+        for d, a, b in row:
+            if b > a:
+                held.setdefault(d, []).append((r, a, b))
+    return held
+
+
+def _imbalance(work: Sequence[int]) -> float:
+    """max / mean of the per-rank work (1.0: balanced)."""
+    return max(work) / max(sum(work) / len(work), 1)
+
+
 def _document_runs(bounds: tuple[int, ...], row: Sequence[Piece]) -> dict[int, DocumentRuns]:
     """Per document a rank holds, its local rows and runs: one run a piece (joined pieces
     are never consecutive globally)."""
@@ -155,18 +168,16 @@ def _document_runs(bounds: tuple[int, ...], row: Sequence[Piece]) -> dict[int, D
 
 
 def pairs_by_offset(
-    layout: DocumentLayout, causal: bool, window: tuple[int, int] | None
+    pieces: Sequence[Sequence[Piece]], causal: bool, window: tuple[int, int] | None
 ) -> list[dict[int, int]]:
     """Per rank, the visible (query, key) pairs it computes with the K/V of the rank each ring
-    offset ``(r - src) % W`` away (0: its own), counted piece by piece: what its plan's
-    steps compute (Note [Placed documents plan]), without building the plan."""
+    offset ``(r - src) % W`` away (0: its own), for the placement ``pieces`` (a layout's, or a
+    candidate's), counted piece by piece: what its plan's steps compute (Note [Placed
+    documents plan]), without building the plan."""
     left, right = (-1, -1) if window is None else window
-    W, held = layout.world_size, {}
-    for r, row in enumerate(layout.pieces):
-        for d, a, b in row:
-            held.setdefault(d, []).append((r, a, b))
+    W = len(pieces)
     out: list[dict[int, int]] = [{} for _ in range(W)]
-    for parts in held.values():
+    for parts in _held(pieces).values():
         for r, qa, qb in parts:
             for src, ka, kb in parts:
                 d = qa - ka  # key j - query p = jj - i - d in piece coordinates
@@ -198,14 +209,14 @@ def balance_documents(
     causal: bool,
     window: tuple[int, int] | None,
     tolerance: float,
-    cost: Callable[[DocumentLayout], float] | None = None,
+    cost: Callable[[Sequence[Sequence[Piece]]], float] | None = None,
 ) -> DocumentLayout:
     """The layout of Note [Balanced documents] for documents ``bounds`` (global, ints) on
     ``world_size`` ranks, balanced for ``causal`` / ``window`` (normalised) within the
     documents: of the candidates whose max/mean work is within ``tolerance``, the one whose
     K/V travel the fewest ring offsets, then with the fewest documents on several ranks (none
-    within: the most balanced); given ``cost`` (a layout's predicted time), the cheapest of
-    the most balanced candidate of each number of offsets."""
+    within: the most balanced); given ``cost`` (a placement's predicted time, from its pieces
+    per rank), the cheapest of the most balanced candidate of each number of offsets."""
     best: dict[int, Candidate] = {}  # number of offsets -> its most balanced candidate
     within: Candidate | None = None
     for c in _candidates(bounds, world_size, causal, window):
@@ -216,8 +227,7 @@ def balance_documents(
         if c.zigzag and c.imbalance <= tolerance:
             break  # more zigzag cuts only add cut documents
     if cost is not None:
-        layouts = [c.layout(bounds) for c in best.values()]
-        return min(layouts, key=cost)
+        return min(best.values(), key=lambda c: cost(c.pieces)).layout(bounds)
     if within is None:
         return min(best.values(), key=lambda c: c.imbalance).layout(bounds)
     return within.layout(bounds)
@@ -236,7 +246,7 @@ class Candidate:
 
     @property
     def imbalance(self) -> float:
-        return max(self.work) / max(sum(self.work) / len(self.work), 1)
+        return _imbalance(self.work)
 
     @property
     def rank(self) -> tuple:
@@ -266,20 +276,20 @@ class _Work:
 
 
 def _candidate(pieces, work_of, causal: bool, zigzag: bool) -> Candidate:
-    W, held = len(pieces), {}
-    for r, row in enumerate(pieces):
-        for d, a, b in row:
-            if b > a:
-                held.setdefault(d, []).append((a, r))
+    W, held = len(pieces), _held(pieces)
     offsets = set()
     for parts in held.values():
-        for a_q, r in parts:
-            for a_k, src in parts:
+        for r, a_q, _ in parts:
+            for src, a_k, _ in parts:
                 if src != r and (not causal or a_k < a_q):
                     offsets.add((r - src) % W)
     work = [sum(work_of(*p) for p in row) for row in pieces]
-    split = sum(len({r for _, r in parts}) > 1 for parts in held.values())
-    return Candidate(pieces, work, len(offsets), split, zigzag)
+    return Candidate(pieces, work, len(offsets), len(_split(held)), zigzag)
+
+
+def _split(held: dict[int, list[tuple[int, int, int]]]) -> tuple[int, ...]:
+    """The documents of ``held`` (:func:`_held`) on more than one rank."""
+    return tuple(sorted(d for d, parts in held.items() if len({r for r, _, _ in parts}) > 1))
 
 
 def _candidates(
@@ -305,9 +315,10 @@ def _place_runs(order, W: int, n: int, work_of: _Work, limit: float) -> list[lis
     """Pieces per rank, placing few K/V far: documents (``order``: heaviest first) of more
     work than ``limit`` cut at equal-work points into the fewest contiguous pieces under it,
     piece i on rank g + i (mod W: the ring's next rank) for the start g that keeps the most
-    loaded rank lightest; the others whole on the least loaded rank with room; what finds no
-    room poured, in order, into the room left on ranks 0, 1, ... (a document poured across
-    a rank boundary is cut there)."""
+    loaded rank lightest; the others whole on the rank with room that is then least loaded
+    (a rank's room counted filled at the density of what is left); what finds no room
+    poured, in order, into the room left on ranks 0, 1, ... (a document poured across a rank
+    boundary is cut there)."""
     pieces: list[list[Piece]] = [[] for _ in range(W)]
     tokens, load, poured = [0] * W, [0] * W, []
     lengths, totals, prefix = work_of.lengths, work_of.totals, work_of.prefix
@@ -376,8 +387,8 @@ def _cut_counts(n_docs: int):
 
 def _place_zigzag(cut, whole, W: int, n: int, work_of: _Work) -> list[list[Piece]] | None:
     """Pieces per rank: ``cut`` documents zigzag over every rank (the first, the filler,
-    takes what room is left), ``whole`` ones on the least loaded rank with room; None when a
-    whole document finds no room."""
+    takes what room is left), ``whole`` ones placed by the work they add beyond the filler
+    work they displace (below); None when a whole document finds no room."""
     lengths = work_of.lengths
     pieces: list[list[Piece]] = [[] for _ in range(W)]
     tokens = [0] * W

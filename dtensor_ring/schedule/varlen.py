@@ -144,26 +144,32 @@ def _placed_plan(layout: DocumentLayout, causal: bool, window: tuple[int, int] |
 def _join_full(blocks: list[Block]) -> list[Block]:
     """Join full blocks of one document whose query spans are adjacent and key spans equal
     (or the other way round) until none can be joined."""
-    blocks = list(blocks)
-    joined = True
-    while joined:
-        joined = False
-        for i, a in enumerate(blocks):
-            for j, b in enumerate(blocks):
-                if i == j or a.causal or b.causal or a.window or b.window or a.init != b.init:
-                    continue
-                if a.kv == b.kv and a.q.stop == b.q.start:
-                    new = Block(Span(a.q.start, b.q.stop), a.kv, False, init=a.init)
-                elif a.q == b.q and a.kv.stop == b.kv.start:
-                    new = Block(a.q, Span(a.kv.start, b.kv.stop), False, init=a.init)
-                else:
-                    continue
-                blocks = [c for k, c in enumerate(blocks) if k not in (i, j)] + [new]
-                joined = True
-                break
-            if joined:
-                break
-    return blocks
+    while True:
+        found = next(
+            (
+                (i, j, joined)
+                for i, a in enumerate(blocks)
+                for j, b in enumerate(blocks)
+                if i != j and (joined := _joined(a, b)) is not None
+            ),
+            None,
+        )
+        if found is None:
+            return blocks
+        i, j, joined = found
+        blocks = [c for k, c in enumerate(blocks) if k not in (i, j)] + [joined]
+
+
+def _joined(a: Block, b: Block) -> Block | None:
+    """The full block of ``a`` followed by ``b`` (query or key spans adjacent, the others
+    equal), or None."""
+    if a.causal or b.causal or a.window or b.window or a.init != b.init:
+        return None
+    if a.kv == b.kv and a.q.stop == b.q.start:
+        return Block(Span(a.q.start, b.q.stop), a.kv, False, init=a.init)
+    if a.q == b.q and a.kv.stop == b.kv.start:
+        return Block(a.q, Span(a.kv.start, b.kv.stop), False, init=a.init)
+    return None
 
 
 def _calls(per_doc: list[tuple[int, Block]]) -> tuple[Block, ...]:
