@@ -6,6 +6,7 @@ dtensor_ring, against the same model without CP.
     python examples/torchtitan_cp.py --attention sdpa --world-size 3
     python examples/torchtitan_cp.py --attention varlen --world-size 3
     python examples/torchtitan_cp.py --balancer ptrr          # the mask-aware layout
+    python examples/torchtitan_cp.py --attention varlen --balancer ptrr   # document_layout
     python examples/torchtitan_cp.py --device cuda --world-size 1   # one GPU a rank (nccl)
 
 The lines a torchtitan user changes (Note [torchtitan on the ring] in

@@ -6,9 +6,11 @@ each balancer ("headtail" = zigzag, None = ring, "ptrr" = the mask-aware layout 
 BlockMask) and passes the mask through whole, and torchtitan's FlexAttention forward on the
 ring (``[B, L, N, H]``, ``attention_masks=``, ``out_transform`` with the lse) equals the fp64
 reference, on the gloo pool at 1-3 ranks; so does its VarlenAttention forward (a stand-in for
-its ``VarlenMetadata``: rows of different documents, causal, windowed and bidirectional), and
-metadata no per-row mask expresses raises. With torchtitan installed (the ``torchtitan`` extra),
-the slow tier trains its Llama 3 debug model with ``examples/torchtitan_cp.py`` and compares
+its ``VarlenMetadata``: rows of documents, one crossing into the next row, causal, windowed and
+bidirectional; the varlen kernels, and flex where ``out_transform`` needs the lse's gradient)
+against the rows as one packed stream, on row layouts, a layout of unsorted tokens and "ptrr"'s
+``document_layout`` shards; bad metadata raises. With torchtitan installed (the ``torchtitan``
+extra), the slow tier trains its Llama 3 debug model with ``examples/torchtitan_cp.py`` and compares
 losses and gradients with the model without CP.
 """
 
@@ -33,8 +35,10 @@ from dtensor_ring.integrations.torchtitan import (
     _FlexForward,
     _VarlenForward,
     prepare_context_parallel_input,
-    varlen_block_mask,
+    varlen_bounds,
 )
+from dtensor_ring.layouts import TokenLayout
+from dtensor_ring.layouts.documents import DocumentLayout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L = 48
@@ -134,14 +138,15 @@ ROWS = [[20, 17, 11], [5, 30, 0, 13]]  # rows of L = 48 tokens (documents cross 
 # empty one, which varlen attention allows)
 
 
-def _window_mask(rows: list[list[int]], window_size: tuple[int, int]):
-    doc = torch.stack(
-        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows]
-    )
+def _stream_mask(rows: list[list[int]], window_size: tuple[int, int]):
+    """What torchtitan's varlen kernel computes, as a mask over the rows packed into one stream
+    of ``B * L`` tokens: a query sees the keys of its own document within ``window_size``."""
+    lengths = torch.tensor([n for row in rows for n in row])
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     left, right = window_size
 
     def varlen_window(b, h, q, kv):
-        keep = doc[b, q] == doc[b, kv]
+        keep = doc[q] == doc[kv]
         if left >= 0:
             keep = keep & (kv >= q - left)
         if right >= 0:
@@ -151,65 +156,145 @@ def _window_mask(rows: list[list[int]], window_size: tuple[int, int]):
     return varlen_window
 
 
+def _stream_indices(layout, B: int, rank: int, W: int) -> torch.Tensor:
+    """The stream positions of a rank's ``[B, L / W]`` tokens (row-major): a layout of each
+    row, or a layout of the whole stream."""
+    if isinstance(layout, DocumentLayout):
+        return dr.token_indices(layout, B * L, rank, W)
+    return (torch.arange(B)[:, None] * L + dr.token_indices(layout, L, rank, W)).flatten()
+
+
+def assert_stream_matches(out, leaves, qkv_BLNH, mask_mod, flat, weighted: bool) -> None:
+    """``out`` (``weighted``: ``out * exp(lse)``) of this rank's ``[B, L / W]`` tokens, whose
+    stream positions are ``flat``, and its leaves' gradients (of ``out.sum()``) against the
+    fp64 reference on the rows packed into one stream ``qkv_BLNH``."""
+    B = qkv_BLNH[0].shape[0]
+    out.sum().backward()
+    ref_leaves = [t.reshape(1, B * L, *t.shape[2:]).clone().requires_grad_() for t in qkv_BLNH]
+    ref_out, ref_lse = reference_flex(*(t.transpose(1, 2) for t in ref_leaves), mask_mod=mask_mod)
+    ref = (ref_out * ref_lse.exp()[..., None] if weighted else ref_out).transpose(1, 2)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref[0, flat].reshape(out.shape).detach(), atol=1e-10, rtol=0)
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(
+            got.grad, want.grad[0, flat].reshape(got.shape), atol=1e-10, rtol=0
+        )
+
+
 def check_varlen_forward(group: dist.ProcessGroup, layout: str) -> None:
     W, rank = dist.get_world_size(group), dist.get_rank(group)
-    idx = dr.token_indices(layout, L, rank, W)
+    metadata = _varlen_metadata(ROWS)
+    if layout == "documents":  # "ptrr": the documents placed over the stream
+        layout = dr.document_layout(varlen_bounds(metadata), W)
+    elif layout == "reversed":  # a layout whose tokens are not in increasing order
+        layout = TokenLayout(torch.arange(L).flip(0).reshape(W, L // W))
+    flat = _stream_indices(layout, 2, rank, W)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(2, L, 4, 8, generator=gen, dtype=torch.float64)  # [B, L, N, H]
     k, v = (torch.randn(2, L, 2, 8, generator=gen, dtype=torch.float64) for _ in "kv")
-    metadata = _varlen_metadata(ROWS)
-    for window_size in [(-1, 0), (5, 0), (-1, -1), (3, 2)]:
-        leaves = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
-        forward = _VarlenForward(group, layout, window_size)
-        out = forward(
-            *leaves,
-            attention_masks=metadata,
-            enable_gqa=True,
-            out_transform=lambda o, lse: o * lse.exp()[..., None],
-        )
-        assert forward(*leaves, attention_masks=metadata, enable_gqa=True) is not None
-        built = forward._last[1]
-        assert forward(*leaves, attention_masks=metadata, enable_gqa=True) is not None
-        assert forward._last[1] is built  # the batch's mask, built once
-        assert_lse_weighted_matches(out, leaves, (q, k, v), _window_mask(ROWS, window_size), idx)
 
-    # boundaries refilled in place (the same tensors, another batch): the mask follows
-    rows = [[10, 10, 28], [16, 16, 16, 0]]
+    def local(t):
+        return t.reshape(2 * L, *t.shape[2:])[flat].reshape(2, L // W, *t.shape[2:])
+
+    for window_size in [(-1, 0), (5, 0), (-1, -1), (3, 2)]:
+        forward = _VarlenForward(group, layout, window_size)
+        mask = _stream_mask(ROWS, window_size)
+        for weighted in (False, True):  # the varlen kernels; flex (the lse's gradient)
+            leaves = [local(t).clone().requires_grad_() for t in (q, k, v)]
+            out = forward(
+                *leaves,
+                attention_masks=metadata,
+                enable_gqa=True,
+                out_transform=(lambda o, lse: o * lse.exp()[..., None]) if weighted else None,
+            )
+            assert_stream_matches(out, leaves, (q, k, v), mask, flat, weighted)
+            if not weighted:
+                placed = forward._last[1]
+        assert forward._last[1] is placed  # the batch's placement, built once
+
+    # boundaries refilled in place (the same tensors, another batch; a document now crossing
+    # from row 0 into row 1, as in one packed stream): the placement follows
+    rows = [[10, 10, 40, 12, 16, 4, 4]]  # 96 tokens: the third document ends in row 1
     forward = _VarlenForward(group, layout, (-1, 0))
-    local = [t[:, idx] for t in (q, k, v)]
-    forward(*local, attention_masks=metadata, enable_gqa=True)
+    forward(*map(local, (q, k, v)), attention_masks=metadata, enable_gqa=True)
     for t in metadata[:2]:
         t.copy_(_varlen_metadata(rows).cu_seq_q)
-    out = forward(*local, attention_masks=metadata, enable_gqa=True)
-    ref_out, _ = reference_flex(
-        *(t.transpose(1, 2) for t in (q, k, v)), mask_mod=_window_mask(rows, (-1, 0))
-    )
-    torch.testing.assert_close(out, ref_out.transpose(1, 2)[:, idx], atol=1e-10, rtol=1e-10)
+    if isinstance(layout, DocumentLayout):  # sharded for the old documents
+        with pytest.raises(ValueError, match="sharded for other documents"):
+            forward(*map(local, (q, k, v)), attention_masks=metadata, enable_gqa=True)
+        return
+    leaves = [local(t).clone().requires_grad_() for t in (q, k, v)]
+    out = forward(*leaves, attention_masks=metadata, enable_gqa=True)
+    assert_stream_matches(out, leaves, (q, k, v), _stream_mask(rows, (-1, 0)), flat, False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("layout", ["zigzag", "ring"])
+@pytest.mark.parametrize("layout", ["zigzag", "ring", "documents", "reversed"])
 def test_varlen_forward(dist_pool, world_size, layout):
     dist_pool.run(check_varlen_forward, world_size, layout=layout)
 
 
-@pytest.mark.parametrize(
-    "metadata, message",
-    [
-        (None, "VarlenMetadata"),
-        (VarlenMetadata(torch.tensor([0, 48]), torch.tensor([0, 48]), 48, 48), "B \\* L"),
-        (_varlen_metadata([[30, 30, 36]]), "crosses into row 1"),
-        (VarlenMetadata(torch.tensor([0, 48, 96]), torch.tensor([0, 40, 96]), 56, 56), "equal"),
-        (
-            VarlenMetadata(torch.tensor([0, 60, 48, 96]), torch.tensor([0, 60, 48, 96]), 60, 60),
-            "not fall",
-        ),
-    ],  # fmt: skip
-    ids=["not-metadata", "short", "crosses-rows", "q-k-differ", "falling"],
-)
-def test_varlen_metadata_refused(metadata, message):
-    with pytest.raises((ValueError, TypeError), match=message):
-        varlen_block_mask(metadata, 2, L, (-1, 0), torch.device("cpu"))
+def check_prepare_documents(group: dist.ProcessGroup) -> None:
+    """ "ptrr" with a VarlenMetadata: document_layout over the stream, [B, L / W] shards."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    metadata = _varlen_metadata(ROWS)
+    tokens = torch.arange(2 * L).reshape(2, L) * 10
+    positions = torch.cat([torch.arange(n) for row in ROWS for n in row]).reshape(2, L)
+    extra = {"positions": positions, "attention_masks": {"varlen": metadata}}
+    sharded = _SHARDED[0]
+    try:
+        inputs, labels, out_extra = prepare_context_parallel_input(
+            tokens, tokens + 1, extra, mesh, torch.device("cpu"), "ptrr", "varlen"
+        )
+        layout = _SHARDED[0]
+    finally:
+        _SHARDED[0] = sharded
+    assert layout == dr.document_layout(varlen_bounds(metadata), W)
+    flat = _stream_indices(layout, 2, rank, W)
+    assert inputs.shape == (2, L // W) and torch.equal(inputs.flatten(), tokens.flatten()[flat])
+    assert torch.equal(labels, inputs + 1)
+    assert torch.equal(out_extra["positions"].flatten(), positions.flatten()[flat])
+    assert out_extra["attention_masks"]["varlen"] is metadata
+    if W > 1:  # rows of a length the ranks cannot split evenly
+        n = 16 * W + 1
+        rows = torch.zeros(2, n, dtype=torch.int64)
+        extra = {"positions": rows, "attention_masks": _varlen_metadata([[n, n]])}
+        with pytest.raises(ValueError, match="divisible"):
+            prepare_context_parallel_input(rows, rows, extra, mesh, torch.device("cpu"), "ptrr")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+def test_prepare_documents(dist_pool, world_size):
+    dist_pool.run(check_prepare_documents, world_size)
+
+
+def _metadata(cu_q: list[int], cu_k: list[int], dtype=torch.int32) -> VarlenMetadata:
+    return VarlenMetadata(torch.tensor(cu_q, dtype=dtype), torch.tensor(cu_k, dtype=dtype), 0, 0)
+
+
+def check_varlen_refused(group: dist.ProcessGroup) -> None:
+    q = torch.zeros(2, L, 4, 8, dtype=torch.float64)
+    k = torch.zeros(2, L, 2, 8, dtype=torch.float64)
+    forward = _VarlenForward(group, "ring", (-1, 0))
+    cases = [
+        (None, TypeError, "VarlenMetadata"),
+        (_metadata([0, 48], [0, 48]), ValueError, "B \\* L"),
+        (_metadata([0, 48, 96], [0, 40, 96]), ValueError, "equal"),
+        (_metadata([0, 60, 48, 96], [0, 60, 48, 96]), ValueError, "strictly increasing"),
+        (_metadata([0, 96], [0, 96], torch.int64), ValueError, "int32"),
+    ]  # fmt: skip
+    for metadata, error, message in cases:
+        with pytest.raises(error, match=message):
+            forward(q, k, k, attention_masks=metadata, enable_gqa=True)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        forward(q, k, k, attention_masks=_varlen_metadata(ROWS))
+    with pytest.raises(TypeError, match="unexpected"):
+        forward(q, k, k, attention_masks=_varlen_metadata(ROWS), enable_gqa=True, dropout=0.1)
+
+
+def test_varlen_refused(dist_pool):
+    dist_pool.run(check_varlen_refused, 1)
 
 
 @pytest.mark.slow
@@ -220,8 +305,9 @@ def test_varlen_metadata_refused(metadata, message):
         ("--attention", "sdpa", "--world-size", "3"),
         ("--balancer", "ptrr", "--world-size", "3"),
         ("--attention", "varlen", "--world-size", "3"),
+        ("--attention", "varlen", "--balancer", "ptrr", "--world-size", "2"),
     ],  # fmt: skip
-    ids=["flex-headtail-W2", "sdpa-W3", "flex-ptrr-W3", "varlen-W3"],
+    ids=["flex-headtail-W2", "sdpa-W3", "flex-ptrr-W3", "varlen-W3", "varlen-ptrr-W2"],
 )
 def test_torchtitan_example(args):
     pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")

@@ -19,14 +19,18 @@ q, k, v) and shards each batch:
     SDPA: inputs as Shard(1) DTensors, the       ContextParallel's scoped SDPA mode: the
       dispatcher on                                module's F.scaled_dot_product_attention
                                                    runs ring attention on the local shards
-    varlen: NotImplementedError                  dtensor_ring.flex_attention with the
-                                                   documents of its VarlenMetadata (and its
-                                                   window_size) as the mask: the same rows,
-                                                   any balancer, in the inputs' dtype
+    varlen: NotImplementedError                  the varlen kernels on the ring: the B rows
+                                                   are one packed stream of B * L tokens (as
+                                                   its kernel sees them), each rank's tokens
+                                                   placed by document (the placed plan: pieces
+                                                   that need no other rank's K/V wait for none)
     prepare_context_parallel_input:              the same arguments; "headtail" = zigzag,
       "headtail" | "ptrr" | None                   "ptrr" = the mask-aware layout of the batch's
-                                                   BlockMask (dtensor_ring.flex_layout), None =
-                                                   ring; masks are passed through whole
+                                                   BlockMask (dtensor_ring.flex_layout), of a
+                                                   VarlenMetadata its documents placed whole
+                                                   where that balances (document_layout; a
+                                                   rank's tokens come back as [B, L / W]),
+                                                   None = ring; masks are passed through whole
 
 The layout the inputs were sharded in is the one the modules use (``context_parallel_shard``
 records it; nothing recorded: PyTorch's default), unless ``apply_cp_to_forward(...,
@@ -45,10 +49,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..api.context_parallel import _cp_group
-from ..api.documents import document_mask
+from ..api.documents import document_layout, document_mask
 from ..api.flex import flex_attention, flex_layout
 from ..api.parallel_style import ContextParallel, context_parallel_shard, sharded_layout
-from ..layouts import Layout
+from ..api.varlen import ring_varlen_attention_func
+from ..layouts import Layout, token_indices
+from ..layouts.documents import DocumentLayout, documents_on_tokens
+from ..layouts.varlen import check_bounds, check_cu_seqlens_tensor, host_values
+from ..resolve import normalize_window
 
 
 def apply_cp_to_forward(
@@ -122,16 +130,18 @@ class _FlexForward:
         return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
 
 
-class _VarlenForward(_FlexForward):
+class _VarlenForward:
     """torchtitan's ``VarlenAttention.forward`` (``[B, L, N, H]``, ``attention_masks`` a
-    ``VarlenMetadata`` of the whole batch) on the ring: its documents and ``window_size`` become
-    a flex mask over the rows, built once a batch (the last metadata's mask is kept), and the
-    call is the FlexAttention module's."""
+    ``VarlenMetadata`` of the whole batch, ``window_size`` the module's) on the ring: the
+    batch's rows are one packed stream of ``B * L`` tokens, as its kernel sees them, each
+    rank's tokens placed by document (Note [torchtitan on the ring]). The varlen kernels run
+    it; with ``out_transform``, whose lse needs its gradient (which they do not give),
+    ``dtensor_ring.flex_attention`` with the documents' mask over the stream."""
 
     def __init__(self, group, layout: str | Layout | None, window_size: tuple[int, int]):
-        super().__init__(group, layout)
+        self.group, self.layout = group, layout
         self.window_size = tuple(window_size)
-        self._last: tuple[tuple, BlockMask] | None = None
+        self._last: tuple[tuple, _Placed] | None = None
 
     def __call__(
         self,
@@ -147,40 +157,96 @@ class _VarlenForward(_FlexForward):
     ) -> Tensor:
         if kwargs:
             raise TypeError(f"torchtitan VarlenAttention on the ring: unexpected {sorted(kwargs)}")
-        B, L_local = q_BLNH.shape[:2]
-        block_mask = self._block_mask(attention_masks, B, L_local * self.group.size(), q_BLNH)
-        return super().__call__(
-            q_BLNH, k_BLNH, v_BLNH, attention_masks=block_mask, scale=scale,
-            enable_gqa=enable_gqa, out_transform=out_transform,
-        )  # fmt: skip
+        B, L_local, N = q_BLNH.shape[:3]
+        if not enable_gqa and k_BLNH.shape[2] != N:
+            raise ValueError(
+                f"torchtitan VarlenAttention on the ring: {N} query heads and "
+                f"{k_BLNH.shape[2]} key/value heads need enable_gqa=True"
+            )
+        placed = self._placed(attention_masks, B, L_local)
+        q_T, k_T, v_T = (t.reshape(B * L_local, *t.shape[2:]) for t in (q_BLNH, k_BLNH, v_BLNH))
+        if placed.order is not None:  # the layout's tokens in increasing order
+            q_T, k_T, v_T = q_T[placed.order], k_T[placed.order], v_T[placed.order]
+        if out_transform is None:
+            out_T = ring_varlen_attention_func(
+                placed.layout, q_T, k_T, v_T, placed.cu_local, None, softmax_scale=scale,
+                window_size=self.window_size, group=self.group,
+            )  # fmt: skip
+        else:
+            out, lse = flex_attention(
+                *(t.transpose(0, 1)[None] for t in (q_T, k_T, v_T)),
+                block_mask=placed.block_mask(self.window_size, q_T.device),
+                scale=scale, enable_gqa=True, return_lse=True, group=self.group,
+                layout=placed.layout,
+            )  # fmt: skip
+            out_T, lse_T = out[0].transpose(0, 1), lse[0].transpose(0, 1)
+        if placed.order is not None:
+            back = placed.order.argsort()
+            out_T = out_T[back]
+            lse_T = None if out_transform is None else lse_T[back]
+        out_BLNH = out_T.reshape(B, L_local, N, -1)
+        if out_transform is None:
+            return out_BLNH
+        return out_transform(out_BLNH, lse_T.reshape(B, L_local, N))
 
-    def _block_mask(self, metadata: Any, B: int, L: int, q_BLNH: Tensor) -> BlockMask:
-        """The batch's mask, rebuilt when the boundaries' values change (compared by value:
-        a buffer refilled in place is a new batch)."""
-        key = (
-            *(tuple(t.tolist()) if isinstance(t, Tensor) else t
-              for t in (getattr(metadata, "cu_seq_q", None), getattr(metadata, "cu_seq_k", None))),
-            B, L, q_BLNH.device,
-        )  # fmt: skip
+    def _placed(self, metadata: Any, B: int, L_local: int) -> _Placed:
+        """The batch's documents on the ranks as the shards hold them, rebuilt when the
+        boundaries' values change (a buffer refilled in place is a new batch)."""
+        layout = sharded_layout(self.layout)
+        cu_q = varlen_bounds(metadata)
+        key = (cu_q, B, L_local, layout)
         if self._last is None or self._last[0] != key:
-            block_mask = varlen_block_mask(metadata, B, L, self.window_size, q_BLNH.device)
-            self._last = (key, block_mask)
+            W, rank = self.group.size(), self.group.rank()
+            L = L_local * W
+            if cu_q[-1] != B * L:
+                raise ValueError(
+                    f"varlen attention on the ring: cu_seq_q must end at B * L = {B} * {L} (the "
+                    f"whole batch, as get_attention_masks builds it), got {list(cu_q)}"
+                )
+            if isinstance(layout, DocumentLayout):  # prepare_context_parallel_input's "ptrr"
+                if layout.bounds != cu_q:
+                    raise ValueError(
+                        "varlen attention on the ring: the batch was sharded for other "
+                        "documents; shard each batch with prepare_context_parallel_input and "
+                        "its own VarlenMetadata"
+                    )
+                placed, order = layout, None
+            else:  # a layout of each row: the rows' tokens, rank by rank, in increasing order
+                rows_WBL = torch.stack([token_indices(layout, L, r, W) for r in range(W)])
+                flat = (torch.arange(B)[None, :, None] * L + rows_WBL[:, None]).flatten(1)
+                increasing, order = flat.sort(dim=1)
+                causal, window = normalize_window(self.window_size, False, B * L)
+                placed = documents_on_tokens(cu_q, increasing, causal, window)
+                order = None if torch.equal(increasing, flat) else order[rank]
+            self._last = (key, _Placed(placed, rank, order))
         return self._last[1]
 
 
-def varlen_block_mask(
-    metadata: Any, B: int, L: int, window_size: tuple[int, int], device: torch.device
-) -> BlockMask:
-    """The ``BlockMask`` (``[B, 1, L, L]``, global indices) of torchtitan's varlen attention:
-    ``metadata.cu_seq_q`` (int ``[docs + 1]``) packs the ``B`` rows of ``L`` tokens; a query
-    sees the keys of its own document within ``window_size = (left, right)`` (-1: unlimited).
+class _Placed:
+    """A batch's documents as one rank holds them: the ``layout`` of the stream, the rank's
+    local boundaries, the ``order`` that sorts its tokens (None: already increasing) and,
+    made when first asked, the documents' mask over the stream."""
+
+    def __init__(self, layout: DocumentLayout, rank: int, order: Tensor | None):
+        self.layout, self.order = layout, order
+        self.cu_local = torch.tensor(layout.local_bounds[rank], dtype=torch.int32)
+        self._mask: BlockMask | None = None
+
+    def block_mask(self, window_size: tuple[int, int], device: torch.device) -> BlockMask:
+        if self._mask is None:
+            bounds = torch.tensor(self.layout.bounds, dtype=torch.int32)
+            self._mask = document_mask(bounds, self.layout.bounds[-1], window_size, device=device)
+        return self._mask
+
+
+def varlen_bounds(metadata: Any) -> tuple[int, ...]:
+    """The document boundaries of torchtitan's ``VarlenMetadata`` (``cu_seq_q``: int
+    ``[docs + 1]`` over the ``B`` rows packed one after another; empty documents allowed).
 
     Raises:
         TypeError: ``metadata`` has no ``cu_seq_q`` / ``cu_seq_k`` tensors.
-        ValueError: queries and keys are packed differently, the boundaries do not cover
-            ``B * L`` tokens, or (:func:`~dtensor_ring.document_mask`) fall or let a document
-            cross a row boundary (varlen attention would attend across rows there, which no
-            per-row mask expresses).
+        ValueError: queries and keys are packed differently, boundaries not int32 or not
+            increasing from 0 (repeated ones, empty documents, are dropped).
     """
     cu_q, cu_k = (getattr(metadata, name, None) for name in ("cu_seq_q", "cu_seq_k"))
     if not isinstance(cu_q, Tensor) or not isinstance(cu_k, Tensor):
@@ -188,14 +254,15 @@ def varlen_block_mask(
             "torchtitan VarlenAttention on the ring: attention_masks must be torchtitan's "
             f"VarlenMetadata (cu_seq_q, cu_seq_k tensors), got {type(metadata).__name__}"
         )
-    if not torch.equal(cu_q.cpu(), cu_k.cpu()):
+    for name, cu in (("cu_seq_q", cu_q), ("cu_seq_k", cu_k)):
+        check_cu_seqlens_tensor(cu, name)
+    values = host_values(cu_q)
+    if host_values(cu_k) != values:
         raise ValueError("varlen attention on the ring: cu_seq_q and cu_seq_k must be equal")
-    if int(cu_q[-1]) != B * L:
-        raise ValueError(
-            f"varlen attention on the ring: cu_seq_q must end at B * L = {B} * {L} (the whole "
-            f"batch, as get_attention_masks builds it), got {cu_q.tolist()}"
-        )
-    return document_mask(cu_q, L, window_size, device=device)
+    # an empty document holds no tokens: the same attention without it
+    bounds = tuple(b for i, b in enumerate(values) if i == 0 or b != values[i - 1])
+    check_bounds(bounds, bounds[-1], "cu_seq_q")
+    return bounds
 
 
 def prepare_context_parallel_input(
@@ -209,23 +276,27 @@ def prepare_context_parallel_input(
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """torchtitan's ``prepare_context_parallel_input``: this rank's shard of ``inputs``,
     ``labels`` and ``extra_kwargs["positions"]`` (``[B, L]``), in the layout of
-    ``load_balancer_type`` ("headtail": zigzag; "ptrr": the mask-aware layout of the batch's
-    ``BlockMask`` or ``VarlenMetadata``'s causal documents, ``ptrr_mask_key`` naming it in a
-    dict of masks; None: contiguous). The
+    ``load_balancer_type`` ("headtail": zigzag; None: contiguous; "ptrr": the mask-aware
+    layout of the batch's ``BlockMask``, ``ptrr_mask_key`` naming it in a dict of masks). For
+    a ``VarlenMetadata``, "ptrr" places its documents instead
+    (:func:`~dtensor_ring.document_layout` over the ``B * L`` tokens as one packed stream):
+    each rank's ``B * L / W`` tokens, in increasing order, come back as ``[B, L / W]``. The
     attention masks stay whole (global). ``device`` is unused (torchtitan's signature)."""
     masks = extra_kwargs.get("attention_masks")
     W = cp_mesh.size()
+    buffers = [inputs, labels, extra_kwargs["positions"]]
     if load_balancer_type == "headtail":
         layout: str | Layout = "zigzag"
     elif load_balancer_type is None:
         layout = "ring"
     elif load_balancer_type == "ptrr":
         mask = masks[ptrr_mask_key] if isinstance(masks, dict) else masks
-        if hasattr(mask, "cu_seq_q"):  # VarlenMetadata: balance its causal documents
-            mask = varlen_block_mask(mask, *inputs.shape[:2], (-1, 0), inputs.device)
+        if hasattr(mask, "cu_seq_q"):
+            return _shard_documents(buffers, varlen_bounds(mask), cp_mesh, extra_kwargs)
         if not isinstance(mask, BlockMask):
             raise ValueError(
-                f"load_balancer_type='ptrr' balances by the batch's BlockMask; got {type(mask)}"
+                "load_balancer_type='ptrr' balances by the batch's BlockMask or VarlenMetadata; "
+                f"got {type(mask)}"
                 + ("" if not isinstance(masks, dict) else f" for ptrr_mask_key={ptrr_mask_key!r}")
             )
         seq_len = mask.seq_lengths[0]  # the most chunks a rank (<= 8) the length allows
@@ -234,7 +305,26 @@ def prepare_context_parallel_input(
         raise ValueError(
             f"load_balancer_type={load_balancer_type!r}: one of 'headtail', 'ptrr', None"
         )
-    inputs, labels, positions = context_parallel_shard(
-        cp_mesh, [inputs, labels, extra_kwargs["positions"]], [1, 1, 1], layout=layout
-    )
+    inputs, labels, positions = context_parallel_shard(cp_mesh, buffers, [1, 1, 1], layout=layout)
+    return inputs, labels, {**extra_kwargs, "positions": positions}
+
+
+def _shard_documents(
+    buffers: list[Tensor], bounds: tuple[int, ...], cp_mesh: DeviceMesh, extra_kwargs: dict
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """ "ptrr" for a ``VarlenMetadata`` of documents ``bounds``: the ``[B, L]`` buffers as one
+    packed stream, sharded in :func:`~dtensor_ring.document_layout`'s placement of them,
+    each rank's tokens as ``[B, L / W]``."""
+    B, L = buffers[0].shape[:2]
+    W = cp_mesh.size()
+    if L % W or bounds[-1] != B * L:
+        raise ValueError(
+            f"load_balancer_type='ptrr' with VarlenMetadata: the row length L = {L} must be "
+            f"divisible by the {W} context-parallel ranks and cu_seq_q must end at B * L = "
+            f"{B * L}, got {list(bounds)}"
+        )
+    layout = document_layout(bounds, W)
+    flat = [t.expand(B, L).reshape(1, B * L) for t in buffers]
+    shards = context_parallel_shard(cp_mesh, flat, [1, 1, 1], layout=layout)
+    inputs, labels, positions = (t.reshape(B, L // W) for t in shards)
     return inputs, labels, {**extra_kwargs, "positions": positions}

@@ -292,6 +292,37 @@ def _split(held: dict[int, list[tuple[int, int, int]]]) -> tuple[int, ...]:
     return tuple(sorted(d for d, parts in held.items() if len({r for r, _, _ in parts}) > 1))
 
 
+def documents_on_tokens(
+    bounds: Sequence[int],
+    indices_Wn: torch.Tensor,
+    causal: bool,
+    window: tuple[int, int] | None,
+) -> DocumentLayout:
+    """The placed layout of documents ``bounds`` (global, ints) whose tokens rank r holds
+    ``indices_Wn[r]`` (int ``[W, T / W]``, each row increasing: a rank's pieces are its runs
+    of consecutive tokens within one document), its work counted for ``causal`` / ``window``
+    (normalised). Another layout's token placement, run by the placed plan (e.g. head-tail
+    shards of packed rows)."""
+    starts = torch.tensor(bounds[:-1], dtype=torch.int64)
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    pieces = []
+    for idx in indices_Wn.to(torch.int64):
+        doc = torch.searchsorted(starts, idx, right=True) - 1  # empty documents hold nothing
+        new = torch.ones_like(idx, dtype=torch.bool)
+        new[1:] = (idx[1:] != idx[:-1] + 1) | (doc[1:] != doc[:-1])
+        first = new.nonzero().flatten().tolist()
+        last = [*(i - 1 for i in first[1:]), len(idx) - 1]
+        pieces.append(
+            [
+                (d, a - bounds[d], b + 1 - bounds[d])
+                for d, a, b in zip(
+                    doc[first].tolist(), idx[first].tolist(), idx[last].tolist(), strict=True
+                )
+            ]
+        )
+    return _candidate(pieces, _Work(lengths, causal, window), causal, zigzag=False).layout(bounds)
+
+
 def _candidates(
     bounds: Sequence[int], W: int, causal: bool, window: tuple[int, int] | None
 ) -> Iterator[Candidate]:
