@@ -1673,6 +1673,7 @@ from .inference import decode_cases, kv_cache_cases  # noqa: E402  (it imports t
 from .rank_local import rank_local_cases  # noqa: E402  (it imports this module)
 from .recompute import recompute_cases  # noqa: E402  (it imports this module)
 from .shards import shards_cases  # noqa: E402  (it imports this module)
+from .titan import titan_cases  # noqa: E402  (it imports this module)
 
 KINDS = {
     "base": base_cases,
@@ -1700,6 +1701,7 @@ KINDS = {
     "shards": shards_cases,
     "flex": flex_cases,
     "documents": documents_cases,
+    "titan": titan_cases,
 }
 FAST_PER_KIND = 4  # the CI subset: 4 per kind
 
