@@ -23,7 +23,7 @@ import torch.distributed as dist
 from reference import reference_attention_varlen
 
 import dtensor_ring as dr
-from dtensor_ring.layouts.documents import _candidates, pairs_by_offset
+from dtensor_ring.layouts.documents import _candidates, documents_on_tokens, pairs_by_offset
 from dtensor_ring.parts import band_pairs
 from dtensor_ring.schedule.varlen import varlen_plan
 
@@ -72,13 +72,20 @@ MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 5))]
 
 def every_candidate(seeds, world_size: int, every: int = 1):
     """``(causal, window, layout)`` for every placement the balancer weighs (Note [Balanced
-    documents]), not just its pick, of random documents per seed (every ``every``-th)."""
+    documents]), not just its pick, of random documents per seed (every ``every``-th), and
+    the stream's contiguous and head-tail shards as placed documents (``documents_on_tokens``,
+    torchtitan's varlen rows)."""
     for seed in seeds:
         causal, window = MASKS[seed % len(MASKS)]
         norm = None if window == (-1, -1) else window
         bounds = random_documents(seed, world_size)
         for c in list(_candidates(bounds, world_size, causal, norm))[::every]:
             yield causal, window, c.layout(bounds)
+        T = bounds[-1]
+        for row_layout in ("ring", "zigzag")[: 1 + (T % (2 * world_size) == 0)]:
+            tokens = torch.stack([dr.token_indices(row_layout, T, r, world_size)
+                                  for r in range(world_size)])  # fmt: skip
+            yield causal, window, documents_on_tokens(bounds, tokens, causal, norm)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
