@@ -7,11 +7,12 @@ when a row starts mid-document; what its kernel computes is the rows as one pack
 ``VarlenMetadata`` of the whole batch. Each rank holds its ``[B, L / W]`` tokens as a row
 layout shards them (head-tail, contiguous) or as ``prepare_context_parallel_input(...,
 "ptrr")`` shards them (``document_layout`` over the stream). Correct: those layouts, windows,
-bidirectional, an ``out_transform`` of the lse (its gradient flows: the flex door). Errors on
-every rank: int64 boundaries, ``cu_seq_k`` unlike ``cu_seq_q``, boundaries short of ``B *
-L``, another batch's documents than the shards were placed for, GQA without ``enable_gqa``,
-an unknown keyword, and one rank given other boundaries than the rest (W > 1). Forward and
-backward against the strict fp64 reference (:mod:`tests.adversarial.oracle`).
+bidirectional, ``scale``, an ``out_transform`` of the lse (its gradient flows: the flex door).
+Errors on every rank: int64 boundaries, ``cu_seq_k`` unlike ``cu_seq_q``, boundaries short of
+``B * L``, another batch's documents than the shards were placed for, GQA without
+``enable_gqa``, a value head dim of its own, an unknown keyword, and one rank given other
+boundaries than the rest (W > 1). Forward and backward against the strict fp64 reference
+(:mod:`tests.adversarial.oracle`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ VARIANTS = {
     "documents_window": ("documents", (3, 0), None),
     "head_tail_bidirectional": ("zigzag", (-1, -1), None),
     "out_transform_lse": ("documents", (-1, 0), "out_transform"),
+    "scale=0.3": ("zigzag", (-1, 0), "scale"),
+    "out_transform_scale=0.3": ("ring", (2, 1), "out_transform_scale"),
+    "value_head_dim_differs": ("zigzag", (-1, 0), "mla"),
     "cu_int64": ("zigzag", (-1, 0), "int64"),
     "cu_k_differs": ("zigzag", (-1, 0), "cu_k"),
     "cu_short": ("zigzag", (-1, 0), "short"),
@@ -60,7 +64,7 @@ VARIANTS = {
     "unknown_keyword": ("zigzag", (-1, 0), "keyword"),
     "rank_disagrees": ("zigzag", (-1, 0), "disagree"),
 }
-ERRORS = ("int64", "cu_k", "short", "other_batch", "no_gqa", "keyword")
+ERRORS = ("int64", "cu_k", "short", "other_batch", "no_gqa", "keyword", "mla")
 
 
 def titan_case(ctx: Ctx, variant: str) -> dict:
@@ -99,14 +103,18 @@ def titan_case(ctx: Ctx, variant: str) -> dict:
         kw["dropout_p"] = 0.0
     elif change == "disagree" and W > 1 and rank == W - 1:
         kw["attention_masks"] = _metadata((8 * W, 5 * W, 3 * W))
-    elif change == "out_transform":
+    elif change == "mla":  # a value head dim of its own (MLA): no kernel here takes it
+        leaves[2] = leaves[2][..., : D // 2].detach().requires_grad_()
+    if change in ("out_transform", "out_transform_scale"):
         kw["out_transform"] = lambda o, lse: o * lse.exp()[..., None]
+    scale = 0.3 if change in ("scale", "out_transform_scale") else D**-0.5
+    if scale != D**-0.5:
+        kw["scale"] = scale
     out = _VarlenForward(ctx.group, layout, window)(*leaves, **kw)
     out_T = out.reshape(B * L // W, N, D)
     (out_T * dout[flat]).sum().backward()
     visible = oracle.visible_varlen([0, *itertools.accumulate(lengths)], False, window)
-    scale = D**-0.5
-    if change == "out_transform":  # the reference of out * exp(lse), its lse differentiated
+    if "out_transform" in kw:  # the reference of out * exp(lse), its lse differentiated
         ref_out, ref_grads = _lse_weighted_reference(q, k, v, visible, scale, dout)
     else:
         ref = oracle.strict_attention(q[None], k[None], v[None], visible, scale, dout[None])
