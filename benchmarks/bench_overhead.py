@@ -8,15 +8,19 @@ several sequence lengths: forward and forward+backward time of
 * ``sdpa``: ``F.scaled_dot_product_attention`` on ``[B, H, S, D]`` views of ``[B, S, H, D]``
   tensors (``enable_gqa=True``), the baseline measured in the same run;
 * ``functional``: ``ring_flash_attn_func`` (W = 1: one block, no communication);
-* ``dtensor``: SDPA on ``Shard(2)`` DTensors of a 1-rank mesh inside ``ring_sdpa()``;
+* ``dtensor``: SDPA on ``Shard(2)`` DTensors of a 1-rank mesh inside ``ring_sdpa()``, the
+  scope entered per call; ``dtensor_open``: the same calls in one scope held open (as a
+  training step's layers see it: the scope's cost is per step, not per call);
 * ``dtensor_fn``: ``scaled_dot_product_ring_attention`` on the same DTensors (no scope);
 * ``<what>+compile``: the forward under ``torch.compile(fullgraph=True)`` (the backward
   compiled by AOTAutograd), ``<what>+cudagraphs``: ``mode="reduce-overhead"`` (CUDA graphs):
   what compiling removes of the fixed cost (CUDA only; compile time excluded by warm-up);
 
 and ``host``: the wall time of issuing one forward (the mean of 200 calls issued back to back,
-divided, without synchronising in between; at small S the GPU waits for the host). Prints a
-table and writes ``bench_overhead.json`` to --out; ``--profile`` also writes, per contender at
+divided, without synchronising in between; at small S the GPU waits for the host). Then, at
+the smallest S, the host time of the functional call layer by layer (``layers``: the block
+kernel alone, the engine, its autograd.Function, the front door; :func:`host_layers`). Prints
+the tables and writes ``bench_overhead.json`` to --out; ``--profile`` also writes, per contender at
 the smallest S, the cProfile of 200 forward and 200 forward + backward calls
 (``profile_<what>[_fwd_bwd].txt``, top 40 by own and cumulative time) and the torch.profiler
 op table of forward + backward (``ops_<what>_fwd_bwd.txt``: host and device time per op).
@@ -25,6 +29,7 @@ op table of forward + backward (``ops_<what>_fwd_bwd.txt``: host and device time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import io
@@ -163,6 +168,18 @@ def _callables(name: str, q, k, v, mesh):
         def fwd():
             return dr.scaled_dot_product_ring_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
 
+    elif name == "dtensor_open":  # calls in a scope held open, as over a training step's layers
+        from torch.distributed.tensor import DTensor, Shard
+
+        qd, kd, vd = (
+            DTensor.from_local(x.transpose(1, 2), mesh, [Shard(2)], run_check=False)
+            for x in (q, k, v)
+        )
+        _OPEN_SCOPE.enter_context(dr.ring_sdpa())
+
+        def fwd():
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
     else:
         from torch.distributed.tensor import DTensor, Shard
 
@@ -189,10 +206,13 @@ def _callables(name: str, q, k, v, mesh):
     return fwd, fwd_bwd
 
 
+_OPEN_SCOPE = contextlib.ExitStack()  # the open scope of "dtensor_open", closed after its rows
+
 CONTENDERS = (
     "sdpa",
     "functional",
     "dtensor",
+    "dtensor_open",
     "dtensor_fn",
     "sdpa+compile",
     "functional+compile",
@@ -202,48 +222,100 @@ CONTENDERS = (
 )
 
 
-def measure_overhead(
-    seqs, reps: int, contenders, device, dtype, dims, host_calls: int = 200, profile_dir=None
-) -> list[dict]:
-    """Rows of fwd, fwd+bwd and host-per-forward ms of every contender at every S (``dims``:
-    ``(H, H_kv, D)``), each with its ratio to eager SDPA at that S. Runs on a 1-rank group:
-    the default one if initialised (its backend must suit ``device``), else one made here and
-    destroyed afterwards; ``profile_dir``: write the profiles at the first S there."""
+@contextlib.contextmanager
+def _one_rank_group(device: torch.device):
+    """The default group if initialised (its backend must suit ``device``), else a 1-rank one
+    made here and destroyed afterwards."""
     own_group = not dist.is_initialized()
     if own_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29561")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+    try:
+        yield
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def measure_overhead(
+    seqs, reps: int, contenders, device, dtype, dims, host_calls: int = 200, profile_dir=None
+) -> list[dict]:
+    """Rows of fwd, fwd+bwd and host-per-forward ms of every contender at every S (``dims``:
+    ``(H, H_kv, D)``), each with its ratio to eager SDPA at that S. Runs on a 1-rank group
+    (:func:`_one_rank_group`); ``profile_dir``: write the profiles at the first S there."""
     heads, kv_heads, dim = dims
     rows = []
-    for S in seqs:
-        leaves = [
-            torch.randn(1, S, h, dim, device=device, dtype=dtype, requires_grad=True)
-            for h in (heads, kv_heads, kv_heads)
-        ]
-        for name in contenders:
-            fwd, fwd_bwd = _callables(name, *leaves, mesh)
-            if profile_dir is not None and S == seqs[0] and "+" not in name:
-                _profile(fwd, os.path.join(profile_dir, f"profile_{name}.txt"))
-                _profile(fwd_bwd, os.path.join(profile_dir, f"profile_{name}_fwd_bwd.txt"))
-                _op_profile(fwd_bwd, os.path.join(profile_dir, f"ops_{name}_fwd_bwd.txt"))
-            rows.append(
-                dict(
-                    seq=S,
-                    what=name,
-                    fwd_ms=median_ms(fwd, reps),
-                    fwd_bwd_ms=median_ms(fwd_bwd, reps),
-                    host_fwd_ms=host_ms(fwd, host_calls),
-                )
-            )
+    with _one_rank_group(device):
+        mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+        for S in seqs:
+            leaves = [
+                torch.randn(1, S, h, dim, device=device, dtype=dtype, requires_grad=True)
+                for h in (heads, kv_heads, kv_heads)
+            ]
+            for name in contenders:
+                fwd, fwd_bwd = _callables(name, *leaves, mesh)
+                if profile_dir is not None and S == seqs[0] and "+" not in name:
+                    _profile(fwd, os.path.join(profile_dir, f"profile_{name}.txt"))
+                    _profile(fwd_bwd, os.path.join(profile_dir, f"profile_{name}_fwd_bwd.txt"))
+                    _op_profile(fwd_bwd, os.path.join(profile_dir, f"ops_{name}_fwd_bwd.txt"))
+                with _OPEN_SCOPE:
+                    rows.append(
+                        dict(
+                            seq=S,
+                            what=name,
+                            fwd_ms=median_ms(fwd, reps),
+                            fwd_bwd_ms=median_ms(fwd_bwd, reps),
+                            host_fwd_ms=host_ms(fwd, host_calls),
+                        )
+                    )
     base = {r["seq"]: r for r in rows if r["what"] == "sdpa"}  # eager SDPA: the baseline
     for r in rows:
         r["fwd_vs_sdpa"] = r["fwd_ms"] / base[r["seq"]]["fwd_ms"]
         r["fwd_bwd_vs_sdpa"] = r["fwd_bwd_ms"] / base[r["seq"]]["fwd_bwd_ms"]
-    if own_group:
-        dist.destroy_process_group()
     return rows
+
+
+def host_layers(S: int, device, dtype, dims, host_calls: int = 200) -> list[dict]:
+    """Host ms to issue one forward of the functional call at W = 1 (``[1, S, H, D]``,
+    causal), layer by layer of its stack, each row including those above it: the block kernel
+    alone (its adapter and aten op); the engine (``ring_attention_impl``: plan, the whole-block
+    call); its ``autograd.Function`` (``call_attention``: the eager path of the op); the front
+    door (``ring_flash_attn_func``: arguments, ``route``, ``resolve_call``), with the two
+    checks also timed alone; eager SDPA for reference. Where the fixed cost of a call goes."""
+    from dtensor_ring.algorithm import route
+    from dtensor_ring.kernels import get_kernel
+    from dtensor_ring.ops.common import call_attention
+    from dtensor_ring.ops.ring import ring_attention, ring_attention_impl
+    from dtensor_ring.resolve import Call, Door, group_arg, resolve_call
+
+    heads, kv_heads, dim = dims
+    q, k, v = (
+        torch.randn(1, S, h, dim, device=device, dtype=dtype, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    with _one_rank_group(device):
+        name, world = group_arg(None)
+        call = Call(
+            q, k, v, name, world, "ring", True, None, (-1, -1), 0.0, None, False, None, None
+        )
+        spec = resolve_call(call, Door("ring_attention"))
+        kernel, args = get_kernel(spec.backend), spec.op_args()
+        layers = {
+            "sdpa": lambda: F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
+            ),
+            "kernel": lambda: kernel.forward(q, k, v, causal=True, scale=spec.scale),
+            "engine": lambda: ring_attention_impl(q, k, v, *args),
+            "autograd": lambda: call_attention(ring_attention, q, k, v, *args, None),
+            "door": lambda: dr.ring_flash_attn_func(q, k, v, causal=True),
+            "route (alone)": lambda: route(call, None, door="ring_attention"),
+            "resolve_call (alone)": lambda: resolve_call(call, Door("ring_attention")),
+        }
+        return [
+            dict(seq=S, layer=layer, backend=spec.backend, host_ms=host_ms(fn, host_calls))
+            for layer, fn in layers.items()
+        ]
 
 
 def print_overhead(rows: list[dict]) -> None:
@@ -256,6 +328,19 @@ def print_overhead(rows: list[dict]) -> None:
             f"{r['seq']:>6} {r['what']:>11} {r['fwd_ms']:8.3f} {r['fwd_vs_sdpa']:7.2f} "
             f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_vs_sdpa']:7.2f} {r['host_fwd_ms']:7.3f}"
         )
+
+
+STACK = ("kernel", "engine", "autograd", "door")  # host_layers' stack, innermost first
+
+
+def print_layers(rows: list[dict]) -> None:
+    """The layer table (printed): each layer's host ms and, up the stack, what it adds."""
+    print(f"\nhost ms of one forward at W = 1, S = {rows[0]['seq']} ({rows[0]['backend']}):")
+    ms = {r["layer"]: r["host_ms"] for r in rows}
+    for r in rows:
+        i = STACK.index(r["layer"]) if r["layer"] in STACK else 0
+        added = f" (+{r['host_ms'] - ms[STACK[i - 1]]:.3f})" if i > 0 else ""
+        print(f"  {r['layer']:>22} {r['host_ms']:8.3f}{added}")
 
 
 def main() -> None:
@@ -275,7 +360,7 @@ def main() -> None:
     rows = measure_overhead(
         seqs,
         a.reps,
-        CONTENDERS if cuda else CONTENDERS[:4],
+        CONTENDERS if cuda else CONTENDERS[:5],
         device,
         dtype,
         (heads, kv_heads, dim),
@@ -283,6 +368,8 @@ def main() -> None:
         profile_dir=a.out if a.profile else None,
     )
     print_overhead(rows)
+    layers = host_layers(seqs[0], device, dtype, (heads, kv_heads, dim), 20 if a.smoke else 200)
+    print_layers(layers)
     meta = dict(
         date=datetime.date.today().isoformat(),
         torch=torch.__version__,
@@ -290,7 +377,7 @@ def main() -> None:
         config=dict(heads=heads, kv_heads=kv_heads, head_dim=dim, dtype=str(dtype), causal=True),
     )
     with open(os.path.join(a.out, "bench_overhead.json"), "w") as f:
-        json.dump(dict(**meta, rows=rows), f, indent=1)
+        json.dump(dict(**meta, rows=rows, layers=layers), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ rank, it measures, in one run:
 * ``layout="auto"``'s candidates (ring, all-gather, Ulysses) measured against the cost
   model's prediction, and whether it chose the fastest (``policy``);
 * the fixed cost of one call at W = 1 (``overhead``, ``--overhead-seq``): eager SDPA, the
-  functional call, SDPA on DTensors and the DTensor function on a real 1-rank group
-  (``bench_overhead.py``'s measurement; its own script adds the compiled variants).
+  functional call, SDPA on DTensors (a scope a call, and one scope held open) and the DTensor
+  function on a real 1-rank group (``bench_overhead.py``'s measurement; its own script adds
+  the compiled variants and the host time layer by layer).
 
 It prints a table last and writes ``bench_single_gpu.json`` (and PNG plots if matplotlib is
 there) to --out. Timings: CUDA events, warm-up, median of --reps; fresh random data.

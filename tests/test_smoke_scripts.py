@@ -118,13 +118,18 @@ def test_check_window_smoke(runs):
 
 
 def test_bench_overhead_smoke(runs):
-    """benchmarks/bench_overhead.py on CPU: SDPA, the functional call, DTensor SDPA and the
-    scope-free DTensor function on a 1-rank gloo group (the compiled variants are CUDA only),
-    and the profiles."""
+    """benchmarks/bench_overhead.py on CPU: SDPA, the functional call, DTensor SDPA (a scope a
+    call, and one scope held open) and the scope-free DTensor function on a 1-rank gloo group
+    (the compiled variants are CUDA only), the host time layer by layer, and the profiles."""
     results = smoke(runs, "test_bench_overhead_smoke")
     rows = results["rows"]
-    assert {r["what"] for r in rows} == {"sdpa", "functional", "dtensor", "dtensor_fn"}
+    assert {r["what"] for r in rows} == {
+        "sdpa", "functional", "dtensor", "dtensor_open", "dtensor_fn"
+    }  # fmt: skip
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
+    layers = {r["layer"]: r["host_ms"] for r in results["layers"]}
+    assert {"sdpa", "kernel", "engine", "autograd", "door"} <= set(layers)
+    assert all(ms > 0 for ms in layers.values())
     assert (runs["test_bench_overhead_smoke"][0] / "profile_functional.txt").read_text().count(
         "ring_attention_impl"
     ) > 0
