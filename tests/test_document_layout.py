@@ -191,6 +191,20 @@ def test_plan_computes_every_visible_pair_once(world_size):
             assert got == pairs_of(lay.indices[r].tolist(), bounds, causal, window)
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_candidates_count_the_plans_steps(world_size):
+    """The offsets a candidate is ranked by are its plan's steps beyond the first, for every
+    mask: a window that keeps two pieces of a document apart needs no step for them."""
+    for seed in range(300, 316):
+        bounds = random_documents(seed, world_size)
+        for causal, window in MASKS + [(True, (1, 0)), (False, (0, 0))]:
+            norm = None if window == (-1, -1) else window
+            for c in _candidates(bounds, world_size, causal, norm):
+                lay = c.layout(bounds)
+                plan = varlen_plan(lay.local_bounds[0], lay, world_size, causal, norm)
+                assert len(plan.offsets) - 1 == c.offsets, (seed, causal, window)
+
+
 def test_no_cut_document_no_step_but_the_first():
     bounds = [0, *range(64, 1024, 64), 1024]  # 16 equal documents on 4 ranks
     lay = dr.document_layout(bounds, 4)

@@ -174,20 +174,41 @@ def pairs_by_offset(
     offset ``(r - src) % W`` away (0: its own), for the placement ``pieces`` (a layout's, or a
     candidate's), counted piece by piece: what its plan's steps compute (Note [Placed
     documents plan]), without building the plan."""
-    left, right = (-1, -1) if window is None else window
     W = len(pieces)
     out: list[dict[int, int]] = [{} for _ in range(W)]
     for parts in _held(pieces).values():
         for r, qa, qb in parts:
             for src, ka, kb in parts:
-                d = qa - ka  # key j - query p = jj - i - d in piece coordinates
-                lo = -UNBOUNDED if left < 0 else d - left
-                hi = d if causal else UNBOUNDED if right < 0 else d + right
-                pairs = band_pairs(qb - qa, kb - ka, lo, hi)
+                pairs = _visible_pairs(qa, qb, ka, kb, causal, window)
                 if pairs:
                     offset = (r - src) % W
                     out[r][offset] = out[r].get(offset, 0) + pairs
     return out
+
+
+def _visible_pairs(
+    qa: int, qb: int, ka: int, kb: int, causal: bool, window: tuple[int, int] | None
+) -> int:
+    """Visible pairs of a document's queries ``[qa, qb)`` and keys ``[ka, kb)``."""
+    left, right = (-1, -1) if window is None else window
+    d = qa - ka  # key j - query p = jj - i - d in piece coordinates
+    lo = -UNBOUNDED if left < 0 else d - left
+    hi = d if causal else UNBOUNDED if right < 0 else d + right
+    return band_pairs(qb - qa, kb - ka, lo, hi)
+
+
+def _ring_offsets(held: dict[int, list[tuple[int, int, int]]], W: int, work_of: _Work) -> int:
+    """How many ring offsets some rank needs K/V from (the plan's steps beyond the first), for
+    the pieces ``held`` by document (:func:`_held`) on ``W`` ranks: :func:`pairs_by_offset`'s
+    non-zero offsets, told apart without counting own pairs."""
+    offsets: set[int] = set()
+    for parts in held.values():
+        for r, qa, qb in parts:
+            for src, ka, kb in parts:
+                if src != r and (r - src) % W not in offsets:
+                    if _visible_pairs(qa, qb, ka, kb, work_of.causal, work_of.window):
+                        offsets.add((r - src) % W)
+    return len(offsets)
 
 
 def token_work(length: int, causal: bool, window: tuple[int, int] | None) -> torch.Tensor:
@@ -240,7 +261,7 @@ class Candidate:
 
     pieces: list
     work: list[int]
-    offsets: int  # ring offsets whose K/V some rank needs (causal: later pieces see earlier)
+    offsets: int  # ring offsets whose K/V some rank needs (its mask's visible pairs, counted)
     split: int  # documents on more than one rank
     zigzag: bool  # of the zigzag family
 
@@ -257,12 +278,12 @@ class Candidate:
 
 
 class _Work:
-    """Visible pairs of the query positions ``[a, b)`` of document d: ``prefix[d]`` (int64,
-    the work before each position) and its total as an int (whole documents, the common
-    case, without a tensor read)."""
+    """Visible pairs of the query positions ``[a, b)`` of document d under the mask
+    ``causal`` / ``window``: ``prefix[d]`` (int64, the work before each position) and its
+    total as an int (whole documents, the common case, without a tensor read)."""
 
     def __init__(self, lengths: Sequence[int], causal: bool, window: tuple[int, int] | None):
-        self.lengths = lengths
+        self.lengths, self.causal, self.window = lengths, causal, window
         self.prefix = [
             torch.cat([torch.zeros(1, dtype=torch.int64), token_work(L, causal, window).cumsum(0)])
             for L in lengths
@@ -275,16 +296,10 @@ class _Work:
         return int(self.prefix[d][b] - self.prefix[d][a])
 
 
-def _candidate(pieces, work_of, causal: bool, zigzag: bool) -> Candidate:
-    W, held = len(pieces), _held(pieces)
-    offsets = set()
-    for parts in held.values():
-        for r, a_q, _ in parts:
-            for src, a_k, _ in parts:
-                if src != r and (not causal or a_k < a_q):
-                    offsets.add((r - src) % W)
-    work = [sum(work_of(*p) for p in row) for row in pieces]
-    return Candidate(pieces, work, len(offsets), len(_split(held)), zigzag)
+def _candidate(pieces, work_of: _Work, zigzag: bool) -> Candidate:
+    held, work = _held(pieces), [sum(work_of(*p) for p in row) for row in pieces]
+    offsets = _ring_offsets(held, len(pieces), work_of)
+    return Candidate(pieces, work, offsets, len(_split(held)), zigzag)
 
 
 def _split(held: dict[int, list[tuple[int, int, int]]]) -> tuple[int, ...]:
@@ -320,7 +335,7 @@ def documents_on_tokens(
                 )
             ]
         )
-    return _candidate(pieces, _Work(lengths, causal, window), causal, zigzag=False).layout(bounds)
+    return _candidate(pieces, _Work(lengths, causal, window), zigzag=False).layout(bounds)
 
 
 def _candidates(
@@ -335,11 +350,11 @@ def _candidates(
     total = sum(work.totals)
     for limit in (math.inf, *(total / W * f for f in (1.5, 1.0, 0.75, 0.5, 0.35, 0.25))):
         pieces = _place_runs(order, W, n, work, limit)
-        yield _candidate(pieces, work, causal, zigzag=False)
+        yield _candidate(pieces, work, zigzag=False)
     for t in _cut_counts(len(order)):
         pieces = _place_zigzag(order[:t], order[t:], W, n, work)
         if pieces is not None:
-            yield _candidate(pieces, work, causal, zigzag=True)
+            yield _candidate(pieces, work, zigzag=True)
 
 
 def _place_runs(order, W: int, n: int, work_of: _Work, limit: float) -> list[list[Piece]]:
