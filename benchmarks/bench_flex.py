@@ -20,9 +20,10 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
 * for the document masks, also the balanced layout of whole documents
   (``dtensor_ring.document_layout``) under flex, one varlen kernel call on the whole stream
   per varlen kernel that runs here (cuda_flash, flash_attn4 when installed), and the library's
-  varlen path (``RankSimulator`` with ``cu_seqlens``) in zigzag, in the balanced layout and
-  in the layout of least predicted time (``document_layout(..., heads=...)``), per varlen
-  kernel; "best" efficiencies are against the fastest one-GPU time of the mask
+  varlen path (``RankSimulator`` with ``cu_seqlens``) in zigzag, in the balanced layout, in
+  the layout of least predicted time (``document_layout(..., heads=...)``) and as head-tail
+  shards of the packed row hold the documents (torchtitan's varlen module under its default
+  balancer), per varlen kernel; "best" efficiencies are against the fastest one-GPU time of the mask
   (flex or varlen) / W; ``--graphs``: the varlen ranks also replayed from a CUDA graph (what
   they cost without host time).
 
@@ -47,6 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_single_gpu import graph_timed, timed  # noqa: E402  (medians of CUDA-event timings)
 
 import dtensor_ring as dr  # noqa: E402
+from dtensor_ring.layouts.documents import documents_on_tokens  # noqa: E402
+from dtensor_ring.resolve import normalize_window  # noqa: E402
 from dtensor_ring.simulate import RankSimulator  # noqa: E402
 
 
@@ -58,6 +61,14 @@ def documents(seq_len: int, n: int, device) -> tuple[torch.Tensor, list[int]]:
     bounds = [0, *(cuts * unit).tolist(), seq_len]
     lengths = torch.tensor(bounds).diff()
     return torch.repeat_interleave(torch.arange(n), lengths).to(device), bounds
+
+
+def head_tail_row(bounds: list[int], W: int, window: tuple[int, int]):
+    """The documents as head-tail shards of their packed row hold them, as placed documents:
+    what torchtitan's varlen module runs under its default balancer ("headtail")."""
+    causal, norm = normalize_window(window, False, bounds[-1])
+    rows = [dr.token_indices("zigzag", bounds[-1], r, W) for r in range(W)]
+    return documents_on_tokens(bounds, torch.stack(rows), causal, norm)
 
 
 def masks(seq_len: int, device) -> dict:
@@ -217,6 +228,7 @@ def main() -> None:
             varlen_paths = [("zigzag", "zigzag"), ("documents", balanced)]
             if modelled != balanced:
                 varlen_paths.append(("docs by model", modelled))
+            varlen_paths.append(("head-tail row", head_tail_row(bounds, W, window)))
             for label, layout in varlen_paths:
                 sims = [
                     RankSimulator(
