@@ -19,7 +19,8 @@ Public names:
       packed forms, ``llama3_flash_attn_prepare_cu_seqlens``, ``shard_varlen``,
       ``unshard_varlen``, ``varlen_token_indices``, ``varlen_local_cu_seqlens``,
       ``varlen_balance``, ``VARLEN_LAYOUTS``, ``document_layout`` (whole documents placed by
-      their work, the heaviest cut over every rank);
+      their work, the heaviest cut), ``documents_as_sharded`` (documents as a dense layout's
+      shards hold them, e.g. head-tail over a packed row);
     * DTensor (docs/composability.md): ``ring_sdpa`` (scope: ``F.scaled_dot_product_attention``
       on sequence-sharded DTensors runs ring attention), ``scaled_dot_product_ring_attention``,
       ``shard_sequence``, ``unshard_sequence``;
@@ -46,7 +47,7 @@ from .api.context_parallel import (
     cp_options,
     set_rotate_method,
 )
-from .api.documents import document_layout, document_mask
+from .api.documents import document_layout, document_mask, documents_as_sharded
 from .api.dtensor import (
     ring_sdpa,
     scaled_dot_product_ring_attention,
@@ -170,6 +171,7 @@ __all__ = [
     # variable-length sequences
     "VARLEN_LAYOUTS",
     "document_layout",
+    "documents_as_sharded",
     "llama3_flash_attn_prepare_cu_seqlens",
     "llama3_flash_attn_varlen_func",
     "llama3_flash_attn_varlen_kvpacked_func",

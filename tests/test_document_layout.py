@@ -23,6 +23,7 @@ import torch.distributed as dist
 from reference import reference_attention_varlen
 
 import dtensor_ring as dr
+from dtensor_ring.layouts import TokenLayout
 from dtensor_ring.layouts.documents import _candidates, documents_on_tokens, pairs_by_offset
 from dtensor_ring.parts import band_pairs
 from dtensor_ring.schedule.varlen import varlen_plan
@@ -438,3 +439,73 @@ def check_one_rank_disagrees(group: dist.ProcessGroup) -> str:
 def test_rank_disagreement_raises_everywhere(dist_pool):
     for message in dist_pool.run(check_one_rank_disagrees, 2, timeout_s=60):
         assert re.search(r"rank 1 passed cu_seqlens \[0, 12\], not its local", message), message
+
+
+# --- 3. documents as shards made elsewhere hold them ----------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_documents_as_sharded_holds_the_shards(world_size):
+    """Each rank holds exactly what the dense layout placed on it; sharding and local
+    boundaries follow (every placement property: the documents_on_tokens candidates above)."""
+    for seed in range(5):
+        bounds = random_documents(400 + seed, world_size)
+        T = bounds[-1]
+        names = ["ring", "zigzag"] if T % (2 * world_size) == 0 else ["ring"]
+        for name in names:
+            lay = dr.documents_as_sharded(bounds, name, world_size)
+            x = torch.arange(T)
+            for r in range(world_size):
+                tokens = dr.token_indices(name, T, r, world_size)
+                assert torch.equal(lay.indices[r], tokens)
+                shard, cu_local = dr.shard_varlen(x, bounds, lay, r, world_size)
+                assert torch.equal(shard, tokens)
+                assert cu_local.tolist() == list(lay.local_bounds[r])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([0, 5, 16], "zigzag", 3), "not divisible by 6"),  # zigzag needs 2W | T
+        (([0, 5, 16], "ring", 0), "world_size must be a positive int"),
+        (([0, 5, 5, 16], "ring", 2), "strictly increasing"),
+        (([0, 5, 16], "nonsense", 2), "nonsense"),
+        (([0, 5, 16], TokenLayout(torch.arange(16).flip(0).reshape(2, 8)), 2), "increasing"),
+    ],
+    ids=["indivisible", "world", "empty-document", "unknown-layout", "unsorted"],
+)
+def test_documents_as_sharded_refuses(args, message):
+    with pytest.raises(ValueError, match=message):
+        dr.documents_as_sharded(*args)
+
+
+def check_head_tail_rows(group: dist.ProcessGroup, causal, window) -> None:
+    """A packed row sharded head-tail (PyTorch's and torchtitan's default), told its positions:
+    exact on ``documents_as_sharded``'s layout, forward and backward."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = [0, 5 * W, 9 * W, 12 * W - 1, 16 * W]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    lay = dr.documents_as_sharded(cu, "zigzag", W, causal=causal, window_size=window)
+    gen = torch.Generator().manual_seed(W)
+    T = bounds[-1]
+    q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    dout = torch.randn(T, 4, 8, generator=gen, dtype=torch.float64)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_ref, _ = reference_attention_varlen(*full, cu, causal=causal, window_size=window)
+    grads = torch.autograd.grad(out_ref, full, dout)
+    idx = dr.token_indices("zigzag", T, rank, W)  # the head-tail shard of the row
+    local = [x[idx].clone().requires_grad_() for x in (q, k, v)]
+    cu_local = dr.varlen_local_cu_seqlens(cu, lay, rank, W)
+    out = dr.ring_varlen_attention_func(
+        lay, *local, cu_local, None, causal=causal, window_size=window, group=group,
+        positions=idx,
+    )  # fmt: skip
+    out.backward(dout[idx])
+    for got, want in zip((out, *(x.grad for x in local)), (out_ref, *grads), strict=True):
+        torch.testing.assert_close(got, want[idx].detach(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (True, (4, 0)), (False, (2, 3))])
+def test_head_tail_rows_exact(dist_pool, world_size, causal, window):
+    dist_pool.run(check_head_tail_rows, world_size, causal=causal, window=window)

@@ -745,4 +745,5 @@ def check_told_positions(group: dist.ProcessGroup) -> list[str]:
 def test_positions_refuse_head_tail_rows(dist_pool, world_size):
     for head_tail, contiguous in dist_pool.run(check_told_positions, world_size):
         assert "head-tail order" in head_tail and "shard_varlen" in head_tail, head_tail
+        assert "documents_as_sharded" in head_tail, head_tail
         assert "llama3_flash_attn_varlen_func" in contiguous, contiguous

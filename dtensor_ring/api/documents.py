@@ -1,7 +1,8 @@
 """Packed documents from their boundaries alone: ``document_mask``, the FlexAttention
-``BlockMask`` built at tile granularity (no ``S x S`` mask is evaluated), and
-``document_layout``, the varlen layout that places whole documents by their work (Note
-[Balanced documents] in ``layouts/documents.py``).
+``BlockMask`` built at tile granularity (no ``S x S`` mask is evaluated), ``document_layout``,
+the varlen layout that places whole documents by their work (Note [Balanced documents] in
+``layouts/documents.py``), and ``documents_as_sharded``, the varlen layout of shards made by a
+dense layout (head-tail over a packed row).
 
 Note [Document tiles]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -31,7 +32,13 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..layouts.documents import DocumentLayout, balance_documents, pairs_by_offset
+from ..layouts import Layout, get_layout, token_indices
+from ..layouts.documents import (
+    DocumentLayout,
+    balance_documents,
+    documents_on_tokens,
+    pairs_by_offset,
+)
 from ..layouts.varlen import check_divisible, global_bounds
 from ..resolve import check_bool, check_window_size, normalize_window
 from ..schedule.policy import ring_steps_ms
@@ -113,6 +120,58 @@ def document_layout(
 
     cost = None if heads is None else predicted_ms
     return balance_documents(bounds, world_size, causal, window, float(tolerance), cost)
+
+
+def documents_as_sharded(
+    cu_seqlens: Tensor | Sequence[int],
+    layout: str | Layout,
+    world_size: int,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+) -> DocumentLayout:
+    """The varlen layout of packed documents as shards of the whole packed sequence hold them:
+    ``layout`` (a dense layout: "zigzag" is head-tail over the row, PyTorch's and torchtitan's
+    default balancer; "ring" contiguous chunks; a ``TokenLayout``) placed the ``T`` tokens on
+    ``world_size`` ranks, and the result runs those shards exactly through
+    :func:`dtensor_ring.ring_varlen_attention_func` (algorithm "ring"), each document's
+    pieces planned by document (Note [Placed documents plan]).
+
+    Args:
+        cu_seqlens: the *global* document boundaries ``[N + 1]`` (int32 tensor or ints).
+        layout: how the packed sequence was sharded; each rank's tokens in increasing order.
+        world_size: the ranks it was sharded on.
+        causal, window_size: the mask ``.work`` / ``.imbalance`` are counted for (any mask
+            runs exactly).
+
+    Returns:
+        A :class:`~dtensor_ring.layouts.documents.DocumentLayout` whose rank r holds exactly
+        ``token_indices(layout, T, r, world_size)``: ``shard_varlen`` with it gives the same
+        tokens, and ``varlen_local_cu_seqlens`` the rank's local boundaries.
+
+    Raises:
+        ValueError: bad ``cu_seqlens``, a layout that cannot split ``T`` tokens on
+            ``world_size`` ranks, a rank whose tokens are not in increasing order (reorder
+            them so, or shard with :func:`document_layout`), a malformed window.
+    """
+    bounds = global_bounds(cu_seqlens)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    T = bounds[-1]
+    lay = get_layout(layout, "dense")
+    lay.check_length(T, world_size)
+    indices_Wn = torch.stack([token_indices(lay, T, r, world_size) for r in range(world_size)])
+    unsorted = (indices_Wn.diff(dim=1) <= 0).any(dim=1).nonzero().flatten().tolist()
+    if unsorted:
+        raise ValueError(
+            f"documents_as_sharded: layout {lay.name!r} holds rank {unsorted[0]}'s tokens out "
+            "of increasing order; a varlen layout keeps a document's pieces on a rank "
+            "together: reorder each rank's tokens increasingly, or shard with document_layout"
+        )
+    causal, window = normalize_window(
+        check_window_size(window_size), check_bool("causal", causal), T
+    )
+    return documents_on_tokens(bounds, indices_Wn, causal, window)
 
 
 def document_mask(

@@ -428,8 +428,9 @@ def check_token_positions(
                 "llama3_flash_attn_varlen_func (its stream layout) computes exactly on them."
                 if dense == "ring"
                 else " They are the whole packed sequence in head-tail order (2W chunks of the "
-                "row, not of each document), which no varlen layout holds: shard each document "
-                "instead (shard_varlen(..., 'zigzag'))."
+                "row, not of each document): pass layout=dtensor_ring.documents_as_sharded("
+                "cu_seqlens, 'zigzag', W) with its local cu_seqlens, or shard each document "
+                "(shard_varlen(..., 'zigzag'))."
             )
     name = getattr(layout, "name", layout)
     raise ValueError(

@@ -7,7 +7,8 @@ per-document zigzag layout places them (the door's own: exact), as head-tail chu
 whole row (PyTorch's ``_HeadTailLoadBalancer``, torchtitan's default) or as contiguous chunks
 of the row; the door is told each token's index in the sequence (``positions``) and must
 compute exactly on its own layout's tokens and raise a clean ``ValueError`` on every rank for
-the others (W = 1: every variant is the whole sequence, exact). Malformed ``positions``
+the others (W = 1: every variant is the whole sequence, exact); the head-tail chunks with
+``dr.documents_as_sharded(bounds, "zigzag", W)`` as the layout: exact. Malformed ``positions``
 (int16, one short, a list) raise too. Forward and backward against the strict fp64 reference
 (:mod:`tests.adversarial.oracle`).
 """
@@ -30,6 +31,7 @@ VARIANTS = {
     "per_document": ("per_document", "tensor"),
     "head_tail_row": ("head_tail", "tensor"),
     "contiguous_row": ("contiguous", "tensor"),
+    "head_tail_row_as_sharded": ("head_tail", "as_sharded"),
     "positions=int16": ("per_document", "int16"),
     "positions_short": ("per_document", "short"),
     "positions=list": ("per_document", "list"),
@@ -54,14 +56,18 @@ def shards_case(ctx: Ctx, variant: str) -> dict:
     }[held]()
     positions = {
         "tensor": idx,
+        "as_sharded": idx,
         "int16": idx.to(torch.int16),
         "short": idx[:-1],
         "list": idx.tolist(),
     }[how]
     leaves = [x[idx].clone().requires_grad_() for x in (q, k, v)]
-    local_cu = oracle.local_cu_seqlens(bounds, W)
+    layout, local_cu = "zigzag", oracle.local_cu_seqlens(bounds, W)
+    if how == "as_sharded":  # the documents as the head-tail shards hold them
+        layout = dr.documents_as_sharded(bounds, "zigzag", W)
+        local_cu = dr.varlen_local_cu_seqlens(bounds, layout, rank, W)
     out = dr.ring_varlen_attention_func(
-        "zigzag", *leaves, local_cu, None, causal=True, group=ctx.group, positions=positions
+        layout, *leaves, local_cu, None, causal=True, group=ctx.group, positions=positions
     )
     (out * dout[idx]).sum().backward()
     visible = oracle.visible_varlen(bounds, causal=True)
@@ -79,7 +85,9 @@ def shards_cases() -> list[Case]:
     cases = []
     for variant, (held, how) in VARIANTS.items():
         for world in WORLDS:
-            wrong = how != "tensor" or (held != "per_document" and world > 1)
+            wrong = how not in ("tensor", "as_sharded") or (
+                how == "tensor" and held != "per_document" and world > 1
+            )
             expect = ERROR if wrong else CORRECT
             name = f"shards/ring_varlen_attention_func[zigzag]/W{world}/{variant}"
             cases.append(Case(name, "shards", world, shards_case, {"variant": variant}, expect))
