@@ -65,11 +65,16 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   plain ones: the same choice (exact) or the same clean error on every rank
   (:mod:`tests.adversarial.rank_local`);
 * ``shards``: packed documents sharded per document, head-tail over the row or in contiguous
-  row chunks, the varlen door told their positions: exact on its own layout's tokens, a
-  clean error on every rank otherwise (:mod:`tests.adversarial.shards`);
+  row chunks, the varlen door told their positions: exact on its own layout's tokens (and on
+  head-tail rows with ``documents_as_sharded``), a clean error on every rank otherwise
+  (:mod:`tests.adversarial.shards`);
 * ``flex``: ``dtensor_ring.flex_attention`` and ``ContextParallel(attention_type="flex")``:
   masks on every layout, non-finite values, score mods, bad arguments, ranks that disagree,
-  double backward (:mod:`tests.adversarial.flex`).
+  double backward (:mod:`tests.adversarial.flex`);
+* ``documents``: the varlen door on the placed layouts (``document_layout``,
+  ``documents_as_sharded``) through the base, mask, memory-layout, non-finite, argument,
+  disagreement, dtype, value and shape generators;
+* ``titan``: torchtitan's varlen module on the ring (:mod:`tests.adversarial.titan`).
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
@@ -93,6 +98,7 @@ from .doors import (
     AUTO_DOORS,
     DOCUMENTS_DOOR,
     DOORS,
+    HEAD_TAIL_DOOR,
     HYBRID_SPLIT,
     NEW_DOORS,
     VIEWS,
@@ -1435,11 +1441,12 @@ GATHER_ARG_CASES = (
 
 
 def documents_cases() -> list[Case]:
-    """``ring_varlen_attention_func`` on ``dr.document_layout`` (documents of any lengths
-    placed whole or cut by their work, each rank's local ``cu_seqlens`` its own): base, masks,
-    memory layouts, non-finite values, arguments, ranks that disagree, dtypes, values, shapes
-    and the consistency mode."""
-    doors = [DOCUMENTS_DOOR]
+    """``ring_varlen_attention_func`` on the placed layouts: ``dr.document_layout`` (documents
+    of any lengths placed whole or cut by their work) and ``dr.documents_as_sharded`` (as
+    head-tail shards of the packed row hold them), each rank's local ``cu_seqlens`` its own:
+    base, masks, memory layouts, non-finite values, arguments, ranks that disagree, dtypes,
+    values, shapes and the consistency mode."""
+    doors = [DOCUMENTS_DOOR, HEAD_TAIL_DOOR]
     cases = base_cases(doors) + mask_cases(doors) + layout_cases(doors) + debug_on_cases(doors)
     cases += nonfinite_cases(doors) + scale_cases(doors) + args_cases(doors)
     cases += disagree_cases(doors) + dtype_cases(doors) + values_cases(doors)

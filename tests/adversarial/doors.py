@@ -223,14 +223,14 @@ class Door:
         """Document lengths of the packed stream (8 tokens per rank): multiples of 2W for
         ring/zigzag varlen, uneven (straddling the rank slices) for llama3 and the balanced
         documents (``dr.document_layout``, any lengths)."""
-        if self.layout in ("llama3", "documents"):
+        if self.layout in ("llama3", *PLACED):
             return (3, 8 * world - 5, 2)
         return (4 * world, 2 * world, 2 * world)
 
     def indices(self, rank: int, world: int, seq_len: int, bounds: list[int] | None) -> Tensor:
         """Global positions of this rank's tokens, in local order."""
-        if self.layout == "documents":  # the balancer's placement (checked by its own tests)
-            return document_layout_of(bounds, world).indices[rank]
+        if self.layout in PLACED:  # the placement (checked by its own tests)
+            return placed_layout_of(self.layout, bounds, world).indices[rank]
         if self.packed_stream:
             return oracle.varlen_indices(self.layout, bounds, rank, world)
         if self.family == "hybrid":
@@ -318,8 +318,8 @@ def _call_varlen(door, ctx, q, k, v, kw, view, tokens):
     kw.setdefault("group", ctx.group)
     args = _packed_args(door, q[0], k[0], v[0], view)
     layout = door.layout
-    if layout == "documents":
-        layout = document_layout_of(tokens.bounds, ctx.world)
+    if layout in PLACED:
+        layout = placed_layout_of(layout, tokens.bounds, ctx.world)
         local = torch.tensor(layout.local_bounds[ctx.rank], dtype=torch.int32)
         cu = kw.pop("cu_seqlens", local)
     else:
@@ -335,11 +335,18 @@ def _call_varlen(door, ctx, q, k, v, kw, view, tokens):
     return out.unsqueeze(0), None if lse is None else lse.unsqueeze(0)
 
 
-def document_layout_of(bounds: list[int], world: int):
-    """``dr.document_layout`` of the stream's documents (every rank builds the same)."""
+#: the doors' placed layouts: ``dr.document_layout``'s balance, and the documents as head-tail
+#: shards of the packed row hold them (``dr.documents_as_sharded``)
+PLACED = ("documents", "documents_head_tail")
+
+
+def placed_layout_of(name: str, bounds: list[int], world: int):
+    """The placed layout ``name`` of the stream's documents (every rank builds the same)."""
     import dtensor_ring as dr
 
-    return dr.document_layout(bounds, world)
+    if name == "documents":
+        return dr.document_layout(bounds, world)
+    return dr.documents_as_sharded(bounds, "zigzag", world)
 
 
 def _call_llama3(door, ctx, q, k, v, kw, view, tokens):
@@ -638,6 +645,10 @@ def _auto_doors() -> dict[str, Door]:
 AUTO_DOORS: dict[str, Door] = _auto_doors()
 #: ``ring_varlen_attention_func`` on ``dr.document_layout``'s placement of the documents
 DOCUMENTS_DOOR = Door("ring_varlen_attention_func[documents]", "varlen", "documents")
+#: ... on ``dr.documents_as_sharded``: the documents as head-tail shards of the row hold them
+HEAD_TAIL_DOOR = Door(
+    "ring_varlen_attention_func[documents_as_sharded]", "varlen", "documents_head_tail"
+)
 ALL_DOORS: dict[str, Door] = {
     **DOORS,
     **NEW_DOORS,
