@@ -149,7 +149,9 @@ def route(
             stride = heads_k_stride
         # an alias names the caller's tokens in messages; "auto" with an algorithm is zigzag's
         name = home_layout(lay) if alias_algorithm(lay.name) == "auto" else lay.name
-        if algorithm == "ring" and order_free:
+        # (placed documents: a rank's local boundaries are its own, the order-free plan's
+        # are every document's share; they keep their own plan)
+        if algorithm == "ring" and order_free and not (varlen and lay.varlen == "placed"):
             causal, window = check_bool("causal", call.causal), call.window_size
             name = order_layout(name, causal, check_window_size(window))
     return Route(algorithm, name, stride)

@@ -173,7 +173,6 @@ def _packed_vs_per_document(
     model run on each document."""
     from transformers import DataCollatorWithFlattening
 
-    import dtensor_ring as dr
     import dtensor_ring.hf as drhf
 
     gen = torch.Generator().manual_seed(2)
@@ -198,9 +197,7 @@ def _packed_vs_per_document(
     _check_engine(layout, used, algorithm)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
-    parts = [torch.empty_like(out.logits) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, out.logits.detach().contiguous(), group=group)
-    logits = dr.unshard_varlen(parts, inputs["cu_seq_lens_q"], layout, seq_dim=1)
+    logits = drhf.gather_outputs(out.logits.detach(), inputs, group=group, layout=layout)
     grad_err = 0.0
     for p, p_ref in zip(model.parameters(), ref.parameters(), strict=True):
         grad = p.grad.clone()
@@ -227,6 +224,9 @@ def _packed_vs_per_document(
         ("llama3_zigzag", (4, 8, 4), "llama"),
         ("llama3_zigzag", (8, 12, 4), "mistral"),  # window 5 in documents of 8 and 12
         ("llama3_zigzag", (4, 8, 4), "gemma3_bidirectional"),
+        ("documents", (5, 8, 3), "llama"),  # any lengths: placed by document_layout
+        ("documents", (5, 9, 2), "mistral"),
+        ("documents", (3, 10, 3), "gemma3_bidirectional"),
     ],
 )
 def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
@@ -337,6 +337,39 @@ def _rejects(group, what: str) -> str:
 def test_rejects_what_it_cannot_honour(dist_pool, what):
     for message in dist_pool.run(_rejects, WORLD, what=what):
         assert "dtensor_ring" in message
+
+
+def _documents_rejects(group, what: str) -> str:
+    """layout="documents" places packed rows: what it cannot serve raises on every rank."""
+    import dtensor_ring.hf as drhf
+
+    input_ids = torch.randint(0, VOCAB, (1, SEQ))
+    with pytest.raises(ValueError) as info:
+        if what == "all_gather":
+            drhf.setup(group=group, layout="documents", algorithm="all_gather")
+        elif what == "padding":
+            mask = torch.ones_like(input_ids)
+            mask[0, -3:] = 0
+            batch = {"input_ids": input_ids, "attention_mask": mask}
+            drhf.shard_batch(batch, group=group, layout="documents")
+        else:  # a dense batch sharded otherwise, run under "documents"
+            drhf.setup(group=group, layout="documents")
+            inputs = drhf.shard_batch({"input_ids": input_ids}, group=group, layout="zigzag")
+            _model("llama", "dtensor_ring")(**inputs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "what, text",
+    [
+        ("all_gather", "'ring'"),
+        ("padding", "cannot hold padding"),
+        ("dense", "needs the cu_seq_lens_q"),
+    ],
+)
+def test_documents_rejects(dist_pool, what, text):
+    for message in dist_pool.run(_documents_rejects, WORLD, what=what):
+        assert text in message, message
 
 
 @pytest.mark.parametrize(

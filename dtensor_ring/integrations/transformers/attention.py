@@ -16,7 +16,8 @@ flash-attention-2 does in transformers: :func:`shard_batch` derives the *global*
 boundaries from the full ``position_ids`` and returns them as ``cu_seq_lens_q`` /
 ``cu_seq_lens_k``, which transformers passes through to the attention function (Note
 [Varlen layouts] in ``layouts/varlen.py``: "llama3" cuts the packed stream into W contiguous slices;
-"ring" / "zigzag" cut every document into W / 2W pieces).
+"ring" / "zigzag" cut every document into W / 2W pieces; "documents", packed rows only, places
+them by ``dtensor_ring.document_layout``, which every rank derives from the boundaries).
 
 Causal and bidirectional models (``is_causal=False``, e.g. Gemma 3 with
 ``use_bidirectional_attention``), dense and packed, in every layout; "llama3" dense batches of
@@ -72,7 +73,14 @@ from ...layouts.varlen import (
 )
 from ...resolve import ALGORITHMS, check_bool, group_arg, placement
 from ...schedule.llama3 import llama3_flash_attn_prepare_cu_seqlens
-from .batch import PADDING_MASK, HFLayout, doc_positions, padding_of, varlen_layout
+from .batch import (
+    DOCUMENTS,
+    PADDING_MASK,
+    HFLayout,
+    doc_positions,
+    packed_layout,
+    padding_of,
+)
 from .keywords import RUN_WITHOUT, check_model_keywords, sinks_kwarg, summary, window_kwarg
 
 __all__ = ["ATTN_IMPLEMENTATION", "setup", "ring_attention_forward"]
@@ -124,11 +132,12 @@ def setup(
 
     Args:
         group: the context-parallel process group (default: the default group).
-        layout: "ring", "zigzag", "stripe", "llama3", "llama3_zigzag" or "auto"
-            (:data:`HF_LAYOUTS`): how :func:`shard_batch` shards the sequence; "llama3" and
-            "llama3_zigzag" all-gather K/V, "auto" (zigzag's tokens) chooses the ring, the
-            all-gather or Ulysses per call (Note [Choosing ring, all-gather or Ulysses]), the
-            others pass them around a ring.
+        layout: "ring", "zigzag", "stripe", "llama3", "llama3_zigzag", "auto" or
+            "documents" (:data:`HF_LAYOUTS`): how :func:`shard_batch` shards the sequence;
+            "llama3" and "llama3_zigzag" all-gather K/V, "auto" (zigzag's tokens) chooses the
+            ring, the all-gather or Ulysses per call (Note [Choosing ring, all-gather or
+            Ulysses]), the others pass them around a ring. "documents": packed rows only, each
+            batch's documents (any lengths) placed by :func:`dtensor_ring.document_layout`.
         backend: block-kernel backend name (``dtensor_ring.BACKEND_NAMES``), or None.
         algorithm: how K/V move (Note [Layouts and algorithms]): "ring", "all_gather",
             "ulysses" (dense batches) or "auto"; None: the layout alias's, else "ring"
@@ -138,8 +147,15 @@ def setup(
     from transformers.masking_utils import AttentionMaskInterface
 
     global _config
-    lay = get_layout(layout)
-    placement(layout, algorithm, allowed=ALGORITHMS if lay.dense else ("all_gather",))
+    if layout == DOCUMENTS:  # a layout per batch, from its documents: the ring only
+        if algorithm not in (None, "ring"):
+            raise ValueError(
+                "layout='documents' places each packed batch's documents for the ring: pass "
+                f"algorithm='ring' or None, got {algorithm!r}"
+            )
+    else:
+        lay = get_layout(layout)
+        placement(layout, algorithm, allowed=ALGORITHMS if lay.dense else ("all_gather",))
     if group is not None:
         group_arg(group)  # a ProcessGroup this rank belongs to (TypeError / ValueError)
     _config = Setup(group, layout, backend, algorithm)
@@ -237,8 +253,8 @@ def ring_attention_forward(
     group, layout = _config.group, _config.layout
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     with relay_errors(_group_name, "hf"):
-        lay = get_layout(layout)
-        if not lay.dense and lay.varlen != "stream":
+        lay = None if layout == DOCUMENTS else get_layout(layout)  # "documents": packed only
+        if lay is None or (not lay.dense and lay.varlen != "stream"):
             raise ValueError(
                 f"dtensor_ring attention with layout={layout!r} needs the cu_seq_lens_q "
                 "metadata that dtensor_ring.hf.shard_batch returns"
@@ -394,7 +410,6 @@ def _varlen_attention(
     layout, group = _config.layout, _config.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     with relay_errors(_group_name, "hf"):
-        lay = varlen_layout(layout)
         if kwargs.get(PADDING_MASK) is not None:
             raise ValueError(
                 f"dtensor_ring attention got both cu_seq_lens_q (packed documents) and "
@@ -414,21 +429,22 @@ def _varlen_attention(
                 f"cu_seq_lens_q must be the global document boundaries (ending at T_local * W "
                 f"= {query.shape[2] * world}), got {list(bounds)}; build it with shard_batch"
             )
+        placed = packed_layout(layout, bounds, world)
         _check_positions(
             kwargs.get("position_ids"),
-            doc_positions(bounds)[varlen_token_indices(bounds, layout, rank, world)],
+            doc_positions(bounds)[varlen_token_indices(bounds, placed, rank, world)],
         )
     q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))  # [T_local, H(_kv), D]
-    if lay.varlen == "stream":
+    if get_layout(placed).varlen == "stream":
         out = _llama3_stream(q, k, v, cu_seqlens, scaling, window, causal, sinks, layout)
     else:
         out, _ = varlen_attention(
             q,
             k,
             v,
-            varlen_local_cu_seqlens(cu_seqlens, layout, rank, world),
+            varlen_local_cu_seqlens(cu_seqlens, placed, rank, world),
             None,
-            layout=layout,
+            layout=placed,
             algorithm=_config.algorithm,
             causal=causal,
             softmax_scale=scaling,

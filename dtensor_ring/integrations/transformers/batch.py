@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...api.documents import document_layout
 from ...layouts import (
     LAYOUTS,
     Layout,
@@ -23,6 +24,7 @@ from ...layouts import (
     layout_names,
 )
 from ...layouts.varlen import (
+    host_values,
     unshard_varlen,
     varlen_token_indices,
 )
@@ -79,19 +81,31 @@ IGNORE_INDEX = -100
 #: The keyword under which :func:`shard_batch` hands a padded batch's full ``attention_mask``
 #: to the attention function (transformers forwards it untouched; Note [Padding]).
 PADDING_MASK = "dtensor_ring_attention_mask"
-HFLayout = Literal["ring", "zigzag", "stripe", "llama3", "llama3_zigzag", "auto"]
-HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3", "auto")
+HFLayout = Literal["ring", "zigzag", "stripe", "llama3", "llama3_zigzag", "auto", "documents"]
+#: "documents": packed rows only, each batch's documents placed by
+#: :func:`dtensor_ring.document_layout` (any lengths; the ring)
+DOCUMENTS = "documents"
+HF_LAYOUTS: tuple[str, ...] = (*LAYOUTS, "llama3", "auto", DOCUMENTS)
 
 
-def varlen_layout(layout: str) -> Layout:
-    """The layout of a packed batch; ``ValueError`` if ``layout`` has no varlen form."""
-    lay = get_layout(layout)
-    if lay.varlen is None:
+def packed_layout(layout: str, bounds: Sequence[int], world: int) -> str | Layout:
+    """The layout a packed batch of documents ``bounds`` (global) runs in on ``world`` ranks:
+    ``layout``, or for "documents" :func:`dtensor_ring.document_layout`'s placement of these
+    documents (the same on every rank; the last few cached). ``ValueError`` if ``layout`` has
+    no varlen form."""
+    if layout == DOCUMENTS:
+        return _document_layout(tuple(bounds), world)
+    if get_layout(layout).varlen is None:
         raise ValueError(
             f"dtensor_ring has no packed (varlen) form for layout={layout!r}; "
-            f"use one of {layout_names('varlen')}"
+            f"use one of {layout_names('varlen')} or {DOCUMENTS!r}"
         )
-    return lay
+    return layout
+
+
+@functools.lru_cache(maxsize=8)
+def _document_layout(bounds: tuple[int, ...], world: int) -> Layout:
+    return document_layout(bounds, world)
 
 
 def _padding_order(real: Tensor) -> Tensor:
@@ -234,7 +248,8 @@ def shard_batch(
             packed batch, packed rows with B > 1, a packed batch with layout "stripe",
             lengths the layout cannot divide, or keys it cannot shard.
     """
-    lay = get_layout(layout)
+    documents = layout == DOCUMENTS  # packed rows only: no dense form
+    lay = None if documents else get_layout(layout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     extra = set(batch) - {"input_ids", "labels", "attention_mask", "position_ids"}
     if extra:
@@ -249,6 +264,12 @@ def shard_batch(
     real = _real_tokens(batch.get("attention_mask"), B, S, shifted)
     position_ids = batch.get("position_ids")
     if real is not None:
+        if documents:
+            raise ValueError(
+                "shard_batch: layout='documents' places the documents of packed rows, which "
+                "cannot hold padding; pack the batch (DataCollatorWithFlattening) or drop the "
+                "padding"
+            )
         if position_ids is not None and not bool(
             (position_ids == torch.arange(S, device=position_ids.device)).all()
         ):
@@ -261,7 +282,7 @@ def shard_batch(
     bounds = _packed_bounds(position_ids, S)
     out: dict[str, Tensor] = {}
     shard: Callable[[Tensor], Tensor]
-    if bounds is None and (lay.dense or lay.varlen == "stream"):
+    if bounds is None and not documents and (lay.dense or lay.varlen == "stream"):
         index = lay.token_indices(S, rank, world).to(device)
         positions = torch.arange(S, device=device).expand(B, S)
         if real is None:
@@ -274,7 +295,6 @@ def shard_batch(
 
             out[PADDING_MASK] = real.to(device)
     else:
-        varlen_layout(layout)
         if B != 1:
             raise ValueError(
                 "shard_batch: packed sequences (position_ids restarting per document) need "
@@ -283,7 +303,8 @@ def shard_batch(
             )
         bounds = bounds or (0, S)
         positions = doc_positions(bounds).to(device).expand(B, S)
-        index = varlen_token_indices(bounds, layout, rank, world).to(device)
+        placed = packed_layout(layout, bounds, world)
+        index = varlen_token_indices(bounds, placed, rank, world).to(device)
         shard = functools.partial(torch.index_select, dim=1, index=index)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(
             bounds, dtype=torch.int32, device=device
@@ -342,7 +363,8 @@ def gather_outputs(
     dist.all_gather(parts, local.contiguous(), group=group)
     cu_seqlens = inputs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
-        return unshard_varlen(parts, cu_seqlens, layout, seq_dim=1)
+        placed = packed_layout(layout, host_values(cu_seqlens), world)
+        return unshard_varlen(parts, cu_seqlens, placed, seq_dim=1)
     lay = get_layout(layout)
     seq_len = local.shape[1] * world
     order = torch.cat([lay.token_indices(seq_len, r, world) for r in range(world)])
