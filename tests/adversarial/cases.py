@@ -101,11 +101,13 @@ from .doors import (
     HEAD_TAIL_DOOR,
     HYBRID_SPLIT,
     NEW_DOORS,
+    PLACED,
     VIEWS,
     Ctx,
     Door,
     Tokens,
     cpu_mesh,
+    placed_layout_of,
     view_grad,
 )
 from .oracle import Check, Flag
@@ -595,7 +597,11 @@ def hf_model_case(ctx: Ctx, arch: str, layout: str, docs: tuple[int, ...] | None
         ref_logits = torch.cat(
             [ref_model(input_ids=ids[:, a:b]).logits for a, b in itertools.pairwise(bounds)], 1
         )
-        idx = oracle.varlen_indices(layout, bounds, ctx.rank, ctx.world)
+        idx = (
+            placed_layout_of(layout, bounds, ctx.world).indices[ctx.rank]
+            if layout in PLACED
+            else oracle.varlen_indices(layout, bounds, ctx.rank, ctx.world)
+        )
     else:
         ref_logits = ref_model(input_ids=ids).logits
         idx = oracle.dense_indices(layout, ctx.rank, ctx.world, S)
@@ -1313,6 +1319,10 @@ HF_MODELS = (
     ("llama", "llama3", (5, 6, 5), 2, CORRECT),
     ("llama", "zigzag", (8, 4, 4), 2, CORRECT),
     ("gpt_oss", "zigzag", None, 2, EITHER),
+    ("llama", "documents", (5, 9, 2), 2, CORRECT),  # any lengths, placed by document_layout
+    ("llama", "documents", (7, 11, 6), 3, CORRECT),
+    ("qwen2", "documents", (3, 20, 9), 4, CORRECT),  # one document over three ranks
+    ("llama", "documents", None, 2, ERROR),  # a dense batch: packed rows only
 )
 
 
