@@ -154,8 +154,9 @@ def check_divisible(bounds: Sequence[int], layout: str | Layout, world_size: int
                 f"document {i} (tokens [{bounds[i]}, {bounds[i + 1]}), length {n}) is not a "
                 f"multiple of {m}, as layout={lay.name!r} needs on {world_size} ranks (every "
                 f"document is cut into {m} equal pieces); pad every document to a multiple of "
-                f"{m}, or use the 'llama3' layout (llama3_flash_attn_varlen_func), which needs "
-                "no divisibility of documents"
+                f"{m}, or use a layout that needs no divisibility of documents: the 'llama3' "
+                "layout (llama3_flash_attn_varlen_func) or, on the ring, "
+                "dtensor_ring.document_layout(cu_seqlens, world_size)"
             )
 
 
@@ -212,8 +213,8 @@ def check_local_documents(bounds_local: Sequence[int], layout: Layout, world_siz
                 f"document {i} has {n} tokens on this rank (local cu_seqlens), i.e. "
                 f"{n * world_size} globally; {layout.name} varlen needs every document's length "
                 f"to be a multiple of {c} * world_size = {c * world_size} ({c} pieces per rank). "
-                "Pad every document, or use llama3_flash_attn_varlen_func, which needs no "
-                "divisibility of documents"
+                "Pad every document, or use a layout that needs no divisibility of documents: "
+                "llama3_flash_attn_varlen_func or, on the ring, dtensor_ring.document_layout"
             )
 
 
