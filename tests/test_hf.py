@@ -242,6 +242,16 @@ def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gemma3_bidirectional"])
+def test_documents_packed_at_three_ranks(dist_pool, arch):
+    """layout="documents" at W = 3: logits, loss and gradients against each document alone."""
+    for errors in dist_pool.run(
+        _packed_vs_per_document, 3, layout="documents", lengths=(7, 11, 6), arch=arch
+    ):
+        assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ring", "all_gather"])
 def test_auto_packed_matches_per_document(dist_pool, algorithm):
     for errors in dist_pool.run(

@@ -99,6 +99,7 @@ from .doors import (
     DOCUMENTS_DOOR,
     DOORS,
     HEAD_TAIL_DOOR,
+    HF_DOCUMENTS_DOOR,
     HYBRID_SPLIT,
     NEW_DOORS,
     PLACED,
@@ -1329,6 +1330,7 @@ HF_MODELS = (
 def hf_cases() -> list[Case]:
     cases = []
     hf_doors = [d for d in DOORS.values() if d.family in ("hf", "hf_packed")]
+    hf_doors.append(HF_DOCUMENTS_DOOR)  # placed documents: bidirectional keeps their own plan
     for i, door in enumerate(hf_doors):
         for j in range(len(_hf_kwarg_variants(door, 1))):
             world = _pick(WORLDS, i + j)
@@ -1338,6 +1340,10 @@ def hf_cases() -> list[Case]:
                 kw={"causal": True, **kw}, ref=ref, expect_error=error, grads=error is None
             )
             cases.append(_case("hf", door, world, label, setup, expect))
+    for world in (2, 3):  # bidirectional on placed documents: their own plan, not the ring's
+        kw = {"causal": True, "hf_kwargs": {"is_causal": False}}
+        setup = Setup(kw=kw, ref={"causal": False}, grads=True)
+        cases.append(_case("hf", HF_DOCUMENTS_DOOR, world, "bidirectional", setup, CORRECT))
     for arch, layout, docs, world, expect in HF_MODELS:
         params = dict(arch=arch, layout=layout, docs=docs)
         name = f"hf/model:{arch}/W{world}/{layout}{',packed' if docs else ''}"

@@ -645,6 +645,8 @@ def _auto_doors() -> dict[str, Door]:
 AUTO_DOORS: dict[str, Door] = _auto_doors()
 #: ``ring_varlen_attention_func`` on ``dr.document_layout``'s placement of the documents
 DOCUMENTS_DOOR = Door("ring_varlen_attention_func[documents]", "varlen", "documents")
+#: transformers' attention function on packed rows under ``layout="documents"``
+HF_DOCUMENTS_DOOR = Door("hf.ring_attention_forward[packed,documents]", "hf_packed", "documents")
 #: ... on ``dr.documents_as_sharded``: the documents as head-tail shards of the row hold them
 HEAD_TAIL_DOOR = Door(
     "ring_varlen_attention_func[documents_as_sharded]", "varlen", "documents_head_tail"
