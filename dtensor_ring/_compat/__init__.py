@@ -25,6 +25,12 @@ version), and ``import dtensor_ring`` keeps working.
 * Dynamo's per-code-object recompile limit (``torch._dynamo.config.recompile_limit``, torch
   2.6+; ``cache_size_limit`` before): :func:`recompile_limit` raises it for the duration of
   the flex blocks' compiled calls only (Note [Flex blocks on PyTorch's kernels]).
+* Which indices a FlexAttention ``mask_mod`` reads, and which tensors it reads them from:
+  :func:`mask_mod_reads` traces it with ``make_fx`` under Dynamo's
+  ``TransformGetItemToIndex`` (``torch._dynamo._trace_wrapped_higher_order_op``, torch
+  2.11-2.13, the context flex's own ``create_block_mask`` evaluates masks in: ``t[b, q_idx]``
+  on index tensors). Missing, or a function that does not trace: None, and the call keeps the
+  flex kernels (Note [Document masks on the varlen kernels]).
 * PyTorch's LocalTensor simulation (``torch.distributed._local_tensor``, one process playing
   every rank, the rank a per-rank symbolic integer): :func:`for_each_simulated_rank` runs the
   sharding helpers once per simulated rank (without it, they run as written);
@@ -208,3 +214,30 @@ def refuse_simulated_ranks() -> None:
             "simulating every rank: the ring's point-to-point steps are per rank); run real "
             "ranks (e.g. gloo on CPU). context_parallel_shard does work inside it"
         )
+
+
+def mask_mod_reads(mask_mod: Callable, device: torch.device) -> tuple[frozenset, tuple] | None:
+    """``(indices, tensors)``: which of ``"b", "h", "q_idx", "kv_idx"`` the FlexAttention
+    ``mask_mod(b, h, q_idx, kv_idx)`` reads, and the tensors it reads (closures, globals,
+    attributes: the traced graph's constants, the objects themselves); None when it does not
+    trace (data-dependent Python control flow) or this torch lacks the tracing context."""
+    try:
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+        from torch.fx.experimental.proxy_tensor import make_fx
+    except ImportError:
+        return None
+    names = ("b", "h", "q_idx", "kv_idx")
+    args = [torch.zeros((), dtype=torch.int32, device=device) for _ in names]  # distinct
+    try:
+        with TransformGetItemToIndex():
+            graph = make_fx(mask_mod)(*args)
+    except Exception:  # noqa: BLE001 - any failure to trace: not readable, use the flex kernels
+        return None
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    used = frozenset(name for name, n in zip(names, placeholders, strict=True) if n.users)
+    constants = tuple(
+        t
+        for n in graph.graph.nodes
+        if n.op == "get_attr" and isinstance(t := getattr(graph, n.target), torch.Tensor)
+    )
+    return used, constants

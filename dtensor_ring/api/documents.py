@@ -26,9 +26,11 @@ marks it). Every rank builds the same mask from the same boundaries; flex's kern
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -42,6 +44,7 @@ from ..layouts.documents import (
 from ..layouts.varlen import check_divisible, global_bounds
 from ..resolve import check_bool, check_window_size, normalize_window
 from ..schedule.policy import ring_steps_ms
+from .varlen import ring_varlen_attention_func
 
 
 def document_layout(
@@ -172,6 +175,68 @@ def documents_as_sharded(
         check_window_size(window_size), check_bool("causal", causal), T
     )
     return documents_on_tokens(bounds, indices_Wn, causal, window)
+
+
+class PlacedRows:
+    """``B`` rows of ``L`` tokens sharded by a dense layout, as one rank holds them as one
+    packed stream of ``B * L`` tokens (the rows one after another): the stream's varlen
+    ``layout``, this rank's local boundaries ``cu_local`` (int32) and the ``order`` that sorts
+    its tokens increasingly (None: they are), with its inverse ``back``."""
+
+    def __init__(self, layout: DocumentLayout, rank: int, order: Tensor | None):
+        self.layout, self.order = layout, order
+        self.back = None if order is None else order.argsort()
+        self.cu_local = torch.tensor(layout.local_bounds[rank], dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def placed_rows(
+    bounds: tuple[int, ...],
+    rows: int,
+    row_len: int,
+    layout: str | Layout,
+    world_size: int,
+    rank: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+) -> PlacedRows:
+    """Documents ``bounds`` over ``rows`` rows of ``row_len`` tokens (every row boundary a
+    document boundary), each row sharded by ``layout`` on ``world_size`` ranks, as ``rank``
+    holds them (:class:`PlacedRows`; ``causal``/``window`` normalised, for the plan). Cached:
+    a training step asks once a layer."""
+    rows_WL = torch.stack(
+        [token_indices(layout, row_len, r, world_size) for r in range(world_size)]
+    )
+    flat = (torch.arange(rows)[None, :, None] * row_len + rows_WL[:, None]).flatten(1)
+    increasing, order = flat.sort(dim=1)
+    placed = documents_on_tokens(bounds, increasing, causal, window)
+    return PlacedRows(placed, rank, None if torch.equal(increasing, flat) else order[rank])
+
+
+def attend_rows(
+    placed: PlacedRows,
+    q_BLHD: Tensor,
+    k_BLHD: Tensor,
+    v_BLHD: Tensor,
+    *,
+    softmax_scale: float | None,
+    window_size: tuple[int, int],
+    group: dist.ProcessGroup | None,
+) -> Tensor:
+    """Attention of this rank's rows ``q [B, L_local, H, D]``, ``k, v [B, L_local, H_kv, D]``
+    over the documents ``placed`` holds (:func:`placed_rows`), by the varlen kernels on the
+    ring, with flash-attn's ``window_size`` within documents: ``out [B, L_local, H, D]``."""
+    B, L = q_BLHD.shape[:2]
+    q_T, k_T, v_T = (t.reshape(B * L, *t.shape[2:]) for t in (q_BLHD, k_BLHD, v_BLHD))
+    if placed.order is not None:
+        q_T, k_T, v_T = q_T[placed.order], k_T[placed.order], v_T[placed.order]
+    out_T = ring_varlen_attention_func(
+        placed.layout, q_T, k_T, v_T, placed.cu_local, None, softmax_scale=softmax_scale,
+        window_size=window_size, group=group,
+    )  # fmt: skip
+    if placed.back is not None:
+        out_T = out_T[placed.back]
+    return out_T.reshape(B, L, *out_T.shape[1:])
 
 
 def document_mask(

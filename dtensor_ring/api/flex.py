@@ -17,13 +17,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, create_block_mask
 
+from .._compat import resolve_group
 from ..kernels import accumulation_dtype, select_flex_kernel
 from ..kernels.flex import FlexKernel, FlexMods
 from ..layouts import Layout, get_layout
 from ..ops.flex import RingFlex
-from ..resolve import Call, Door, check_bool, group_arg, resolve_call
+from ..resolve import (
+    AttentionSpec,
+    Call,
+    Door,
+    check_bool,
+    group_arg,
+    normalize_window,
+    resolve_call,
+)
 from ..schedule.flex import FlexBalance, VisibleBlocks, balanced_layout, flex_plan
 from ..schedule.flex import flex_balance as _plan_balance
+from ..schedule.flex_documents import MaskDocuments, mask_documents
+from .documents import attend_rows, placed_rows
 
 DEFAULT_TILE = 128  # the tile of a bare mask_mod's block sparsity (flex's default BLOCK_SIZE)
 
@@ -114,7 +125,7 @@ def flex_attention(
     found: dict = {}
 
     def checks() -> tuple[VisibleBlocks, FlexMods, FlexKernel]:
-        found["tiles"], mods = _check_flex(
+        found["tiles"], mods, found["block_mask"] = _check_flex(
             q_BSHD, k_BSHD, score_mod, block_mask, mask_mod, enable_gqa, kernel_options,
             world_size,
         )  # fmt: skip
@@ -134,6 +145,11 @@ def flex_attention(
     call = Call(q_BSHD, k_BSHD, v_BSHD, group_name, world_size, layout, softmax_scale=scale)
     spec = resolve_call(call, door)
     visible, mods, kernel = spec.door
+    documents = None
+    if score_mod is None and backend is None and not want_lse and _documents_run(q_BSHD):
+        documents = mask_documents(found["block_mask"], q_BSHD.shape[0])
+    if documents is not None:  # Note [Document masks on the varlen kernels]
+        return _on_documents(documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec)
     lay = get_layout(layout, "dense")
     plan = flex_plan(lay, world_size, q_BSHD.shape[1], visible, trim=kernel.trims)
     out_BSHD, lse_BHS = RingFlex.apply(
@@ -143,6 +159,39 @@ def flex_attention(
     if not want_lse:
         return out
     return (out, AuxOutput(lse=lse_BHS)) if return_aux is not None else (out, lse_BHS)
+
+
+def _documents_run(q_BSHD: Tensor) -> bool:
+    """Whether a document mask runs on the varlen kernels here: on the CPU (whose flex kernel
+    is explicit math too) and in bf16 / fp16 on CUDA (the fused kernels' dtypes; fp32 stays on
+    PyTorch's flex kernels). Facts every rank shares, as the two paths communicate
+    differently."""
+    device = q_BSHD.device.type
+    return device == "cpu" or (device == "cuda" and q_BSHD.dtype in (torch.float16, torch.bfloat16))
+
+
+def _on_documents(
+    documents: MaskDocuments,
+    q_BSHD: Tensor,
+    k_BSHD: Tensor,
+    v_BSHD: Tensor,
+    layout: str | Layout,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    spec: AttentionSpec,
+) -> Tensor:
+    """``out [B, H, S_local, D]`` of a mask read as ``documents``: the rows' documents, as
+    ``layout`` placed their tokens, by the varlen kernels on the ring."""
+    B, S_local = q_BSHD.shape[:2]
+    row_len = S_local * world_size
+    causal, window = normalize_window(documents.window_size, False, B * row_len)
+    rank = resolve_group(spec.group_name).rank()
+    placed = placed_rows(documents.bounds, B, row_len, layout, world_size, rank, causal, window)
+    out_BSHD = attend_rows(
+        placed, q_BSHD, k_BSHD, v_BSHD, softmax_scale=spec.scale,
+        window_size=documents.window_size, group=group,
+    )  # fmt: skip
+    return out_BSHD.transpose(1, 2)
 
 
 def _sequence_sharded(
@@ -229,8 +278,9 @@ def _check_flex(
     enable_gqa: object,
     kernel_options: object,
     world_size: int,
-) -> tuple[VisibleBlocks, FlexMods]:
-    """The flex-specific checks (after the shapes'): ``(visible tiles, mods)``."""
+) -> tuple[VisibleBlocks, FlexMods, BlockMask | None]:
+    """The flex-specific checks (after the shapes'): ``(visible tiles, mods, the BlockMask
+    given or built for a bare mask_mod (None: no mask))``."""
     B, S, H, _ = q_BSHD.shape
     H_kv = k_BSHD.shape[2]
     seq_len = S * world_size
@@ -257,15 +307,18 @@ def _check_flex(
     if block_mask is not None:
         visible = _block_mask_tiles(block_mask, B, H, seq_len, world_size)
         mask_mod = block_mask.mask_mod
+        tiles_mask = block_mask
     elif mask_mod is not None:
-        visible = VisibleBlocks.of_block_mask(
-            create_block_mask(mask_mod, B, H, seq_len, seq_len, q_BSHD.device, DEFAULT_TILE)
+        tiles_mask = create_block_mask(
+            mask_mod, B, H, seq_len, seq_len, q_BSHD.device, DEFAULT_TILE
         )
+        visible = VisibleBlocks.of_block_mask(tiles_mask)
     else:
+        tiles_mask = None
         visible = VisibleBlocks(seq_len, seq_len, seq_len, torch.ones(1, 1, dtype=torch.bool))
     if score_mod is not None:
         _check_score_mod(score_mod, q_BSHD)
-    return visible, FlexMods(score_mod, mask_mod, block_mask)
+    return visible, FlexMods(score_mod, mask_mod, block_mask), tiles_mask
 
 
 def _block_mask_tiles(

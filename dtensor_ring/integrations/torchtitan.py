@@ -49,12 +49,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..api.context_parallel import _cp_group
-from ..api.documents import document_layout, document_mask
+from ..api.documents import (
+    PlacedRows,
+    attend_rows,
+    document_layout,
+    document_mask,
+    placed_rows,
+)
 from ..api.flex import flex_attention, flex_layout
 from ..api.parallel_style import ContextParallel, context_parallel_shard, sharded_layout
-from ..api.varlen import ring_varlen_attention_func
-from ..layouts import Layout, token_indices
-from ..layouts.documents import DocumentLayout, documents_on_tokens
+from ..layouts import Layout
+from ..layouts.documents import DocumentLayout
 from ..layouts.varlen import check_bounds, check_cu_seqlens_tensor, host_values
 from ..resolve import normalize_window
 
@@ -121,13 +126,18 @@ class _FlexForward:
     ) -> Tensor:
         if kwargs:
             raise TypeError(f"torchtitan FlexAttention on the ring: unexpected {sorted(kwargs)}")
-        out, lse = flex_attention(
+        # the lse only for out_transform: a call without it may run on the varlen kernels
+        # (Note [Document masks on the varlen kernels]), whose lse has no gradient
+        result = flex_attention(
             *(t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH)),
             score_mod=score_mod, block_mask=attention_masks, scale=scale, enable_gqa=enable_gqa,
-            return_lse=True, group=self.group, layout=sharded_layout(self.layout),
+            return_lse=out_transform is not None, group=self.group,
+            layout=sharded_layout(self.layout),
         )  # fmt: skip
-        out_BLNH = out.transpose(1, 2)
-        return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
+        if out_transform is None:
+            return result.transpose(1, 2)
+        out, lse = result
+        return out_transform(out.transpose(1, 2), lse.transpose(1, 2))
 
 
 class _VarlenForward:
@@ -141,7 +151,6 @@ class _VarlenForward:
     def __init__(self, group, layout: str | Layout | None, window_size: tuple[int, int]):
         self.group, self.layout = group, layout
         self.window_size = tuple(window_size)
-        self._last: tuple[tuple, _Placed] | None = None
 
     def __call__(
         self,
@@ -164,79 +173,50 @@ class _VarlenForward:
                 f"{k_BLNH.shape[2]} key/value heads need enable_gqa=True"
             )
         placed = self._placed(attention_masks, B, L_local)
+        if out_transform is None:
+            return attend_rows(
+                placed, q_BLNH, k_BLNH, v_BLNH, softmax_scale=scale,
+                window_size=self.window_size, group=self.group,
+            )  # fmt: skip
         q_T, k_T, v_T = (t.reshape(B * L_local, *t.shape[2:]) for t in (q_BLNH, k_BLNH, v_BLNH))
         if placed.order is not None:  # the layout's tokens in increasing order
             q_T, k_T, v_T = q_T[placed.order], k_T[placed.order], v_T[placed.order]
-        if out_transform is None:
-            out_T = ring_varlen_attention_func(
-                placed.layout, q_T, k_T, v_T, placed.cu_local, None, softmax_scale=scale,
-                window_size=self.window_size, group=self.group,
-            )  # fmt: skip
-        else:
-            out, lse = flex_attention(
-                *(t.transpose(0, 1)[None] for t in (q_T, k_T, v_T)),
-                block_mask=placed.block_mask(self.window_size, q_T.device),
-                scale=scale, enable_gqa=True, return_lse=True, group=self.group,
-                layout=placed.layout,
-            )  # fmt: skip
-            out_T, lse_T = out[0].transpose(0, 1), lse[0].transpose(0, 1)
-        if placed.order is not None:
-            back = placed.order.argsort()
-            out_T = out_T[back]
-            lse_T = None if out_transform is None else lse_T[back]
-        out_BLNH = out_T.reshape(B, L_local, N, -1)
-        if out_transform is None:
-            return out_BLNH
-        return out_transform(out_BLNH, lse_T.reshape(B, L_local, N))
+        bounds = torch.tensor(placed.layout.bounds, dtype=torch.int32)
+        out, lse = flex_attention(
+            *(t.transpose(0, 1)[None] for t in (q_T, k_T, v_T)),
+            block_mask=document_mask(
+                bounds, placed.layout.bounds[-1], self.window_size, device=q_T.device
+            ),
+            scale=scale, enable_gqa=True, return_lse=True, group=self.group,
+            layout=placed.layout,
+        )  # fmt: skip
+        out_T, lse_T = out[0].transpose(0, 1), lse[0].transpose(0, 1)
+        if placed.back is not None:
+            out_T, lse_T = out_T[placed.back], lse_T[placed.back]
+        return out_transform(out_T.reshape(B, L_local, N, -1), lse_T.reshape(B, L_local, N))
 
-    def _placed(self, metadata: Any, B: int, L_local: int) -> _Placed:
-        """The batch's documents on the ranks as the shards hold them, rebuilt when the
-        boundaries' values change (a buffer refilled in place is a new batch)."""
+    def _placed(self, metadata: Any, B: int, L_local: int) -> PlacedRows:
+        """The batch's documents on the ranks as the shards hold them (the boundaries are read
+        on every call: a buffer refilled in place is a new batch)."""
         layout = sharded_layout(self.layout)
         cu_q = varlen_bounds(metadata)
-        key = (cu_q, B, L_local, layout)
-        if self._last is None or self._last[0] != key:
-            W, rank = self.group.size(), self.group.rank()
-            L = L_local * W
-            if cu_q[-1] != B * L:
+        W, rank = self.group.size(), self.group.rank()
+        L = L_local * W
+        if cu_q[-1] != B * L:
+            raise ValueError(
+                f"varlen attention on the ring: cu_seq_q must end at B * L = {B} * {L} (the "
+                f"whole batch, as get_attention_masks builds it), got {list(cu_q)}"
+            )
+        if isinstance(layout, DocumentLayout):  # prepare_context_parallel_input's "ptrr"
+            if layout.bounds != cu_q:
                 raise ValueError(
-                    f"varlen attention on the ring: cu_seq_q must end at B * L = {B} * {L} (the "
-                    f"whole batch, as get_attention_masks builds it), got {list(cu_q)}"
+                    "varlen attention on the ring: the batch was sharded for other "
+                    "documents; shard each batch with prepare_context_parallel_input and "
+                    "its own VarlenMetadata"
                 )
-            if isinstance(layout, DocumentLayout):  # prepare_context_parallel_input's "ptrr"
-                if layout.bounds != cu_q:
-                    raise ValueError(
-                        "varlen attention on the ring: the batch was sharded for other "
-                        "documents; shard each batch with prepare_context_parallel_input and "
-                        "its own VarlenMetadata"
-                    )
-                placed, order = layout, None
-            else:  # a layout of each row: the rows' tokens, rank by rank, in increasing order
-                rows_WBL = torch.stack([token_indices(layout, L, r, W) for r in range(W)])
-                flat = (torch.arange(B)[None, :, None] * L + rows_WBL[:, None]).flatten(1)
-                increasing, order = flat.sort(dim=1)
-                causal, window = normalize_window(self.window_size, False, B * L)
-                placed = documents_on_tokens(cu_q, increasing, causal, window)
-                order = None if torch.equal(increasing, flat) else order[rank]
-            self._last = (key, _Placed(placed, rank, order))
-        return self._last[1]
-
-
-class _Placed:
-    """A batch's documents as one rank holds them: the ``layout`` of the stream, the rank's
-    local boundaries, the ``order`` that sorts its tokens (None: already increasing) and,
-    made when first asked, the documents' mask over the stream."""
-
-    def __init__(self, layout: DocumentLayout, rank: int, order: Tensor | None):
-        self.layout, self.order = layout, order
-        self.cu_local = torch.tensor(layout.local_bounds[rank], dtype=torch.int32)
-        self._mask: BlockMask | None = None
-
-    def block_mask(self, window_size: tuple[int, int], device: torch.device) -> BlockMask:
-        if self._mask is None:
-            bounds = torch.tensor(self.layout.bounds, dtype=torch.int32)
-            self._mask = document_mask(bounds, self.layout.bounds[-1], window_size, device=device)
-        return self._mask
+            return PlacedRows(layout, rank, None)
+        causal, window = normalize_window(self.window_size, False, B * L)
+        return placed_rows(cu_q, B, L, layout, W, rank, causal, window)
 
 
 def varlen_bounds(metadata: Any) -> tuple[int, ...]:

@@ -5,7 +5,10 @@ form ``ContextParallel(attention_type="flex")``.
   on every layout (ring, zigzag, stripe, the mask-aware one) at W = 1-4, fp64 and fp32,
   forward and backward against the strict fp64 reference (:mod:`tests.adversarial.oracle`);
   the documents also as ``dr.document_mask`` builds them from their boundaries, and on
-  ``Shard(2)`` DTensors of the shards;
+  ``Shard(2)`` DTensors of the shards. Document masks run on the varlen kernels (Note
+  [Document masks on the varlen kernels]); ``kernel:flex_math`` keeps them on the flex
+  kernels, ``rows`` gives each batch row documents of its own, ``refilled`` a second batch
+  whose document ids were written into the first one's buffer;
 * ``nonfinite``: a NaN / +Inf in one token's q, k or v under a document mask: it must reach
   exactly the rows that see it (the strict reference's pattern);
 * ``score_mod``: softcap and a bias of (b, h, q, kv), against ``tests.reference.reference_flex``;
@@ -118,6 +121,7 @@ def flex_case(
     score: str | None = None,
     module: bool = False,
     dtensor: bool = False,
+    backend: str | None = None,
 ) -> dict:
     """One call (or the module form) on this rank's shard, against the fp64 reference."""
     import dtensor_ring as dr
@@ -130,6 +134,7 @@ def flex_case(
     bm = _block_mask(mask, S)
     mask = FROM_BOUNDARIES.get(mask, mask)
     mod = mask_mod(mask, S)
+    extra = {} if backend is None else {"backend": backend}
     lay = _layout(layout, bm, W)
     idx = dr.token_indices(lay, S, rank, W)
     torch_dtype = getattr(torch, dtype)
@@ -142,7 +147,7 @@ def flex_case(
         mesh = DeviceMesh.from_group(ctx.group, "cpu")
         placed = [DTensor.from_local(x, mesh, [Shard(2)]) for x in leaves]  # grads: to leaves
         out = dr.flex_attention(
-            *placed, score_mod=score_mod, block_mask=bm, enable_gqa=True, layout=lay
+            *placed, score_mod=score_mod, block_mask=bm, enable_gqa=True, layout=lay, **extra
         )
         assert isinstance(out, DTensor) and tuple(out.placements) == (Shard(2),), out
         out = out.to_local()
@@ -158,7 +163,7 @@ def flex_case(
     else:
         out = dr.flex_attention(
             *leaves, score_mod=score_mod, block_mask=bm, enable_gqa=True, group=ctx.group,
-            layout=lay,
+            layout=lay, **extra,
         )  # fmt: skip
     (out * dout[:, :, idx].to(torch_dtype)).sum().backward()
     tol = oracle.tolerance(torch_dtype)
@@ -177,6 +182,64 @@ def flex_case(
     got = [out.detach(), *(x.grad for x in leaves)]
     return {
         name: Check(g, w[:, :, idx], torch_dtype, *tol)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
+    }
+
+
+def rows_case(ctx: Ctx, layout: str, window: int, refill: bool) -> dict:
+    """Each batch row its own documents (the mask reads ``b``), ``window``: a sliding window
+    within them (0: none); ``refill``: a first call, then the second batch's document ids
+    written into the same buffer and its mask built anew (a training loop's reuse), and the
+    second call checked."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import dtensor_ring as dr
+
+    W, rank, S = ctx.world, ctx.rank, S_LOCAL * ctx.world
+    q, k, v, dout = _data(S, seed=2)
+
+    def ids_of(cuts_per_row):
+        ids = torch.zeros(B, S, dtype=torch.int64)
+        for b, cuts in enumerate(cuts_per_row):
+            for c in cuts:
+                ids[b, c:] += 1
+        return ids
+
+    first = [[5, S - 3], [1, S // 2, S // 2 + 1]]
+    second = [[S // 3], [2, 3, 4, S - 1]]
+    ids = ids_of(second if not refill else first)
+
+    def mod(b, h, q_idx, kv_idx):
+        seen = (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+        return seen & (q_idx - kv_idx < window) if window else seen
+
+    def call(leaves):
+        bm = create_block_mask(mod, B, None, S, S, "cpu", TILE)
+        lay = _layout(layout, bm, W)
+        idx = dr.token_indices(lay, S, rank, W)
+        local = [x[:, :, idx].clone().requires_grad_() for x in leaves]
+        out = dr.flex_attention(*local, block_mask=bm, enable_gqa=True, group=ctx.group, layout=lay)
+        return out, local, idx
+
+    if refill:
+        call((q, k, v))
+        ids.copy_(ids_of(second))
+    out, local, idx = call((q, k, v))
+    (out * dout[:, :, idx]).sum().backward()
+    i = torch.arange(S)
+    visible = torch.stack([mod(b, 0, i[:, None], i[None, :]) for b in range(B)])  # [B, S, S]
+    want = []
+    for b in range(B):  # the strict reference, one batch row at a time
+        ref = oracle.strict_attention(
+            *(x[b : b + 1].transpose(1, 2) for x in (q, k, v)), visible[b], D**-0.5,
+            dout[b : b + 1].transpose(1, 2),
+        )  # fmt: skip
+        want.append([ref.out, ref.dq, ref.dk, ref.dv])
+    want = [torch.cat([w[j] for w in want]).transpose(1, 2) for j in range(4)]
+    got = [out.detach(), *(x.grad for x in local)]
+    tol = oracle.tolerance(torch.float64)
+    return {
+        name: Check(g, w[:, :, idx], torch.float64, *tol)
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
     }
 
@@ -311,6 +374,16 @@ def flex_cases() -> list[Case]:
         for score in ("softcap", "bias"):
             add(f"score_mod:{score},prefix_lm,balanced", world, flex_case,
                 {"mask": "prefix_lm", "layout": "balanced", "score": score})  # fmt: skip
+        for mask in ("causal", "document", "document_window"):  # on the flex kernels
+            add(f"{mask},zigzag,kernel:flex_math", world, flex_case,
+                {"mask": mask, "layout": "zigzag", "backend": "flex_math"})  # fmt: skip
+        add("nonfinite:k[5]=nan,document,ring,kernel:flex_math", world, flex_case,
+            {"mask": "document", "layout": "ring", "backend": "flex_math",
+             "poison": ("k", 5, float("nan"))})  # fmt: skip
+        for layout, window, refill in (("ring", 0, False), ("zigzag", 4, False),
+                                       ("balanced", 0, True), ("stripe", 3, True)):  # fmt: skip
+            add(f"rows{',refilled' if refill else ''},window={window},{layout}", world,
+                rows_case, {"layout": layout, "window": window, "refill": refill})  # fmt: skip
         add("dtensor,document,balanced", world, flex_case,
             {"mask": "document", "layout": "balanced", "dtensor": True})  # fmt: skip
         module = {"mask": "document_window", "layout": "zigzag", "module": True, "score": "softcap"}
