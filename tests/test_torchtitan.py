@@ -74,8 +74,10 @@ def _check_prepare_and_flex(group: dist.ProcessGroup, balancer: str | None) -> N
         tokens, tokens + 1, extra, mesh, torch.device("cpu"), balancer
     )
     layout = {"headtail": "zigzag", None: "ring"}.get(balancer)
-    if layout is None:  # ptrr: the mask-aware layout, the most chunks a rank the length allows
-        layout = dr.flex_layout(bm, W, next(k for k in (8, 4, 2, 1) if L % (W * k) == 0))
+    if layout is None:  # ptrr on one row's document mask: its documents placed whole
+        doc = torch.arange(L) * 3 // L
+        bounds = [0, *((doc[1:] != doc[:-1]).nonzero()[:, 0] + 1).tolist(), L]
+        layout = dr.document_layout(bounds, W)
     idx = dr.token_indices(layout, L, rank, W)
     assert torch.equal(inputs[0], tokens[0, idx]) and torch.equal(labels[0], tokens[0, idx] + 1)
     assert torch.equal(out_extra["positions"][0], idx)
@@ -93,6 +95,13 @@ def _check_prepare_and_flex(group: dist.ProcessGroup, balancer: str | None) -> N
         out_transform=lambda o, lse: o * lse.exp()[..., None],
     )
     assert_lse_weighted_matches(out, leaves, (q, k, v), mask_mod, idx)
+    if balancer == "ptrr":  # two rows: one layout for both, the mask-aware chunks
+        rows = torch.arange(2 * L).reshape(2, L)
+        two, _, _ = prepare_context_parallel_input(
+            rows, rows, {"positions": rows, "attention_masks": bm}, mesh, None, "ptrr"
+        )
+        chunks = dr.flex_layout(bm, W, next(k for k in (8, 4, 2, 1) if L % (W * k) == 0))
+        assert torch.equal(two, rows[:, dr.token_indices(chunks, L, rank, W)])
 
 
 def assert_lse_weighted_matches(out, leaves, qkv_BLNH, mask_mod, idx) -> None:

@@ -15,7 +15,8 @@ q, k, v) and shards each batch:
     torchtitan                                   here
     FlexAttention: K/V all-gathered, the         dtensor_ring.flex_attention on the shards:
       BlockMask sharded by the balancer            K/V on the ring, the *global* BlockMask
-                                                   (its mask_mod sees global indices)
+                                                   (its mask_mod sees global indices); a
+                                                   document mask runs on the varlen kernels
     SDPA: inputs as Shard(1) DTensors, the       ContextParallel's scoped SDPA mode: the
       dispatcher on                                module's F.scaled_dot_product_attention
                                                    runs ring attention on the local shards
@@ -26,8 +27,9 @@ q, k, v) and shards each batch:
                                                    that need no other rank's K/V wait for none)
     prepare_context_parallel_input:              the same arguments; "headtail" = zigzag,
       "headtail" | "ptrr" | None                   "ptrr" = the mask-aware layout of the batch's
-                                                   BlockMask (dtensor_ring.flex_layout), of a
-                                                   VarlenMetadata its documents placed whole
+                                                   BlockMask (dtensor_ring.flex_layout; one
+                                                   row's document mask and a VarlenMetadata:
+                                                   its documents placed whole
                                                    where that balances (document_layout; a
                                                    rank's tokens come back as [B, L / W]),
                                                    None = ring; masks are passed through whole
@@ -62,6 +64,7 @@ from ..layouts import Layout
 from ..layouts.documents import DocumentLayout
 from ..layouts.varlen import check_bounds, check_cu_seqlens_tensor, host_values
 from ..resolve import normalize_window
+from ..schedule.flex_documents import mask_documents
 
 
 def apply_cp_to_forward(
@@ -257,7 +260,8 @@ def prepare_context_parallel_input(
     """torchtitan's ``prepare_context_parallel_input``: this rank's shard of ``inputs``,
     ``labels`` and ``extra_kwargs["positions"]`` (``[B, L]``), in the layout of
     ``load_balancer_type`` ("headtail": zigzag; None: contiguous; "ptrr": the mask-aware
-    layout of the batch's ``BlockMask``, ``ptrr_mask_key`` naming it in a dict of masks). For
+    layout of the batch's ``BlockMask``, ``ptrr_mask_key`` naming it in a dict of masks; for one
+    row under a document mask, its documents placed whole where that balances). For
     a ``VarlenMetadata``, "ptrr" places its documents instead
     (:func:`~dtensor_ring.document_layout` over the ``B * L`` tokens as one packed stream):
     each rank's ``B * L / W`` tokens, in increasing order, come back as ``[B, L / W]``. The
@@ -279,14 +283,30 @@ def prepare_context_parallel_input(
                 f"got {type(mask)}"
                 + ("" if not isinstance(masks, dict) else f" for ptrr_mask_key={ptrr_mask_key!r}")
             )
-        seq_len = mask.seq_lengths[0]  # the most chunks a rank (<= 8) the length allows
-        layout = flex_layout(mask, W, next(k for k in (8, 4, 2, 1) if seq_len % (W * k) == 0))
+        layout = _ptrr_layout(mask, inputs.shape[0], W)
     else:
         raise ValueError(
             f"load_balancer_type={load_balancer_type!r}: one of 'headtail', 'ptrr', None"
         )
     inputs, labels, positions = context_parallel_shard(cp_mesh, buffers, [1, 1, 1], layout=layout)
     return inputs, labels, {**extra_kwargs, "positions": positions}
+
+
+def _ptrr_layout(mask: BlockMask, rows: int, world_size: int) -> Layout:
+    """ "ptrr" for a ``BlockMask``: a document mask of one row (read back as documents, Note
+    [Document masks on the varlen kernels]) has its documents placed whole where that
+    balances (``document_layout``, as for a ``VarlenMetadata``); another mask, or several rows
+    (one layout serves them all), the mask-aware chunks of ``flex_layout``, as many a rank
+    (<= 8) as the length allows."""
+    seq_len = mask.seq_lengths[0]
+    documents = mask_documents(mask, 1) if rows == 1 and seq_len % world_size == 0 else None
+    if documents is not None:
+        left, right = documents.window_size
+        return document_layout(
+            documents.bounds, world_size, causal=right == 0, window_size=(left, right)
+        )
+    chunks = next(k for k in (8, 4, 2, 1) if seq_len % (world_size * k) == 0)
+    return flex_layout(mask, world_size, chunks)
 
 
 def _shard_documents(

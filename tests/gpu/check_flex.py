@@ -8,7 +8,10 @@ documents (with and without the window) as ``dr.document_mask`` builds them from
 boundaries; layouts ring,
 zigzag and the mask-aware one (``flex_layout``, 4 chunks a rank); kernels flex_triton
 (PyTorch's compiled flex kernels per block, Note [Flex blocks on PyTorch's kernels]) and, on
-one mask, flex_math (fp32).
+one mask, flex_math (fp32). The masks that are packed documents (no ``score_mod``) also run as
+``dr.flex_attention`` runs them without the lse (Note [Document masks on the varlen kernels]):
+read back as documents (``mask_documents``), on the varlen kernels in ring and zigzag shards
+(``dr.documents_as_sharded``), kernel "documents:<the varlen kernel chosen>".
 
 Each row: the max error of ``out, dq, dk, dv`` against an fp64 reference on the whole
 sequence (``tests/reference.reference_flex`` on the GPU), divided by the same error of
@@ -32,6 +35,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from reference import reference_flex  # noqa: E402
 
 import dtensor_ring as dr  # noqa: E402
+from dtensor_ring.kernels import KernelCall, select_kernel  # noqa: E402
+from dtensor_ring.schedule.flex_documents import mask_documents  # noqa: E402
 
 B, H, H_KV, D, S, W = 1, 8, 2, 64, 4096, 4
 DEV = torch.device("cuda")
@@ -70,6 +75,22 @@ def boundaries(doc: torch.Tensor, window: tuple[int, int]):
     )
     cu = torch.cat([starts, torch.tensor([S], device=DEV)]).to(torch.int32)
     return dr.document_mask(cu, S, window, device=DEV)
+
+
+def varlen_kernel(q: torch.Tensor) -> str:
+    """The varlen block kernel the library picks for bf16 packed documents here."""
+    x = q.to(torch.bfloat16)[0].transpose(0, 1)
+    return select_kernel(KernelCall.of(x, x[:, :H_KV], varlen=True, window=True)).name
+
+
+def report(row: dict) -> None:
+    ratios = " ".join(
+        f"{n}={r:.2f}" for n, r in zip(("out", "dq", "dk", "dv"), row["ratios"], strict=True)
+    )
+    print(
+        f"{row['mask']:<18} {row['kernel']:<22} {row['layout']:<10} {ratios}  ({row['seconds']} s)",
+        flush=True,
+    )
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,15 +141,30 @@ def main() -> None:
                         "ratios": ratios, "seconds": round(time.time() - t0, 1),
                     }  # fmt: skip
                     rows.append(row)
-                    print(
-                        f"{mask_name:<18} {kernel:<11} {layout_name:<10} "
-                        + " ".join(
-                            f"{n}={r:.2f}"
-                            for n, r in zip(("out", "dq", "dk", "dv"), ratios, strict=True)
-                        )
-                        + f"  ({row['seconds']} s)",
-                        flush=True,
-                    )
+                    report(row)
+            documents = mask_documents(bm, B) if score_mod is None else None
+            for layout_name in ("ring", "zigzag") if documents is not None else ():
+                t0 = time.time()
+                placed = dr.documents_as_sharded(
+                    documents.bounds, layout_name, W, causal=documents.window_size[1] == 0,
+                    window_size=documents.window_size,
+                )  # fmt: skip
+                packed = [t.to(dtype)[0].transpose(0, 1) for t in (q, k, v, dout)]  # [S, H, D]
+                got = dr.simulate_ring(
+                    *packed, layout=placed, world_size=W, causal=False,
+                    cu_seqlens=documents.bounds, window_size=documents.window_size,
+                )  # fmt: skip
+                got = [got[0], *got[2:]]
+                errs = [max_err(a.transpose(0, 1)[None], b) for a, b in zip(got, ref, strict=True)]
+                row = {
+                    "mask": mask_name, "kernel": f"documents:{varlen_kernel(q)}",
+                    "dtype": str(dtype), "layout": layout_name, "errors": errs,
+                    "one_gpu_errors": base,
+                    "ratios": [e / max(b, 1e-30) for e, b in zip(errs, base, strict=True)],
+                    "seconds": round(time.time() - t0, 1),
+                }  # fmt: skip
+                rows.append(row)
+                report(row)
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -138,8 +174,9 @@ def main() -> None:
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "check_flex.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    worst = max(max(r["ratios"]) for r in rows if r["kernel"] == "flex_triton")
-    print(f"worst flex_triton error ratio vs one-GPU flex: {worst:.2f}")
+    for kind in ("flex_triton", "documents:"):
+        worst = max(max(r["ratios"]) for r in rows if r["kernel"].startswith(kind))
+        print(f"worst {kind.rstrip(':')} error ratio vs one-GPU flex: {worst:.2f}")
 
 
 if __name__ == "__main__":
