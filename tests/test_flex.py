@@ -304,6 +304,33 @@ def test_ranks_disagree_on_mask(dist_pool, world_size):
     dist_pool.run(check_ranks_disagree_on_mask, world_size, timeout_s=60)
 
 
+def check_ranks_disagree_on_data(group, score: bool) -> None:
+    """The same functions and tiles, other data: rank 0's document boundary moved within its
+    tile (``score``: with a softcap, on the flex kernels; without, read as documents), or a
+    score table with one other value: every rank raises before communicating."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    S = S_LOCAL * W
+    doc = (torch.arange(S) >= (6 if rank == 0 else 7)).long()
+
+    def document(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    bm = create_block_mask(document, None, None, S, S, "cpu", TILE)
+    q = torch.randn(1, 2, S_LOCAL, 8)
+    score_mod = make_score("softcap") if score else None
+    with pytest.raises(ValueError, match="ranks disagree"):
+        dr.flex_attention(q, q, q, block_mask=bm, score_mod=score_mod, group=group)
+    table = torch.zeros(S)
+    table[3] = float(rank == 0)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        dr.flex_attention(q, q, q, score_mod=functools.partial(_biased, table), group=group)
+
+
+@pytest.mark.parametrize("score", [False, True])
+def test_ranks_disagree_on_data(dist_pool, score):
+    dist_pool.run(check_ranks_disagree_on_data, 2, score=score, timeout_s=60)
+
+
 BAD = {
     "local_block_mask": (
         ValueError,

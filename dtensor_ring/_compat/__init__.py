@@ -25,12 +25,13 @@ version), and ``import dtensor_ring`` keeps working.
 * Dynamo's per-code-object recompile limit (``torch._dynamo.config.recompile_limit``, torch
   2.6+; ``cache_size_limit`` before): :func:`recompile_limit` raises it for the duration of
   the flex blocks' compiled calls only (Note [Flex blocks on PyTorch's kernels]).
-* Which indices a FlexAttention ``mask_mod`` reads, and which tensors it reads them from:
-  :func:`mask_mod_reads` traces it with ``make_fx`` under Dynamo's
+* Which arguments a FlexAttention ``mask_mod`` / ``score_mod`` reads, and which tensors:
+  :func:`function_reads` traces it with ``make_fx`` under Dynamo's
   ``TransformGetItemToIndex`` (``torch._dynamo._trace_wrapped_higher_order_op``, torch
   2.11-2.13, the context flex's own ``create_block_mask`` evaluates masks in: ``t[b, q_idx]``
-  on index tensors). Missing, or a function that does not trace: None, and the call keeps the
-  flex kernels (Note [Document masks on the varlen kernels]).
+  on index tensors). Missing, or a function that does not trace: None; then a mask is not
+  read as documents (Note [Document masks on the varlen kernels]) and the ranks compare the
+  function's name only, not the data it reads (``api/flex.py``).
 * PyTorch's LocalTensor simulation (``torch.distributed._local_tensor``, one process playing
   every rank, the rank a per-rank symbolic integer): :func:`for_each_simulated_rank` runs the
   sharding helpers once per simulated rank (without it, they run as written);
@@ -65,6 +66,7 @@ kernels, ``tests/gpu/check_dtensor.py`` for the SDPA handlers).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -216,22 +218,41 @@ def refuse_simulated_ranks() -> None:
         )
 
 
-def mask_mod_reads(mask_mod: Callable, device: torch.device) -> tuple[frozenset, tuple] | None:
-    """``(indices, tensors)``: which of ``"b", "h", "q_idx", "kv_idx"`` the FlexAttention
-    ``mask_mod(b, h, q_idx, kv_idx)`` reads, and the tensors it reads (closures, globals,
+_READS_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def function_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tuple] | None:
+    """``(arguments, tensors)``: which of its arguments (called ``names``: ``("b", "h",
+    "q_idx", "kv_idx")`` for a FlexAttention ``mask_mod``, ``("score", ...)`` first for a
+    ``score_mod``) the function reads, and the tensors it reads (closures, globals,
     attributes: the traced graph's constants, the objects themselves); None when it does not
-    trace (data-dependent Python control flow) or this torch lacks the tracing context."""
+    trace (data-dependent Python control flow) or this torch lacks the tracing context.
+    Traced once per function object (the tensors' contents are read by the caller)."""
+    try:
+        return _READS_CACHE[fn]
+    except (KeyError, TypeError):  # not traced yet, or not weakly referenceable
+        pass
+    reads = _trace_reads(fn, names)
+    try:
+        _READS_CACHE[fn] = reads
+    except TypeError:
+        pass
+    return reads
+
+
+def _trace_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tuple] | None:
     try:
         from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
         from torch.fx.experimental.proxy_tensor import make_fx
     except ImportError:
         return None
-    names = ("b", "h", "q_idx", "kv_idx")
-    args = [torch.zeros((), dtype=torch.int32, device=device) for _ in names]  # distinct
+    args = [  # distinct tensors: make_fx would trace one object passed twice as one input
+        torch.zeros((), dtype=torch.float32 if name == "score" else torch.int32) for name in names
+    ]
     try:
         with TransformGetItemToIndex():
-            graph = make_fx(mask_mod)(*args)
-    except Exception:  # noqa: BLE001 - any failure to trace: not readable, use the flex kernels
+            graph = make_fx(fn)(*args)
+    except Exception:  # noqa: BLE001 - any failure to trace: not readable
         return None
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     used = frozenset(name for name, n in zip(names, placeholders, strict=True) if n.users)

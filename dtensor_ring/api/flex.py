@@ -8,6 +8,7 @@ whole sequence on one device: they see global token indices (Note [FlexAttention
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, create_block_mask
 
-from .._compat import resolve_group
+from .._compat import function_reads, resolve_group
 from ..kernels import accumulation_dtype, select_flex_kernel
 from ..kernels.flex import FlexKernel, FlexMods
 from ..layouts import Layout, get_layout
@@ -33,7 +34,7 @@ from ..resolve import (
 )
 from ..schedule.flex import FlexBalance, VisibleBlocks, balanced_layout, flex_plan
 from ..schedule.flex import flex_balance as _plan_balance
-from ..schedule.flex_documents import MaskDocuments, mask_documents
+from ..schedule.flex_documents import MASK_MOD_ARGS, MaskDocuments, mask_documents
 from .documents import attend_rows, placed_rows
 
 DEFAULT_TILE = 128  # the tile of a bare mask_mod's block sparsity (flex's default BLOCK_SIZE)
@@ -258,9 +259,31 @@ def _wanted_lse(return_lse: object, return_aux: object) -> bool:
 
 
 def _names(score_mod, block_mask, mask_mod) -> dict[str, str | None]:
-    """What the ranks compare of the user's functions: their qualified names."""
+    """What the ranks compare of the user's functions: their qualified names and the data
+    they read (a digest of the tensors: the same function over other document ids, or
+    another bias table, is another mask or score)."""
     mask_fn = block_mask.mask_mod if block_mask is not None else mask_mod
-    return {"score_mod": _qualname(score_mod), "mask_mod": _qualname(mask_fn)}
+    return {
+        "score_mod": _qualname(score_mod),
+        "mask_mod": _qualname(mask_fn),
+        "score_mod's data": _data_digest(score_mod, ("score", *MASK_MOD_ARGS)),
+        "mask_mod's data": _data_digest(mask_fn, MASK_MOD_ARGS),
+    }
+
+
+def _data_digest(fn: Callable | None, names: tuple[str, ...]) -> str | None:
+    """A digest of the tensors ``fn`` reads (None: no function; "untraced": one that does not
+    trace, whose data is not compared)."""
+    if fn is None:
+        return None
+    reads = function_reads(fn, names)
+    if reads is None:
+        return "untraced"
+    digest = hashlib.blake2b(digest_size=16)
+    for t in reads[1]:
+        digest.update(repr((t.dtype, tuple(t.shape))).encode())
+        digest.update(t.detach().cpu().flatten().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _qualname(fn: object) -> str | None:

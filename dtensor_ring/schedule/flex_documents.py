@@ -44,8 +44,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from .._compat import mask_mod_reads
+from .._compat import function_reads
 
+MASK_MOD_ARGS = ("b", "h", "q_idx", "kv_idx")
 _PAIRS_PER_PASS = 256  # partial tiles evaluated together (memory: pairs x tile size bools)
 
 
@@ -65,7 +66,7 @@ def mask_documents(block_mask: BlockMask, batch: int) -> MaskDocuments | None:
     entry = _CACHE.get(id(block_mask))
     if entry is not None and entry.ref() is block_mask and entry.state == _state(entry, batch):
         return entry.result
-    reads = mask_mod_reads(block_mask.mask_mod, block_mask.kv_num_blocks.device)
+    reads = function_reads(block_mask.mask_mod, MASK_MOD_ARGS)
     result = None if reads is None else _read(block_mask, batch, reads[0])
     entry = _Entry(weakref.ref(block_mask), block_mask.mask_mod, () if reads is None else reads[1])
     entry.state = _state(entry, batch)

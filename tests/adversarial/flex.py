@@ -94,6 +94,10 @@ def bias(s, b, h, q, kv):
     return s - 0.3 * (h + 1) * (q - kv).abs() / 8 + 0.2 * b
 
 
+def _table_bias(table, s, b, h, q, kv):
+    return s + table[kv]
+
+
 def _grad_bias(table, s, b, h, q, kv):
     return s + table[kv]
 
@@ -304,7 +308,12 @@ def bad_case(ctx: Ctx, name: str) -> dict:
 
 
 #: name -> what rank 0 changes
-DISAGREE = ("mask", "score_mod", "block_size", "layout", "length")
+DISAGREE = (
+    "mask", "score_mod", "block_size", "layout", "length",
+    # the same functions and tiles, other data: a document boundary moved within its tile
+    # (on the varlen kernels, and with a score_mod on the flex kernels), a score table's value
+    "mask_data", "mask_data+score_mod", "score_data",
+)  # fmt: skip
 
 
 def disagree_case(ctx: Ctx, what: str) -> dict:
@@ -319,9 +328,22 @@ def disagree_case(ctx: Ctx, what: str) -> dict:
     q, k, v, _ = _data(S)
     mask = "document" if first and what == "mask" else "causal"
     tile = 2 * TILE if first and what == "block_size" else TILE
-    bm = create_block_mask(mask_mod(mask, S), None, None, S, S, "cpu", tile)
+    mod = mask_mod(mask, S)
+    if what.startswith("mask_data"):  # documents 0..6, 7.. on the others; 0..5, 6.. on rank 0
+        doc = (torch.arange(S) >= (6 if first else 7)).long()
+
+        def mod(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (q >= kv)
+
+    bm = create_block_mask(mod, None, None, S, S, "cpu", tile)
     layout = "zigzag" if first and what == "layout" else "ring"
     score_mod = softcap if first and what == "score_mod" else None
+    if what == "mask_data+score_mod":
+        score_mod = softcap
+    if what == "score_data":  # a per-key bias, one value different on rank 0
+        table = torch.zeros(S, dtype=torch.float64)
+        table[3] = 1.0 if first else 0.0
+        score_mod = functools.partial(_table_bias, table)
     idx = dr.token_indices(layout, S, ctx.rank, ctx.world)
     dr.flex_attention(
         *(x[:, :, idx] for x in (q, k, v)), score_mod=score_mod, block_mask=bm, enable_gqa=True,
