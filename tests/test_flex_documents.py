@@ -120,6 +120,17 @@ def test_other_masks_are_not_documents():
     assert mask_documents(bm, 1) is None
 
 
+def test_reading_stops_at_the_first_rows_that_are_not_intervals():
+    """A mask that is not documents is found out after its first row of tiles: the rows
+    below are never evaluated (its mask_mod fails on them here)."""
+    S, tile = 2048, 8  # 256 partial tiles a row: one pass
+    rand = torch.rand(S, S, generator=torch.Generator().manual_seed(0)) < 0.5
+    bm = create_block_mask(lambda b, h, q, kv: rand[q, kv], None, None, S, S, "cpu", tile)
+    first_rows = rand[:tile].clone()
+    bm.mask_mod = lambda b, h, q, kv: first_rows[q, kv]  # an IndexError past row 7
+    assert mask_documents(bm, 1) is None
+
+
 def test_tiles_per_head_are_not_documents():
     S = 16
     heads = torch.tensor([4, 8])  # head 0 documents of 4 tokens, head 1 of 8

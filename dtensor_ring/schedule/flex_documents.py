@@ -122,6 +122,8 @@ def _read(block_mask: BlockMask, batch: int, reads: frozenset) -> MaskDocuments 
     rows = [
         _row_keys(block_mask, b, b if mask_batch > 1 else 0) for b in range(batch if per_row else 1)
     ]
+    if any(r is None for r in rows):
+        return None
     if not per_row:
         rows *= batch
     offsets = [b * seq_len for b in range(batch)]
@@ -140,9 +142,10 @@ def _dense(num_blocks: Tensor, indices: Tensor, n_kv: int) -> Tensor:
     return dense.scatter_(1, cols, True)[:, :n_kv]
 
 
-def _row_keys(block_mask: BlockMask, b: int, mask_b: int) -> tuple[Tensor, Tensor, Tensor]:
+def _row_keys(block_mask: BlockMask, b: int, mask_b: int) -> tuple[Tensor, Tensor, Tensor] | None:
     """``(lo, hi, count)`` int64 ``[S]`` on the host: each query's first and last visible key
-    and how many it sees, in batch row ``b`` (the mask's row ``mask_b``), head 0."""
+    and how many it sees, in batch row ``b`` (the mask's row ``mask_b``), head 0; None as soon
+    as a row's keys are not an interval around it."""
     S = block_mask.seq_lengths[0]
     QB, KB = block_mask.BLOCK_SIZE
     n_q, n_kv = -(-S // QB), -(-S // KB)
@@ -175,7 +178,7 @@ def _row_keys(block_mask: BlockMask, b: int, mask_b: int) -> tuple[Tensor, Tenso
         return block_mask.mask_mod(b_index, h_index, q_idx, kv_idx)
 
     tile = torch.vmap(torch.vmap(torch.vmap(pair, (None, 0)), (0, None)), (0, 0))
-    for chunk in pairs.split(_PAIRS_PER_PASS):
+    for chunk in _passes(pairs):
         q_pos = chunk[:, :1] * QB + torch.arange(QB, device=device)  # [P, QB]
         kv_pos = chunk[:, 1:] * KB + torch.arange(KB, device=device)  # [P, KB]
         seen = tile(q_pos.clamp(max=S - 1), kv_pos.clamp(max=S - 1)).to(torch.bool)
@@ -189,14 +192,36 @@ def _row_keys(block_mask: BlockMask, b: int, mask_b: int) -> tuple[Tensor, Tenso
         lo = lo.scatter_reduce(0, q_rows, torch.where(any_key, first, big).flatten()[keep], "amin")
         hi = hi.scatter_reduce(0, q_rows, torch.where(any_key, last, -1).flatten()[keep], "amax")
         count = count.index_add(0, q_rows, seen.sum(-1).flatten()[keep])
+        done = min((int(chunk[-1, 0]) + 1) * QB, S)  # rows whose every tile is counted
+        if not _intervals(lo[:done], hi[:done], count[:done], rows[:done]):
+            return None  # not documents: stop before evaluating the rest
     return lo.cpu(), hi.cpu(), count.cpu()
+
+
+def _passes(pairs: Tensor) -> list[Tensor]:
+    """The partial tiles ``pairs [P, 2]`` (row-major) in passes of whole query-tile rows, at
+    least :data:`_PAIRS_PER_PASS` tiles each where rows allow: after a pass its rows are
+    complete, and a mask that is not documents is found out early (a dense random mask after
+    its first row of tiles, not after all of them)."""
+    new_row = (pairs[1:, 0] != pairs[:-1, 0]).nonzero()[:, 0] + 1
+    cuts, start = [], 0
+    for end in [*new_row.tolist(), pairs.shape[0]]:
+        if end - start >= _PAIRS_PER_PASS or end == pairs.shape[0]:
+            cuts.append(end - start)
+            start = end
+    return [p for p in pairs.split(cuts) if p.numel()]
+
+
+def _intervals(lo: Tensor, hi: Tensor, count: Tensor, q: Tensor) -> bool:
+    """Whether every row ``q`` sees a non-empty interval of keys around itself."""
+    return not bool(((count == 0) | (count != hi - lo + 1) | (lo > q) | (hi < q)).any())
 
 
 def _documents(lo: Tensor, hi: Tensor, count: Tensor) -> MaskDocuments | None:
     """The documents and window whose varlen mask gives exactly these rows (Note [Document
     masks on the varlen kernels]), or None."""
     q = torch.arange(lo.numel())
-    if bool(((count == 0) | (count != hi - lo + 1) | (lo > q) | (hi < q)).any()):
+    if not _intervals(lo, hi, count, q):
         return None
     new = torch.ones_like(q, dtype=torch.bool)
     new[1:] = lo[1:] > hi[:-1]
