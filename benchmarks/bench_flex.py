@@ -25,7 +25,11 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
   shards of the packed row hold the documents (torchtitan's varlen module under its default
   balancer), per varlen kernel; "best" efficiencies are against the fastest one-GPU time of the mask
   (flex or varlen) / W; ``--graphs``: the varlen ranks also replayed from a CUDA graph (what
-  they cost without host time).
+  they cost without host time);
+* for every mask, the host time ``dtensor_ring.flex_attention`` takes to read its
+  ``BlockMask`` as documents (Note [Document masks on the varlen kernels]: a document mask,
+  called without a ``score_mod`` or the lse, runs on the library's varlen path measured
+  above), the first call of a mask and a cached one.
 
 It prints a table and writes ``bench_flex.json`` to --out (default: benchmarks/results/,
 ``bench_flex_<device>_<date>.json``).
@@ -50,6 +54,7 @@ from bench_single_gpu import graph_timed, timed  # noqa: E402  (medians of CUDA-
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.layouts.documents import documents_on_tokens  # noqa: E402
 from dtensor_ring.resolve import normalize_window  # noqa: E402
+from dtensor_ring.schedule.flex_documents import mask_documents  # noqa: E402
 from dtensor_ring.simulate import RankSimulator  # noqa: E402
 
 
@@ -181,6 +186,7 @@ def main() -> None:
             continue
         t0 = time.time()
         bm = create_block_mask(mask_mod, None, None, S, S, dev)
+        rows.append(read_row(name, bm))
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
         def full_fwd(leaves=leaves, bm=bm):
@@ -283,6 +289,30 @@ def main() -> None:
                 )
         print(f"  ({time.time() - t0:.0f} s)", flush=True)
         _write(a, rows)
+
+
+def read_row(mask: str, block_mask) -> dict:
+    """The host time to read ``block_mask`` as documents: first call, cached call (median)."""
+    t0 = time.perf_counter()
+    documents = mask_documents(block_mask, 1)
+    if block_mask.kv_num_blocks.is_cuda:
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    cached = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        mask_documents(block_mask, 1)
+        cached.append(time.perf_counter() - t0)
+    cached = sorted(cached)[len(cached) // 2]
+    read = (
+        "not documents"
+        if documents is None
+        else (f"{len(documents.bounds) - 1} documents, window {documents.window_size}")
+    )
+    print(f"{mask:<22}{'read as documents':<36}first {first * 1e3:.1f} ms, cached "
+          f"{cached * 1e6:.0f} us: {read}")  # fmt: skip
+    return {"mask": mask, "path": "read as documents", "first_s": first, "cached_s": cached,
+            "read": read}  # fmt: skip
 
 
 def ideal_row(mask: str, path: str, per_rank: tuple[float, float]) -> dict:
