@@ -9,7 +9,9 @@ W = 1-4, with a spy that tells which kernels ran.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -129,6 +131,24 @@ def test_reading_stops_at_the_first_rows_that_are_not_intervals():
     first_rows = rand[:tile].clone()
     bm.mask_mod = lambda b, h, q, kv: first_rows[q, kv]  # an IndexError past row 7
     assert mask_documents(bm, 1) is None
+
+
+def test_the_reading_keeps_nothing_alive():
+    """The cache holds masks, functions and the tensors they read weakly (a mask_mod may
+    close over a large table)."""
+    S = 64
+
+    def read() -> weakref.ref:
+        table = (torch.arange(S) >= 30).long()
+        bm = create_block_mask(
+            lambda b, h, q, kv: (table[q] == table[kv]) & (q >= kv), None, None, S, S, "cpu", 8
+        )
+        assert mask_documents(bm, 1) == MaskDocuments((0, 30, S), (-1, 0))
+        return weakref.ref(table)
+
+    freed = read()
+    gc.collect()
+    assert freed() is None
 
 
 def test_tiles_per_head_are_not_documents():

@@ -78,20 +78,33 @@ def mask_documents(block_mask: BlockMask, batch: int) -> MaskDocuments | None:
 
 
 class _Entry:
+    """A reading and what it depends on, held weakly: the cache keeps no mask, function or
+    tensor alive (a mask_mod may close over a large table)."""
+
     def __init__(self, ref, mask_mod, constants: tuple[Tensor, ...]):
-        self.ref, self.mask_mod, self.constants = ref, mask_mod, constants
+        self.ref, self.mask_mod = ref, _weak(mask_mod)
+        self.constants = tuple(weakref.ref(t) for t in constants)
         self.state: tuple = ()
         self.result: MaskDocuments | None = None
+
+
+def _weak(obj: object):
+    """A weak reference to ``obj``, or a callable returning it where it takes none."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _state(entry: _Entry, batch: int) -> tuple:
     """What a cached reading depends on: the batch, the mask's function and the versions of
     its tile tensors and of the tensors that function reads."""
-    block_mask = entry.ref()
-    if block_mask is None or block_mask.mask_mod is not entry.mask_mod:
+    block_mask, constants = entry.ref(), [ref() for ref in entry.constants]
+    stale = block_mask is None or block_mask.mask_mod is not entry.mask_mod()
+    if stale or any(t is None for t in constants):
         return ("stale",)
     tiles = _tile_tensors(block_mask)
-    return (batch, tuple(t._version for t in tiles), tuple(t._version for t in entry.constants))
+    return (batch, tuple(t._version for t in tiles), tuple(t._version for t in constants))
 
 
 _CACHE: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
