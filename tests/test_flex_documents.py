@@ -297,7 +297,10 @@ def check_flex_kernels_where_asked(group) -> None:
         assert spy.calls == 0, kwargs
     with _Spy() as spy:
         dr.flex_attention(q, q, q, group=group, mask_mod=document)  # a bare mask_mod too
+        out = dr.flex_attention(q, q, q, group=group)  # no mask: every pair, flex kernels
     assert spy.calls == 1
+    full = dr.ring_attention_func("ring", *(t.transpose(1, 2) for t in (q, q, q)), group=group)
+    torch.testing.assert_close(out, full.transpose(1, 2), atol=1e-12, rtol=1e-12)
 
 
 def test_flex_kernels_where_asked(dist_pool):

@@ -146,9 +146,9 @@ def flex_attention(
     call = Call(q_BSHD, k_BSHD, v_BSHD, group_name, world_size, layout, softmax_scale=scale)
     spec = resolve_call(call, door)
     visible, mods, kernel = spec.door
-    documents = None
-    if score_mod is None and backend is None and not want_lse and _documents_run(q_BSHD):
-        documents = mask_documents(found["block_mask"], q_BSHD.shape[0])
+    documents, tiles_mask = None, found["block_mask"]
+    if tiles_mask is not None and score_mod is None and backend is None and not want_lse:
+        documents = mask_documents(tiles_mask, q_BSHD.shape[0]) if _documents_run(q_BSHD) else None
     if documents is not None:  # Note [Document masks on the varlen kernels]
         return _on_documents(documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec)
     lay = get_layout(layout, "dense")
@@ -281,8 +281,10 @@ def _data_digest(fn: Callable | None, names: tuple[str, ...]) -> str | None:
         return "untraced"
     digest = hashlib.blake2b(digest_size=16)
     for t in reads[1]:
-        digest.update(repr((t.dtype, tuple(t.shape))).encode())
-        digest.update(t.detach().cpu().flatten().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(repr((t.dtype, tuple(t.shape), t.layout)).encode())
+        if t.layout == torch.strided:  # (a sparse tensor: its shape only)
+            flat = t.detach().cpu().flatten().contiguous()
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

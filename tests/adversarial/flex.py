@@ -51,6 +51,7 @@ def _doc(seq_len: int) -> torch.Tensor:
 def mask_mod(name: str, seq_len: int):
     doc = _doc(seq_len)
     return {
+        "none": None,
         "causal": lambda b, h, q, kv: q >= kv,
         "document": lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv),
         "document_window": lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv) & (q - kv < 5),
@@ -60,6 +61,8 @@ def mask_mod(name: str, seq_len: int):
 
 def _visible(name: str, seq_len: int) -> torch.Tensor:
     i = torch.arange(seq_len)
+    if name == "none":
+        return torch.ones(seq_len, seq_len, dtype=torch.bool)
     return mask_mod(name, seq_len)(0, 0, i[:, None], i[None, :])
 
 
@@ -77,6 +80,8 @@ def _block_mask(name: str, seq_len: int):
 
     import dtensor_ring as dr
 
+    if name == "none":
+        return None
     if name not in FROM_BOUNDARIES:
         return create_block_mask(mask_mod(name, seq_len), None, None, seq_len, seq_len, "cpu", TILE)
     doc = _doc(seq_len)
@@ -396,6 +401,7 @@ def flex_cases() -> list[Case]:
         for score in ("softcap", "bias"):
             add(f"score_mod:{score},prefix_lm,balanced", world, flex_case,
                 {"mask": "prefix_lm", "layout": "balanced", "score": score})  # fmt: skip
+        add("no_mask,ring", world, flex_case, {"mask": "none", "layout": "ring"})
         for mask in ("causal", "document", "document_window"):  # on the flex kernels
             add(f"{mask},zigzag,kernel:flex_math", world, flex_case,
                 {"mask": mask, "layout": "zigzag", "backend": "flex_math"})  # fmt: skip
