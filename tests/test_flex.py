@@ -306,8 +306,9 @@ def test_ranks_disagree_on_mask(dist_pool, world_size):
 
 def check_ranks_disagree_on_data(group, score: bool) -> None:
     """The same functions and tiles, other data: rank 0's document boundary moved within its
-    tile (``score``: with a softcap, on the flex kernels; without, read as documents), or a
-    score table with one other value: every rank raises before communicating."""
+    tile (``score``: with a softcap, on the flex kernels; without, read as documents), a
+    score table with one other value, a softcap closing over another float: every rank
+    raises before communicating."""
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     S = S_LOCAL * W
     doc = (torch.arange(S) >= (6 if rank == 0 else 7)).long()
@@ -324,6 +325,13 @@ def check_ranks_disagree_on_data(group, score: bool) -> None:
     table[3] = float(rank == 0)
     with pytest.raises(ValueError, match="ranks disagree"):
         dr.flex_attention(q, q, q, score_mod=functools.partial(_biased, table), group=group)
+    cap = 5.0 if rank == 0 else 4.0  # the same function, another Python constant
+
+    def softcap(s, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(s / cap)
+
+    with pytest.raises(ValueError, match="ranks disagree"):
+        dr.flex_attention(q, q, q, score_mod=softcap, group=group)
 
 
 @pytest.mark.parametrize("score", [False, True])

@@ -221,13 +221,14 @@ def refuse_simulated_ranks() -> None:
 _READS_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def function_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tuple] | None:
-    """``(arguments, tensors)``: which of its arguments (called ``names``: ``("b", "h",
+def function_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tuple, str] | None:
+    """``(arguments, tensors, code)``: which of its arguments (called ``names``: ``("b", "h",
     "q_idx", "kv_idx")`` for a FlexAttention ``mask_mod``, ``("score", ...)`` first for a
-    ``score_mod``) the function reads, and the tensors it reads (closures, globals,
-    attributes: the traced graph's constants, the objects themselves); None when it does not
-    trace (data-dependent Python control flow) or this torch lacks the tracing context.
-    Traced once per function object (the tensors' contents are read by the caller)."""
+    ``score_mod``) the function reads, the tensors it reads (closures, globals, attributes:
+    the traced graph's constants, the objects themselves) and the traced graph's code (its
+    operations and Python constants, e.g. a softcap's); None when it does not trace
+    (data-dependent Python control flow) or this torch lacks the tracing context. Traced once
+    per function object (the tensors' contents are read by the caller)."""
     try:
         return _READS_CACHE[fn]
     except (KeyError, TypeError):  # not traced yet, or not weakly referenceable
@@ -240,7 +241,7 @@ def function_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tup
     return reads
 
 
-def _trace_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tuple] | None:
+def _trace_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tuple, str] | None:
     try:
         from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -261,4 +262,4 @@ def _trace_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tuple
         for n in graph.graph.nodes
         if n.op == "get_attr" and isinstance(t := getattr(graph, n.target), torch.Tensor)
     )
-    return used, constants
+    return used, constants, graph.code

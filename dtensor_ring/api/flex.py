@@ -259,27 +259,28 @@ def _wanted_lse(return_lse: object, return_aux: object) -> bool:
 
 
 def _names(score_mod, block_mask, mask_mod) -> dict[str, str | None]:
-    """What the ranks compare of the user's functions: their qualified names and the data
-    they read (a digest of the tensors: the same function over other document ids, or
-    another bias table, is another mask or score)."""
+    """What the ranks compare of the user's functions: their qualified names and what they
+    compute (a digest of their traced code and the tensors they read: the same function over
+    other document ids, another bias table or another softcap is another mask or score)."""
     mask_fn = block_mask.mask_mod if block_mask is not None else mask_mod
     return {
         "score_mod": _qualname(score_mod),
         "mask_mod": _qualname(mask_fn),
-        "score_mod's data": _data_digest(score_mod, ("score", *MASK_MOD_ARGS)),
-        "mask_mod's data": _data_digest(mask_fn, MASK_MOD_ARGS),
+        "score_mod's code and data": _data_digest(score_mod, ("score", *MASK_MOD_ARGS)),
+        "mask_mod's code and data": _data_digest(mask_fn, MASK_MOD_ARGS),
     }
 
 
 def _data_digest(fn: Callable | None, names: tuple[str, ...]) -> str | None:
-    """A digest of the tensors ``fn`` reads (None: no function; "untraced": one that does not
-    trace, whose data is not compared)."""
+    """A digest of what ``fn`` computes: its traced code (operations, Python constants) and
+    the tensors it reads (None: no function; "untraced": one that does not trace, whose data
+    is not compared)."""
     if fn is None:
         return None
     reads = function_reads(fn, names)
     if reads is None:
         return "untraced"
-    digest = hashlib.blake2b(digest_size=16)
+    digest = hashlib.blake2b(reads[2].encode(), digest_size=16)
     for t in reads[1]:
         digest.update(repr((t.dtype, tuple(t.shape), t.layout)).encode())
         if t.layout == torch.strided:  # (a sparse tensor: its shape only)

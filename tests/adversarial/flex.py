@@ -99,6 +99,10 @@ def bias(s, b, h, q, kv):
     return s - 0.3 * (h + 1) * (q - kv).abs() / 8 + 0.2 * b
 
 
+def _capped(cap, s, b, h, q, kv):
+    return cap * torch.tanh(s / cap)
+
+
 def _table_bias(table, s, b, h, q, kv):
     return s + table[kv]
 
@@ -318,6 +322,7 @@ DISAGREE = (
     # the same functions and tiles, other data: a document boundary moved within its tile
     # (on the varlen kernels, and with a score_mod on the flex kernels), a score table's value
     "mask_data", "mask_data+score_mod", "score_data",
+    "score_constant",  # the same softcap function closing over another float
 )  # fmt: skip
 
 
@@ -345,6 +350,9 @@ def disagree_case(ctx: Ctx, what: str) -> dict:
     score_mod = softcap if first and what == "score_mod" else None
     if what == "mask_data+score_mod":
         score_mod = softcap
+    if what == "score_constant":
+        cap = 5.0 if first else 4.0
+        score_mod = functools.partial(_capped, cap)
     if what == "score_data":  # a per-key bias, one value different on rank 0
         table = torch.zeros(S, dtype=torch.float64)
         table[3] = 1.0 if first else 0.0
