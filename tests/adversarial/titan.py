@@ -11,8 +11,10 @@ bidirectional, ``scale``, an ``out_transform`` of the lse (its gradient flows: t
 Errors on every rank: int64 boundaries, ``cu_seq_k`` unlike ``cu_seq_q``, boundaries short of
 ``B * L``, another batch's documents than the shards were placed for, GQA without
 ``enable_gqa``, a value head dim of its own, an unknown keyword, and one rank given other
-boundaries than the rest (W > 1). Forward and backward against the strict fp64 reference
-(:mod:`tests.adversarial.oracle`).
+boundaries than the rest (W > 1). And torchtitan's FlexAttention forward under a per-row
+document mask on the shards ``prepare_context_parallel_input`` makes (head-tail, contiguous,
+"ptrr" on one row: the documents placed whole), with and without an ``out_transform``.
+Forward and backward against the strict fp64 reference (:mod:`tests.adversarial.oracle`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,74 @@ def titan_case(ctx: Ctx, variant: str) -> dict:
     return checks
 
 
+#: FlexAttention modules: name -> (balancer, rows, window within documents, out_transform)
+FLEX_VARIANTS = {
+    "flex_head_tail": ("headtail", 2, None, False),
+    "flex_contiguous_window": (None, 2, 3, False),
+    "flex_ptrr_one_row": ("ptrr", 1, None, False),
+    "flex_ptrr_one_row_window_out_transform": ("ptrr", 1, 2, True),
+    "flex_head_tail_out_transform": ("headtail", 2, None, True),
+}
+
+
+def titan_flex_case(ctx: Ctx, variant: str) -> dict:
+    """torchtitan's FlexAttention forward on this rank's tokens, sharded by
+    ``prepare_context_parallel_input`` with the balancer of :data:`FLEX_VARIANTS`
+    ``[variant]``, under a per-row document mask (a document mask without ``out_transform``
+    runs on the varlen kernels; "ptrr" on one row places the documents whole)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dtensor_ring.integrations.torchtitan import _FlexForward, prepare_context_parallel_input
+
+    W = ctx.world
+    balancer, rows, window, weighted = FLEX_VARIANTS[variant]
+    L = 8 * W
+    ids = torch.zeros(rows, L, dtype=torch.int64)
+    for b, cuts in enumerate(([3 * W, 4 * W + 1], [W, 5 * W])[:rows]):
+        for c in cuts:
+            ids[b, c:] += 1
+
+    def document(b, h, q_idx, kv_idx):
+        seen = (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+        return seen if window is None else seen & (q_idx - kv_idx <= window)
+
+    bm = create_block_mask(document, rows, None, L, L, "cpu", 4)
+    mesh = DeviceMesh.from_group(ctx.group, "cpu")
+    tokens = torch.arange(rows * L).reshape(rows, L)
+    _, _, extra = prepare_context_parallel_input(
+        tokens, tokens, {"positions": tokens, "attention_masks": bm}, mesh, None, balancer
+    )
+    flat = extra["positions"].flatten()  # this rank's tokens of the rows' stream
+    gen = torch.Generator().manual_seed(6)
+    q, dout = (torch.randn(rows * L, N, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(rows * L, N_KV, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    leaves = [
+        t[flat].reshape(rows, L // W, *t.shape[1:]).clone().requires_grad_() for t in (q, k, v)
+    ]
+    kw: dict = {"attention_masks": bm, "enable_gqa": True}
+    if weighted:
+        kw["out_transform"] = lambda o, lse: o * lse.exp()[..., None]
+    out = _FlexForward(ctx.group, None)(*leaves, **kw)
+    out_T = out.reshape(rows * L // W, N, D)
+    (out_T * dout[flat]).sum().backward()
+    i = torch.arange(L)
+    visible = torch.block_diag(*(document(b, 0, i[:, None], i[None, :]) for b in range(rows)))
+    scale = D**-0.5
+    if weighted:
+        ref_out, ref_grads = _lse_weighted_reference(q, k, v, visible, scale, dout)
+    else:
+        ref = oracle.strict_attention(q[None], k[None], v[None], visible, scale, dout[None])
+        ref_out, ref_grads = ref.out[0], (ref.dq[0], ref.dk[0], ref.dv[0])
+    tol = oracle.tolerance(torch.float64)
+    checks = {"out": Check(out_T.detach(), ref_out[flat], torch.float64, *tol)}
+    for name, leaf, want in zip(("dq", "dk", "dv"), leaves, ref_grads, strict=True):
+        checks[name] = Check(
+            leaf.grad.reshape(-1, *want.shape[1:]), want[flat], torch.float64, *tol
+        )
+    return checks
+
+
 def _lse_weighted_reference(q, k, v, visible, scale, dout):
     """``out * exp(lse)`` over the whole stream (``[T, N, D]``) in fp64 and the gradients of
     ``(that * dout).sum()`` by autograd through the softmax and the lse."""
@@ -152,4 +222,9 @@ def titan_cases() -> list[Case]:
             name = f"titan/VarlenAttention/W{world}/{variant}"
             expect = ERROR if wrong else CORRECT
             cases.append(Case(name, "titan", world, titan_case, {"variant": variant}, expect))
+    for variant in FLEX_VARIANTS:
+        for world in WORLDS:
+            name = f"titan/FlexAttention/W{world}/{variant}"
+            params = {"variant": variant}
+            cases.append(Case(name, "titan", world, titan_flex_case, params, CORRECT))
     return cases
