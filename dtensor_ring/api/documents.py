@@ -1,8 +1,9 @@
 """Packed documents from their boundaries alone: ``document_mask``, the FlexAttention
 ``BlockMask`` built at tile granularity (no ``S x S`` mask is evaluated), ``document_layout``,
 the varlen layout that places whole documents by their work (Note [Balanced documents] in
-``layouts/documents.py``), and ``documents_as_sharded``, the varlen layout of shards made by a
-dense layout (head-tail over a packed row).
+``layouts/documents.py``), ``documents_as_sharded``, the varlen layout of shards made by a
+dense layout (head-tail over a packed row), and ``placed_rows``, the same for ``B`` rows
+sharded alike (what ``attend_rows`` in ``api/varlen.py`` runs).
 
 Note [Document tiles]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -30,7 +31,6 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -44,7 +44,6 @@ from ..layouts.documents import (
 from ..layouts.varlen import check_divisible, global_bounds
 from ..resolve import check_bool, check_window_size, normalize_window
 from ..schedule.policy import ring_steps_ms
-from .varlen import ring_varlen_attention_func
 
 
 def document_layout(
@@ -211,32 +210,6 @@ def placed_rows(
     increasing, order = flat.sort(dim=1)
     placed = documents_on_tokens(bounds, increasing, causal, window)
     return PlacedRows(placed, rank, None if torch.equal(increasing, flat) else order[rank])
-
-
-def attend_rows(
-    placed: PlacedRows,
-    q_BLHD: Tensor,
-    k_BLHD: Tensor,
-    v_BLHD: Tensor,
-    *,
-    softmax_scale: float | None,
-    window_size: tuple[int, int],
-    group: dist.ProcessGroup | None,
-) -> Tensor:
-    """Attention of this rank's rows ``q [B, L_local, H, D]``, ``k, v [B, L_local, H_kv, D]``
-    over the documents ``placed`` holds (:func:`placed_rows`), by the varlen kernels on the
-    ring, with flash-attn's ``window_size`` within documents: ``out [B, L_local, H, D]``."""
-    B, L = q_BLHD.shape[:2]
-    q_T, k_T, v_T = (t.reshape(B * L, *t.shape[2:]) for t in (q_BLHD, k_BLHD, v_BLHD))
-    if placed.order is not None:
-        q_T, k_T, v_T = q_T[placed.order], k_T[placed.order], v_T[placed.order]
-    out_T = ring_varlen_attention_func(
-        placed.layout, q_T, k_T, v_T, placed.cu_local, None, softmax_scale=softmax_scale,
-        window_size=window_size, group=group,
-    )  # fmt: skip
-    if placed.back is not None:
-        out_T = out_T[placed.back]
-    return out_T.reshape(B, L, *out_T.shape[1:])
 
 
 def document_mask(

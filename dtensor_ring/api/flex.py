@@ -35,7 +35,8 @@ from ..resolve import (
 from ..schedule.flex import FlexBalance, VisibleBlocks, balanced_layout, flex_plan
 from ..schedule.flex import flex_balance as _plan_balance
 from ..schedule.flex_documents import MASK_MOD_ARGS, MaskDocuments, mask_documents
-from .documents import attend_rows, placed_rows
+from .documents import placed_rows
+from .varlen import attend_rows
 
 DEFAULT_TILE = 128  # the tile of a bare mask_mod's block sparsity (flex's default BLOCK_SIZE)
 

@@ -54,6 +54,7 @@ communication. Bad input raises ``ValueError`` naming it (see docs/varlen.md).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import Tensor
@@ -75,6 +76,9 @@ from ..resolve import (
 )
 from ..schedule.llama3 import llama3_locals_disagree
 from .attend import dense_attention, varlen_attention
+
+if TYPE_CHECKING:
+    from .documents import PlacedRows
 
 Result = Tensor | tuple[Tensor, Tensor, None]  # out, or (out, lse, None)
 
@@ -361,3 +365,29 @@ def llama3_attention_func(
         sinks,
     )
     return (out, lse, None) if return_attn_probs else out
+
+
+def attend_rows(
+    placed: PlacedRows,
+    q_BLHD: Tensor,
+    k_BLHD: Tensor,
+    v_BLHD: Tensor,
+    *,
+    softmax_scale: float | None,
+    window_size: tuple[int, int],
+    group: dist.ProcessGroup | None,
+) -> Tensor:
+    """Attention of this rank's rows ``q [B, L_local, H, D]``, ``k, v [B, L_local, H_kv, D]``
+    over the documents ``placed`` holds (:func:`placed_rows`), by the varlen kernels on the
+    ring, with flash-attn's ``window_size`` within documents: ``out [B, L_local, H, D]``."""
+    B, L = q_BLHD.shape[:2]
+    q_T, k_T, v_T = (t.reshape(B * L, *t.shape[2:]) for t in (q_BLHD, k_BLHD, v_BLHD))
+    if placed.order is not None:
+        q_T, k_T, v_T = q_T[placed.order], k_T[placed.order], v_T[placed.order]
+    out_T = ring_varlen_attention_func(
+        placed.layout, q_T, k_T, v_T, placed.cu_local, None, softmax_scale=softmax_scale,
+        window_size=window_size, group=group,
+    )  # fmt: skip
+    if placed.back is not None:
+        out_T = out_T[placed.back]
+    return out_T.reshape(B, L, *out_T.shape[1:])

@@ -51,15 +51,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..api.context_parallel import _cp_group
-from ..api.documents import (
-    PlacedRows,
-    attend_rows,
-    document_layout,
-    document_mask,
-    placed_rows,
-)
+from ..api.documents import PlacedRows, document_layout, document_mask, placed_rows
 from ..api.flex import flex_attention, flex_layout
 from ..api.parallel_style import ContextParallel, context_parallel_shard, sharded_layout
+from ..api.varlen import attend_rows
 from ..layouts import Layout
 from ..layouts.documents import DocumentLayout
 from ..layouts.varlen import check_bounds, check_cu_seqlens_tensor, host_values
