@@ -151,6 +151,24 @@ def test_the_reading_keeps_nothing_alive():
     assert freed() is None
 
 
+def test_a_failed_trace_inside_a_mode_is_not_remembered():
+    """A function that does not trace inside a Python mode (a FakeTensorMode here) is traced
+    again outside it: a mode active on one rank must not fix that rank's reading."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dtensor_ring._compat import function_reads
+
+    ids = _doc_ids([[5, 11]])
+
+    def document(b, h, q, kv):
+        return ids[b, q] == ids[b, kv]
+
+    with FakeTensorMode():
+        assert function_reads(document, ("b", "h", "q_idx", "kv_idx")) is None
+    reads = function_reads(document, ("b", "h", "q_idx", "kv_idx"))
+    assert reads is not None and reads[0] == {"b", "q_idx", "kv_idx"}
+
+
 def test_tiles_per_head_are_not_documents():
     S = 16
     heads = torch.tensor([4, 8])  # head 0 documents of 4 tokens, head 1 of 8

@@ -228,12 +228,15 @@ def function_reads(fn: Callable, names: tuple[str, ...]) -> tuple[frozenset, tup
     the traced graph's constants, the objects themselves) and the traced graph's code (its
     operations and Python constants, e.g. a softcap's); None when it does not trace
     (data-dependent Python control flow) or this torch lacks the tracing context. Traced once
-    per function object (the tensors' contents are read by the caller)."""
+    per function object (the tensors' contents are read by the caller); a failure inside a
+    Python dispatch or function mode is not remembered (the mode may have caused it)."""
     try:
         return _READS_CACHE[fn]
     except (KeyError, TypeError):  # not traced yet, or not weakly referenceable
         pass
     reads = _trace_reads(fn, names)
+    if reads is None and python_modes_active():
+        return None  # perhaps the mode's doing (a FakeTensorMode): try again outside it
     try:
         _READS_CACHE[fn] = reads
     except TypeError:
