@@ -35,7 +35,8 @@ Public names:
       (PyTorch's spellings, import-only: ``dtensor_ring.compat.torch_cp``);
     * FlexAttention on the ring (docs/flex.md): ``flex_attention`` (any ``BlockMask`` /
       ``mask_mod`` / ``score_mod`` of global positions), ``flex_layout`` (mask-aware balance),
-      ``flex_balance``, ``document_mask`` (packed documents' BlockMask from their boundaries);
+      ``flex_balance``, ``document_mask`` (packed documents' BlockMask from their boundaries),
+      ``mask_documents`` (a BlockMask read back as documents: what runs on the varlen kernels);
     * inference over a sharded KV cache (docs/inference.md): ``decode_attention_func``,
       ``KVCacheShard``, ``prefill_attention``, ``decode_step_attention``, ``split_prompt``.
 """
@@ -54,7 +55,7 @@ from .api.dtensor import (
     shard_sequence,
     unshard_sequence,
 )
-from .api.flex import flex_attention, flex_balance, flex_layout
+from .api.flex import flex_attention, flex_balance, flex_layout, mask_documents
 from .api.functional import ring_attention_func
 from .api.parallel_style import (
     ContextParallel,
@@ -155,6 +156,7 @@ __all__ = [
     "flex_balance",
     "document_mask",
     "flex_layout",
+    "mask_documents",
     "ring_varlen_attention_func",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",

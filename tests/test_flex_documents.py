@@ -169,6 +169,21 @@ def test_a_failed_trace_inside_a_mode_is_not_remembered():
     assert reads is not None and reads[0] == {"b", "q_idx", "kv_idx"}
 
 
+def test_public_reading_and_its_refusals():
+    S = 24
+    ids = _doc_ids([[10, 14], [4, 20]])
+    bm = create_block_mask(_masks(ids, 3)["document_window"], 2, None, S, S, "cpu", 8)
+    assert dr.mask_documents(bm, 2) == MaskDocuments((0, 10, S, S + 4, 2 * S), (3, 0))
+    for bad, error in (
+        ((object(),), TypeError),
+        ((bm, 0), ValueError),
+        ((bm, True), ValueError),
+        ((bm, 3), ValueError),  # a mask of 2 rows for 3
+    ):
+        with pytest.raises(error):
+            dr.mask_documents(*bad)
+
+
 def test_tiles_per_head_are_not_documents():
     S = 16
     heads = torch.tensor([4, 8])  # head 0 documents of 4 tokens, head 1 of 8

@@ -34,7 +34,8 @@ from ..resolve import (
 )
 from ..schedule.flex import FlexBalance, VisibleBlocks, balanced_layout, flex_plan
 from ..schedule.flex import flex_balance as _plan_balance
-from ..schedule.flex_documents import MASK_MOD_ARGS, MaskDocuments, mask_documents
+from ..schedule.flex_documents import MASK_MOD_ARGS, MaskDocuments
+from ..schedule.flex_documents import mask_documents as _mask_documents
 from .documents import placed_rows
 from .varlen import attend_rows
 
@@ -149,7 +150,7 @@ def flex_attention(
     visible, mods, kernel = spec.door
     documents, tiles_mask = None, found["block_mask"]
     if tiles_mask is not None and score_mod is None and backend is None and not want_lse:
-        documents = mask_documents(tiles_mask, q_BSHD.shape[0]) if _documents_run(q_BSHD) else None
+        documents = _mask_documents(tiles_mask, q_BSHD.shape[0]) if _documents_run(q_BSHD) else None
     if documents is not None:  # Note [Document masks on the varlen kernels]
         return _on_documents(documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec)
     lay = get_layout(layout, "dense")
@@ -380,6 +381,23 @@ def _check_score_mod(score_mod: Callable, q_BSHD: Tensor) -> None:
             "dtensor_ring.flex_attention cannot give gradients to a score_mod's captured tensors: "
             "detach them, or compute that term outside attention"
         )
+
+
+def mask_documents(block_mask: BlockMask, batch: int = 1) -> MaskDocuments | None:
+    """What :func:`flex_attention` reads ``block_mask`` (of the whole sequence) as, over
+    ``batch`` rows: the documents (``.bounds`` over the rows packed one after another,
+    ``.window_size`` flash-attn's ``(left, right)`` within them) whose varlen attention it
+    equals pair for pair, which a call without ``score_mod`` and lse runs on the varlen
+    kernels; or None, the flex kernels' (Note [Document masks on the varlen kernels]).
+    Cached per mask object, as the calls read it."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"mask_documents takes a BlockMask, got {type(block_mask).__name__}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    mask_batch = block_mask.kv_num_blocks.shape[0]
+    if mask_batch not in (1, batch):
+        raise ValueError(f"block_mask has batch {mask_batch}; batch must be 1 or that")
+    return _mask_documents(block_mask, batch)
 
 
 def flex_layout(block_mask: BlockMask, world_size: int, chunks_per_rank: int = 8) -> Layout:
