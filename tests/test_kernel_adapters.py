@@ -1378,3 +1378,21 @@ def test_small_calls_prefer_a_kernel_of_little_host_time(flash_attn4, monkeypatc
     assert not is_small(4096, 32 * 4, 128) and 6144**2 * 32 * 128 == SMALL_BLOCK_WORK
     q_small, q_large = (torch.empty(1, s, 32, 128, device="meta") for s in (4096, 8192))
     assert KernelCall.of(q_small, q_small).small and not KernelCall.of(q_large, q_large).small
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_kernel_finds_every_non_finite_value(dtype):
+    """The CPU kernel's check (which sends blocks holding NaN / Inf to the strict kernel) finds
+    one NaN or infinity anywhere in any of its inputs, through views, and passes finite ones."""
+    from dtensor_ring.kernels.cpu import _all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 33, 3, 8, generator=gen).to(dtype) for _ in range(3)]
+    assert _all_finite(*xs) and _all_finite(xs[0].transpose(1, 2)) and _all_finite()
+    assert _all_finite(torch.empty(0, dtype=dtype), xs[1])
+    for value in (float("nan"), float("inf"), -float("inf")):
+        for which, index in ((0, (0, 0, 0, 0)), (2, (1, 32, 2, 7)), (1, (1, 17, 0, 3))):
+            poisoned = [x.clone() for x in xs]
+            poisoned[which][index] = value
+            assert not _all_finite(*poisoned), (value, which, index)
+            assert not _all_finite(*(x.transpose(1, 2) for x in poisoned))
