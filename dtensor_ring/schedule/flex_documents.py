@@ -20,8 +20,10 @@ reads such a mask back as documents, exactly, or says that it is not one:
     verified:  lo(q) = max(start, q - left) and hi(q) = min(end - 1, q + right), every row
       -> documents over the B rows packed one after another; causal when right = 0
 
-Full tiles count whole and ``mask_mod`` is evaluated in partial tiles only, as
-``flex_attention`` computes a ``BlockMask``. Every row's keys are then known exactly, so a mask
+Full tiles count whole and ``mask_mod`` is evaluated in partial tiles only, as flex's
+compiled kernels compute a ``BlockMask``; the partial tiles a pass of whole tile rows at a
+time, so a mask that is not documents is given up at its first rows that show it. Every row's
+keys are then known exactly, so a mask
 read as documents is the documents' varlen attention pair for pair (one token per document
 where each row sees only itself: the same attention). Not read (None: the flex kernels run it): a
 ``mask_mod`` that reads the head index (flex calls it per head) or does not trace, tiles that
