@@ -42,6 +42,7 @@ it when called.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -179,12 +180,9 @@ class _VarlenForward:
         q_T, k_T, v_T = (t.reshape(B * L_local, *t.shape[2:]) for t in (q_BLNH, k_BLNH, v_BLNH))
         if placed.order is not None:  # the layout's tokens in increasing order
             q_T, k_T, v_T = q_T[placed.order], k_T[placed.order], v_T[placed.order]
-        bounds = torch.tensor(placed.layout.bounds, dtype=torch.int32)
         out, lse = flex_attention(
             *(t.transpose(0, 1)[None] for t in (q_T, k_T, v_T)),
-            block_mask=document_mask(
-                bounds, placed.layout.bounds[-1], self.window_size, device=q_T.device
-            ),
+            block_mask=_stream_mask(placed.layout.bounds, self.window_size, q_T.device),
             scale=scale, enable_gqa=True, return_lse=True, group=self.group,
             layout=placed.layout,
         )  # fmt: skip
@@ -215,6 +213,15 @@ class _VarlenForward:
             return PlacedRows(layout, rank, None)
         causal, window = normalize_window(self.window_size, False, B * L)
         return placed_rows(cu_q, B, L, layout, W, rank, causal, window)
+
+
+@functools.lru_cache(maxsize=8)
+def _stream_mask(
+    bounds: tuple[int, ...], window_size: tuple[int, int], device: torch.device
+) -> BlockMask:
+    """The documents' mask over the packed stream, built once a batch (every layer asks)."""
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    return document_mask(cu, bounds[-1], window_size, device=device)
 
 
 def varlen_bounds(metadata: Any) -> tuple[int, ...]:
