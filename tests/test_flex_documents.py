@@ -70,12 +70,13 @@ def _masks(ids: torch.Tensor, window: int) -> dict:
 
 
 def test_document_masks_read_pair_for_pair():
-    """Random documents (rows of their own), tile sizes and windows: the documents read from
-    the BlockMask compute exactly the pairs the mask shows."""
+    """Random documents (rows of their own), tile sizes (the query's and the key's apart) and
+    windows: the documents read from the BlockMask compute exactly the pairs the mask shows."""
     rng = random.Random(0)
     read = 0
     for _ in range(12):
-        B, S, tile = rng.choice([1, 2]), rng.choice([16, 24, 37, 64]), rng.choice([4, 8, 16])
+        B, S = rng.choice([1, 2]), rng.choice([16, 24, 37, 64])
+        tile = (rng.choice([4, 8, 16]), rng.choice([4, 8, 16]))  # query and key tiles
         rows = []
         for _ in range(B):
             cuts = sorted(rng.sample(range(1, S), rng.randint(0, 4)))
