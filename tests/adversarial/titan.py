@@ -116,7 +116,16 @@ def titan_case(ctx: Ctx, variant: str) -> dict:
     out_T = out.reshape(B * L // W, N, D)
     (out_T * dout[flat]).sum().backward()
     visible = oracle.visible_varlen([0, *itertools.accumulate(lengths)], False, window)
-    if "out_transform" in kw:  # the reference of out * exp(lse), its lse differentiated
+    weighted = "out_transform" in kw
+    return _stream_checks(out_T, leaves, (q, k, v, dout), visible, scale, flat, weighted)
+
+
+def _stream_checks(out_T, leaves, qkv_dout, visible, scale, flat, weighted: bool) -> dict:
+    """This rank's ``out_T`` (its tokens ``flat`` of the stream) and its leaves' gradients
+    against the strict fp64 reference of the whole stream under ``visible`` (``weighted``:
+    of ``out * exp(lse)``, its lse differentiated)."""
+    q, k, v, dout = qkv_dout
+    if weighted:
         ref_out, ref_grads = _lse_weighted_reference(q, k, v, visible, scale, dout)
     else:
         ref = oracle.strict_attention(q[None], k[None], v[None], visible, scale, dout[None])
@@ -183,19 +192,7 @@ def titan_flex_case(ctx: Ctx, variant: str) -> dict:
     (out_T * dout[flat]).sum().backward()
     i = torch.arange(L)
     visible = torch.block_diag(*(document(b, 0, i[:, None], i[None, :]) for b in range(rows)))
-    scale = D**-0.5
-    if weighted:
-        ref_out, ref_grads = _lse_weighted_reference(q, k, v, visible, scale, dout)
-    else:
-        ref = oracle.strict_attention(q[None], k[None], v[None], visible, scale, dout[None])
-        ref_out, ref_grads = ref.out[0], (ref.dq[0], ref.dk[0], ref.dv[0])
-    tol = oracle.tolerance(torch.float64)
-    checks = {"out": Check(out_T.detach(), ref_out[flat], torch.float64, *tol)}
-    for name, leaf, want in zip(("dq", "dk", "dv"), leaves, ref_grads, strict=True):
-        checks[name] = Check(
-            leaf.grad.reshape(-1, *want.shape[1:]), want[flat], torch.float64, *tol
-        )
-    return checks
+    return _stream_checks(out_T, leaves, (q, k, v, dout), visible, D**-0.5, flat, weighted)
 
 
 def _lse_weighted_reference(q, k, v, visible, scale, dout):
