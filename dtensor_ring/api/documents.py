@@ -187,6 +187,18 @@ class PlacedRows:
         self.back = None if order is None else order.argsort()
         self.cu_local = torch.tensor(layout.local_bounds[rank], dtype=torch.int32)
 
+    def stream(self, x_BL: Tensor) -> Tensor:
+        """This rank's rows ``[B, L_local, ...]`` as its part of the stream ``[B * L_local,
+        ...]``, tokens in increasing order (what ``layout`` holds)."""
+        x_T = x_BL.reshape(-1, *x_BL.shape[2:])
+        return x_T if self.order is None else x_T[self.order]
+
+    def rows(self, x_T: Tensor, batch: int) -> Tensor:
+        """The inverse of :meth:`stream`: ``[B * L_local, ...]`` back to ``[batch, L_local,
+        ...]`` in the rows' order."""
+        x_T = x_T if self.back is None else x_T[self.back]
+        return x_T.reshape(batch, -1, *x_T.shape[1:])
+
 
 @functools.lru_cache(maxsize=32)
 def placed_rows(

@@ -148,11 +148,17 @@ def flex_attention(
     call = Call(q_BSHD, k_BSHD, v_BSHD, group_name, world_size, layout, softmax_scale=scale)
     spec = resolve_call(call, door)
     visible, mods, kernel = spec.door
-    documents, tiles_mask = None, found["block_mask"]
-    if tiles_mask is not None and score_mod is None and backend is None and not want_lse:
-        documents = _mask_documents(tiles_mask, q_BSHD.shape[0]) if _documents_run(q_BSHD) else None
-    if documents is not None:  # Note [Document masks on the varlen kernels]
-        return _on_documents(documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec)
+    tiles_mask = found["block_mask"]
+    if (  # Note [Document masks on the varlen kernels]
+        tiles_mask is not None
+        and score_mod is None
+        and backend is None
+        and not want_lse
+        and _documents_run(q_BSHD)
+    ):
+        documents = _mask_documents(tiles_mask, q_BSHD.shape[0])
+        if documents is not None:
+            return _on_documents(documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec)
     lay = get_layout(layout, "dense")
     plan = flex_plan(lay, world_size, q_BSHD.shape[1], visible, trim=kernel.trims)
     out_BSHD, lse_BHS = RingFlex.apply(

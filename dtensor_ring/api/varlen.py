@@ -380,14 +380,9 @@ def attend_rows(
     """Attention of this rank's rows ``q [B, L_local, H, D]``, ``k, v [B, L_local, H_kv, D]``
     over the documents ``placed`` holds (:func:`placed_rows`), by the varlen kernels on the
     ring, with flash-attn's ``window_size`` within documents: ``out [B, L_local, H, D]``."""
-    B, L = q_BLHD.shape[:2]
-    q_T, k_T, v_T = (t.reshape(B * L, *t.shape[2:]) for t in (q_BLHD, k_BLHD, v_BLHD))
-    if placed.order is not None:
-        q_T, k_T, v_T = q_T[placed.order], k_T[placed.order], v_T[placed.order]
+    q_T, k_T, v_T = (placed.stream(t) for t in (q_BLHD, k_BLHD, v_BLHD))
     out_T = ring_varlen_attention_func(
         placed.layout, q_T, k_T, v_T, placed.cu_local, None, softmax_scale=softmax_scale,
         window_size=window_size, group=group,
     )  # fmt: skip
-    if placed.back is not None:
-        out_T = out_T[placed.back]
-    return out_T.reshape(B, L, *out_T.shape[1:])
+    return placed.rows(out_T, q_BLHD.shape[0])

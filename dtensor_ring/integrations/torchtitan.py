@@ -177,19 +177,15 @@ class _VarlenForward:
                 placed, q_BLNH, k_BLNH, v_BLNH, softmax_scale=scale,
                 window_size=self.window_size, group=self.group,
             )  # fmt: skip
-        q_T, k_T, v_T = (t.reshape(B * L_local, *t.shape[2:]) for t in (q_BLNH, k_BLNH, v_BLNH))
-        if placed.order is not None:  # the layout's tokens in increasing order
-            q_T, k_T, v_T = q_T[placed.order], k_T[placed.order], v_T[placed.order]
+        q_T, k_T, v_T = (placed.stream(t) for t in (q_BLNH, k_BLNH, v_BLNH))
         out, lse = flex_attention(
             *(t.transpose(0, 1)[None] for t in (q_T, k_T, v_T)),
             block_mask=_stream_mask(placed.layout.bounds, self.window_size, q_T.device),
             scale=scale, enable_gqa=True, return_lse=True, group=self.group,
             layout=placed.layout,
         )  # fmt: skip
-        out_T, lse_T = out[0].transpose(0, 1), lse[0].transpose(0, 1)
-        if placed.back is not None:
-            out_T, lse_T = out_T[placed.back], lse_T[placed.back]
-        return out_transform(out_T.reshape(B, L_local, N, -1), lse_T.reshape(B, L_local, N))
+        out_BLNH = placed.rows(out[0].transpose(0, 1), B)
+        return out_transform(out_BLNH, placed.rows(lse[0].transpose(0, 1), B))
 
     def _placed(self, metadata: Any, B: int, L_local: int) -> PlacedRows:
         """The batch's documents on the ranks as the shards hold them (the boundaries are read
@@ -303,9 +299,9 @@ def _ptrr_layout(mask: BlockMask, rows: int, world_size: int) -> Layout:
     seq_len = mask.seq_lengths[0]
     documents = mask_documents(mask, 1) if rows == 1 and seq_len % world_size == 0 else None
     if documents is not None:
-        left, right = documents.window_size
+        window_size = documents.window_size
         return document_layout(
-            documents.bounds, world_size, causal=right == 0, window_size=(left, right)
+            documents.bounds, world_size, causal=window_size[1] == 0, window_size=window_size
         )
     chunks = next(k for k in (8, 4, 2, 1) if seq_len % (world_size * k) == 0)
     return flex_layout(mask, world_size, chunks)
