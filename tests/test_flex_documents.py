@@ -168,6 +168,12 @@ def test_a_failed_trace_inside_a_mode_is_not_remembered():
         assert function_reads(document, ("b", "h", "q_idx", "kv_idx")) is None
     reads = function_reads(document, ("b", "h", "q_idx", "kv_idx"))
     assert reads is not None and reads[0] == {"b", "q_idx", "kv_idx"}
+    # nor the mask's reading that depends on it
+    S = 16
+    bm = create_block_mask(_masks(_doc_ids([[5, 11]]), 0)["document"], 1, None, S, S, "cpu", 4)
+    with FakeTensorMode():
+        assert mask_documents(bm, 1) is None
+    assert mask_documents(bm, 1) == MaskDocuments((0, 5, S), (-1, 0))
 
 
 def test_public_reading_and_its_refusals():

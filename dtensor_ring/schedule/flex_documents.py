@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from .._compat import function_reads
+from .._compat import function_reads, python_modes_active
 
 MASK_MOD_ARGS = ("b", "h", "q_idx", "kv_idx")
 _PAIRS_PER_PASS = 256  # partial tiles evaluated together (memory: pairs x tile size bools)
@@ -69,6 +69,8 @@ def mask_documents(block_mask: BlockMask, batch: int) -> MaskDocuments | None:
     if entry is not None and entry.ref() is block_mask and entry.state == _state(entry, batch):
         return entry.result
     reads = function_reads(block_mask.mask_mod, MASK_MOD_ARGS)
+    if reads is None and python_modes_active():
+        return None  # as function_reads: not remembered, a mode may have caused it
     result = None if reads is None else _read(block_mask, batch, reads[0])
     entry = _Entry(weakref.ref(block_mask), block_mask.mask_mod, () if reads is None else reads[1])
     entry.state = _state(entry, batch)

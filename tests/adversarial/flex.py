@@ -135,8 +135,11 @@ def flex_case(
     module: bool = False,
     dtensor: bool = False,
     backend: str | None = None,
+    fake_read_first: bool = False,
 ) -> dict:
-    """One call (or the module form) on this rank's shard, against the fp64 reference."""
+    """One call (or the module form) on this rank's shard, against the fp64 reference
+    (``fake_read_first``: rank 0 alone first asks for the mask's reading inside a
+    ``FakeTensorMode``, where it cannot trace the mask_mod: a fact of that rank only)."""
     import dtensor_ring as dr
 
     W, rank, S = ctx.world, ctx.rank, S_LOCAL * ctx.world
@@ -145,6 +148,11 @@ def flex_case(
         which, token, value = poison
         {"q": q, "k": k, "v": v}[which][:, :, token] = value
     bm = _block_mask(mask, S)
+    if fake_read_first and rank == 0:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            dr.mask_documents(bm, B)
     mask = FROM_BOUNDARIES.get(mask, mask)
     mod = mask_mod(mask, S)
     extra = {} if backend is None else {"backend": backend}
@@ -410,6 +418,8 @@ def flex_cases() -> list[Case]:
             add(f"score_mod:{score},prefix_lm,balanced", world, flex_case,
                 {"mask": "prefix_lm", "layout": "balanced", "score": score})  # fmt: skip
         add("no_mask,ring", world, flex_case, {"mask": "none", "layout": "ring"})
+        add("rank_local:read_in_fake_mode_on_rank0,document,zigzag", world, flex_case,
+            {"mask": "document", "layout": "zigzag", "fake_read_first": True})  # fmt: skip
         for mask in ("causal", "document", "document_window"):  # on the flex kernels
             add(f"{mask},zigzag,kernel:flex_math", world, flex_case,
                 {"mask": mask, "layout": "zigzag", "backend": "flex_math"})  # fmt: skip
