@@ -27,8 +27,9 @@ distributed test:
   its peers exit, then reads its stop message. Workers that exit normally run their
   ``multiprocessing`` finalizers (a terminated one leaks e.g. the named semaphore of the
   ``multiprocessing.RLock`` that tqdm creates during inductor compiles, which the resource tracker
-  reports as "leaked semaphore objects" at exit). Only workers still alive after the grace
-  period are terminated.
+  reports as "leaked semaphore objects" at exit), and then skip the interpreter's own
+  teardown (seconds with torch loaded). Only workers still alive after the grace period are
+  terminated.
 
 Output: each worker points its stdout and stderr file descriptors at two files of a temporary
 directory (so Python prints, warnings and C++ library output all land there). After every call
@@ -39,6 +40,7 @@ call (shown with that test's failure report; ``capsys`` sees it).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import multiprocessing as mp
@@ -118,6 +120,10 @@ def _worker_main(
             reply = pickle.dumps(("error", traceback.format_exc()))
         _reply(conn, reply)
     dist.destroy_process_group()
+    # multiprocessing runs its finalizers when this function returns, then the interpreter
+    # tears itself down (seconds with torch loaded): the atexit handler registered last runs
+    # first and ends the process there.
+    atexit.register(os._exit, 0)
 
 
 def _reply(conn: Connection, reply: bytes) -> None:

@@ -102,16 +102,31 @@ def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing,
     return losses, grad_errors
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def _fsdp_case(compile_backend, activation_checkpointing, fsdp, mode, *, slow=False):
+    return pytest.param(
+        compile_backend,
+        activation_checkpointing,
+        fsdp,
+        mode,
+        marks=[pytest.mark.slow] if slow else [],
+        id=f"{'eager' if compile_backend is None else 'compiled'}"
+        f"{'-ac' if activation_checkpointing else ''}{'-hsdp' if fsdp == 'hsdp' else ''}-{mode}",
+    )
+
+
+# the fast tier keeps each mode's eager and the ring's compiled run with checkpointing
 @pytest.mark.parametrize(
-    "compile_backend,activation_checkpointing,fsdp",
+    "compile_backend,activation_checkpointing,fsdp,mode",
     [
-        (None, True, "flat"),
-        pytest.param("aot_eager", False, "flat", marks=pytest.mark.slow),
-        ("aot_eager", True, "flat"),
-        pytest.param("aot_eager", False, "hsdp", marks=pytest.mark.slow),
+        case
+        for mode in ("ring", "ulysses")
+        for case in (
+            _fsdp_case(None, True, "flat", mode),
+            _fsdp_case("aot_eager", False, "flat", mode, slow=True),
+            _fsdp_case("aot_eager", True, "flat", mode, slow=mode == "ulysses"),
+            _fsdp_case("aot_eager", False, "hsdp", mode, slow=True),
+        )
     ],
-    ids=["eager-ac", "compiled", "compiled-ac", "compiled-hsdp"],
 )
 def test_fsdp2_cp_matches_single_process(
     dist_pool, compile_backend, activation_checkpointing, fsdp, mode

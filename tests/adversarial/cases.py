@@ -1726,7 +1726,7 @@ KINDS = {
     "documents": documents_cases,
     "titan": titan_cases,
 }
-FAST_PER_KIND = 4  # the CI subset: 4 per kind
+FAST_PER_KIND = 3  # the CI subset: 3 per kind
 
 
 def _mark_fast(cases: list[Case], n: int) -> None:
