@@ -491,9 +491,14 @@ class Door:
         checks: the door's own further checks (e.g. of ``cu_seqlens``), run after these, so
             that the consistency mode reports their errors on every rank too; what it returns
             (the door's arguments normalised, a tuple) becomes the spec's ``door``.
-        metadata, local, check_locals: for the consistency mode (Note [Consistency mode]):
-            the door's further fields every rank must agree on (e.g. ``cu_seqlens`` values),
-            and per-rank data with its cross-rank check; called only when the mode is on.
+        lse: whether the call returns the lse, where that changes what the ranks do together
+            (Ulysses and hybrid exchange it in an all-to-all of its own; the FlexAttention
+            door's kernels depend on it): compared like the call's other fields; None: it
+            does not.
+        metadata, local, check_locals: for the comparison of the ranks' calls (Note
+            [Consistency mode]): the door's further fields every rank must agree on (e.g.
+            ``cu_seqlens`` values), and per-rank data with its cross-rank check (the
+            consistency mode's alone); called only when the call compares.
     """
 
     op: str
@@ -506,6 +511,7 @@ class Door:
     global_len: int | None = None
     groups: tuple[str, ...] = ()
     checks: Callable[[], tuple] | None = None
+    lse: bool | None = None
     metadata: Callable[[], Mapping[str, object]] | None = None
     local: Callable[[], object] | None = None
     check_locals: PerRankCheck | None = None
@@ -536,6 +542,7 @@ def resolve_call(call: Call, door: Door) -> AttentionSpec:
             "dtype": str(q.dtype),
             "device type": q.device.type,
             "sinks": _sinks_fingerprint(sinks),
+            **({} if door.lse is None else {"lse returned": door.lse}),
             **(door.metadata() if door.metadata else {}),
         }
         check_consistent(

@@ -209,6 +209,13 @@ DISAGREEMENTS = {
         ),
         lambda w: ("ring_attention", "ulysses"),
     ),
+    "ulysses_lse": Disagreement(  # rank ODD alone would run the lse's all-to-all
+        "lse returned",
+        lambda g, odd: dr.ulysses_flash_attn_func(
+            *_qkv(), causal=True, group=g, backend="math", return_attn_probs=odd
+        ),
+        lambda w: (False, True),
+    ),
     "cu_seqlens": Disagreement("cu_seqlens", _varlen, lambda w: ((0, S, 2 * S), (0, 2, 2 * S))),
     "sdpa_mode": Disagreement("op", _sdpa_mode, lambda w: ("sdpa[ring]", "sdpa[ulysses]")),
     "ring_sdpa_layout": Disagreement("layout", _scope_layout, lambda w: ("ring", "zigzag")),

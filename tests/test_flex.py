@@ -374,6 +374,50 @@ def _biased(bias, s, b, h, q, kv):
     return s + bias[kv]
 
 
+def check_ranks_disagree_on_route(group, mode: bool) -> list[str]:
+    """A document mask runs on the varlen kernels or on flex's by the lse asked for and the
+    kernel named (Note [Document masks on the varlen kernels]); the two communicate
+    differently. Rank 0 alone asks for the lse, names the kernel None chooses, or passes an
+    argument the others do not (its own check): every rank raises before communicating, with
+    the consistency mode on (``mode``) or off."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    S = S_LOCAL * W
+    bm = create_block_mask(make_mask("document", S), None, None, S, S, "cpu", TILE)
+    q = torch.randn(1, 2, S_LOCAL, 8)
+    first = rank == 0
+    messages = []
+    dr.set_consistency_checks(mode)
+    try:
+        for kwargs in (
+            {"return_lse": first},
+            {"return_aux": AuxRequest(lse=True) if first else None},
+            {"backend": "flex_math" if first else None},
+            {"return_aux": AuxRequest(max_scores=True) if first else None},
+            {"algorithm": "ulysses" if first else None},
+        ):
+            with pytest.raises(ValueError) as info:
+                dr.flex_attention(q, q, q, block_mask=bm, group=group, **kwargs)
+            messages.append(str(info.value))
+    finally:
+        dr.set_consistency_checks(None)
+    return messages
+
+
+@pytest.mark.parametrize("mode", [False, True], ids=["mode_off", "mode_on"])
+def test_ranks_disagree_on_route(dist_pool, mode):
+    results = dist_pool.run(check_ranks_disagree_on_route, 3, timeout_s=60, mode=mode)
+    for rank, (lse, aux, backend, max_scores, algorithm) in enumerate(results):
+        fields = [(lse, "lse returned"), (aux, "lse returned"), (backend, "backend argument")]
+        for message, field in fields:
+            assert message.startswith("ranks disagree"), (rank, message)
+            # the header names the fields it hashes alone; the mode names every one
+            assert field in message or not mode and "further fields" in message, (rank, message)
+        for message, own in ((max_scores, "max_scores"), (algorithm, "algorithm='ring'")):
+            # rank 0's own error; with the mode off the others name the rank that raised it
+            relayed = not mode and rank > 0 and "rank 0 of the group raised" in message
+            assert own in message or relayed, (rank, message)
+
+
 def check_bad_flex(group, name: str) -> str:
     W = dist.get_world_size(group)
     S = S_LOCAL * W

@@ -87,7 +87,8 @@ def dense_attention(
         out, lse = _gather(rows, rows_cu_seqlens(B, S), S, r.heads_k_stride)
         return out.view(B, S, H, D), rows_lse(lse, B, S).contiguous() if return_lse else None
     if r.algorithm == "ulysses":
-        spec = resolve_call(call, Door("ulysses", "ulysses", head_split=world_size))
+        door = Door("ulysses", "ulysses", head_split=world_size, lse=return_lse)
+        spec = resolve_call(call, door)
         return ulysses_run(q, k, v, spec, sinks, group, return_lse)
     spec = resolve_call(call, Door("ring_attention"))
     return call_attention(ring_attention, q, k, v, *spec.op_args(), sinks)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, create_block_mask
 
 from .._compat import function_reads, resolve_group
+from ..consistency import relay_errors
 from ..kernels import accumulation_dtype, select_flex_kernel
 from ..kernels.flex import FlexKernel, FlexMods
 from ..layouts import Layout, get_layout
@@ -118,12 +119,14 @@ def flex_attention(
             AuxOutput(lse=wrap(aux.lse)) if isinstance(aux, AuxOutput) else wrap(aux)
         )
     group_name, world_size = group_arg(group)
-    if algorithm not in (None, "ring"):
-        raise ValueError(
-            f"dtensor_ring.flex_attention runs algorithm='ring' only, got algorithm={algorithm!r}"
-        )
-    want_lse = _wanted_lse(return_lse, return_aux)
-    q_BSHD, k_BSHD, v_BSHD = (t.transpose(1, 2) for t in _tensors(query, key, value))
+    with relay_errors((group_name,), "flex_attention"):  # one rank's error: every rank's
+        if algorithm not in (None, "ring"):
+            raise ValueError(
+                "dtensor_ring.flex_attention runs algorithm='ring' only, got "
+                f"algorithm={algorithm!r}"
+            )
+        want_lse = _wanted_lse(return_lse, return_aux)
+        q_BSHD, k_BSHD, v_BSHD = (t.transpose(1, 2) for t in _tensors(query, key, value))
 
     found: dict = {}
 
@@ -138,10 +141,14 @@ def flex_attention(
     door = Door(
         op="flex_attention",
         any_mask=True,
+        lse=want_lse,
         checks=checks,
         metadata=lambda: {
             "mask tiles": found["tiles"].key,
             "flex kernel": found["kernel"].name,
+            # with the mask and the lse, it picks the kernels (the varlen ones or flex's),
+            # which communicate differently
+            "backend argument": backend,
             **_names(score_mod, block_mask, mask_mod),
         },
     )

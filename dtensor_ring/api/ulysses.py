@@ -110,7 +110,7 @@ def ulysses_flash_attn_func(
             backend=backend,
             sinks=sinks,
         ),
-        Door(op="ulysses", algorithm="ulysses", head_split=W),
+        Door(op="ulysses", algorithm="ulysses", head_split=W, lse=return_attn_probs),
     )
     out, lse = ulysses_run(q, k, v, spec, sinks, group, return_attn_probs)
     return (out, lse, None) if return_attn_probs else out
@@ -278,6 +278,7 @@ def hybrid_flash_attn_func(
             layout_world=R,
             head_split=U,
             groups=(u_name,),
+            lse=return_attn_probs,
         ),
     )
     qh, kh, vh = to_heads(q, k, v, u_name, U, "ring")  # plain concatenation: no reordering

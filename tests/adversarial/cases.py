@@ -1089,6 +1089,8 @@ def _disagreements(door: Door, world: int) -> list[tuple[str, dict]]:
     ]
     if "window_size" in door.accepts:
         out.append(("window", {"kw": {"window_size": (2, 0)}}))
+    if door.family in ("ulysses", "hybrid"):  # the lse's all-to-all on rank 0 alone
+        out.append(("lse_returned", {"kw": {"return_attn_probs": True}}))
     if door.packed_stream:
         docs = (
             (5, 8 * world - 7, 2) if door.layout == "llama3" else (2 * world, 4 * world, 2 * world)

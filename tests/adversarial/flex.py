@@ -331,12 +331,17 @@ DISAGREE = (
     # (on the varlen kernels, and with a score_mod on the flex kernels), a score table's value
     "mask_data", "mask_data+score_mod", "score_data",
     "score_constant",  # the same softcap function closing over another float
+    # facts that pick the route (Note [Document masks on the varlen kernels]): the lse asked
+    # for, the flex kernel named rather than chosen (the one None chooses)
+    "return_lse", "backend",
+    # an argument only rank 0 gets wrong: its error reaches every rank
+    "bad_aux", "bad_algorithm",
 )  # fmt: skip
 
 
 def disagree_case(ctx: Ctx, what: str) -> dict:
     """Rank 0 differs from the others in ``what``: a clean error on every rank."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
     import dtensor_ring as dr
 
@@ -368,7 +373,10 @@ def disagree_case(ctx: Ctx, what: str) -> dict:
     idx = dr.token_indices(layout, S, ctx.rank, ctx.world)
     dr.flex_attention(
         *(x[:, :, idx] for x in (q, k, v)), score_mod=score_mod, block_mask=bm, enable_gqa=True,
-        group=ctx.group, layout=layout,
+        return_lse=first and what == "return_lse", group=ctx.group, layout=layout,
+        backend="flex_math" if first and what == "backend" else None,
+        return_aux=AuxRequest(max_scores=True) if first and what == "bad_aux" else None,
+        algorithm="ulysses" if first and what == "bad_algorithm" else None,
     )  # fmt: skip
     return {"raised": Flag(False, "no error")}
 
