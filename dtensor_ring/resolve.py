@@ -55,11 +55,10 @@ ALGORITHMS: tuple[str, ...] = ("ring", "all_gather", "ulysses", "auto")
 class AttentionSpec(NamedTuple):
     """One resolved attention call; what the ``dtensor_ring::`` ops consume.
 
-    ``causal`` and ``window`` are normalised (:func:`normalize_window`: ``window`` is None when
-    nothing is masked beyond ``causal``); ``scale`` is the softmax scale; ``backend`` the block
-    kernel's name; ``world_size`` the size of the group called ``group_name``; ``door`` the
-    door's own arguments as its :attr:`Door.checks` normalised them (e.g. ``(max_seqlen,)``),
-    so nothing is normalised twice.
+    ``causal`` and ``window`` are normalised (:func:`normalize_window`: ``window`` None when
+    nothing is masked beyond ``causal``); ``scale`` the softmax scale; ``backend`` the block
+    kernel's name; ``world_size`` the size of the group ``group_name``; ``door`` the door's own
+    arguments as its :attr:`Door.checks` normalised them (``(max_seqlen,)``, ...): once.
     """
 
     layout: str
@@ -82,8 +81,7 @@ class AttentionSpec(NamedTuple):
 
 
 def check_bool(name: str, value: object) -> bool:
-    """``value`` as a bool; ``TypeError`` unless it is one (a string like ``"False"`` is truthy
-    and would silently mean True)."""
+    """``value`` as a bool; ``TypeError`` unless it is one (``"False"`` would mean True)."""
     if isinstance(value, bool):
         return value
     if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
@@ -108,11 +106,10 @@ def check_algorithm(algorithm: object, allowed: tuple[str, ...] = ALGORITHMS) ->
 def placement(
     layout: str | Layout, algorithm: object, *, allowed: tuple[str, ...] = ALGORITHMS
 ) -> tuple[Layout, str]:
-    """``(the layout that places the tokens, the algorithm)`` of ``layout=`` and
-    ``algorithm=`` (None: an alias's, else the door's first), Note [Layouts and algorithms] in
-    ``algorithm.py``; ``allowed``: the algorithms the door can run (one: a door with a fixed
-    algorithm, which then overrides an alias's). ``ValueError`` for a contradiction or an
-    algorithm the door lacks."""
+    """``(the layout that places the tokens, the algorithm)`` of ``layout=`` and ``algorithm=``
+    (None: an alias's, else the door's first; Note [Layouts and algorithms]); ``allowed``: the
+    door's algorithms (one: a fixed algorithm, which overrides an alias's). ``ValueError`` for
+    a contradiction or an algorithm the door lacks."""
     implied = alias_algorithm(layout)
     algorithm = check_algorithm(algorithm)  # an explicit one overrides the alias's
     if implied == "auto" and algorithm is None and "auto" not in allowed:
@@ -491,14 +488,11 @@ class Door:
         checks: the door's own further checks (e.g. of ``cu_seqlens``), run after these, so
             that the consistency mode reports their errors on every rank too; what it returns
             (the door's arguments normalised, a tuple) becomes the spec's ``door``.
-        lse: whether the call returns the lse, where that changes what the ranks do together
-            (Ulysses and hybrid exchange it in an all-to-all of its own; the FlexAttention
-            door's kernels depend on it): compared like the call's other fields; None: it
-            does not.
-        metadata, local, check_locals: for the comparison of the ranks' calls (Note
-            [Consistency mode]): the door's further fields every rank must agree on (e.g.
-            ``cu_seqlens`` values), and per-rank data with its cross-rank check (the
-            consistency mode's alone); called only when the call compares.
+        lse: the call returns the lse, where that changes the communication (Ulysses' own
+            all-to-all, FlexAttention's kernels): compared; None: it does not.
+        metadata, local, check_locals: for comparing the ranks' calls (Note [Consistency
+            mode]): the door's further fields every rank must agree on (e.g. ``cu_seqlens``
+            values), and per-rank data with its cross-rank check (the mode's alone).
     """
 
     op: str

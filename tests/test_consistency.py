@@ -38,7 +38,7 @@ from dtensor_ring.consistency import ConsistencyError
 ENV = consistency.ENV_VAR
 SUFFIX = f" ({ENV}=1 consistency check)"
 ODD = 1  # the rank that disagrees
-WORLDS = (2, 3, 4)
+WORLDS = (2, 3, pytest.param(4, marks=pytest.mark.slow))  # W = 4 in the slow tier
 B, S, H, H_KV, D = 1, 4, 12, 6, 8  # H divisible by 2, 3 and 4 (Ulysses shards the heads)
 SHAPES = [(B, S, H, D), (B, S, H_KV, D), (B, S, H_KV, D)]
 
@@ -274,21 +274,30 @@ def test_disagreement_off_raises_on_every_rank(dist_pool, name, world_size):
         assert f"nothing was communicated ({ENV}=1 names every rank's values" in message
 
 
-def run_one_rank_raises_off(group) -> tuple[str, str]:
-    """Worker body: rank ODD alone passes an argument its own checks reject; mode off."""
+def run_one_rank_raises_off(group, name: str) -> tuple[str, str]:
+    """Worker body: rank ODD alone passes an argument its own checks reject (``name``: of
+    :data:`OWN_ERRORS`, or a dropout); mode off."""
+    bad = dist.get_rank(group) == ODD
     with _mode(None):
-        return _outcome(lambda: _ring(group, dropout_p=0.5 if dist.get_rank(group) == ODD else 0))
+        if name == "dropout":
+            return _outcome(lambda: _ring(group, dropout_p=0.5 if bad else 0))
+        return _outcome(lambda: OWN_ERRORS[name][0](group, bad))
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_one_rank_raises_off(dist_pool, world_size):
+@pytest.mark.parametrize(
+    "name", ["dropout", "llama3_cu_seqlens_q", "placed_cu_seqlens", "llama3_zigzag_odd_length"]
+)
+def test_one_rank_raises_off(dist_pool, world_size, name):
     """Mode off, gloo: the rank whose checks fail raises its own error, the others a
-    ConsistencyError naming it; nobody waits."""
-    results = dist_pool.run(run_one_rank_raises_off, world_size, timeout_s=30)
+    ConsistencyError naming it; nobody waits (llama3's metadata values, which the ranks do
+    not compare, are checked before the header too)."""
+    results = dist_pool.run(run_one_rank_raises_off, world_size, timeout_s=30, name=name)
+    own = "dropout_p" if name == "dropout" else OWN_ERRORS[name][1].split(": ", 1)[1]
     for rank, (kind, message) in enumerate(results):
         assert kind == "ValueError", (rank, kind, message)
         if rank == ODD:
-            assert "dropout_p" in message and consistency.HEADER_HINT in message, message
+            assert re.match(own, message) and consistency.HEADER_HINT in message, message
         else:
             assert message.startswith(
                 f"ranks disagree: rank {ODD} of the group raised an error in its own checks"
@@ -435,7 +444,21 @@ OWN_ERRORS = {
         ),
         r"ValueError: cu_seqlens must be int32",
     ),
+    "llama3_cu_seqlens_q": (  # metadata values, which the ranks do not compare
+        lambda g, bad: _llama3_short(g, bad),
+        r"ValueError: cu_seqlens_q must end at the number of tokens",
+    ),
+    "placed_cu_seqlens": (  # a placed layout's local boundaries are the rank's own
+        lambda g, bad: _placed_short(g, bad),
+        r"ValueError: cu_seqlens must end at",
+    ),
     # checks a front door runs before resolve_call, relayed by consistency.relay_errors
+    "llama3_zigzag_odd_length": (  # the all-gather's own checks of the tensors
+        lambda g, bad: dr.llama3_zigzag_flash_attn_func(
+            *_qkv(3 if bad else S), causal=True, group=g
+        ),
+        r"ValueError: .*S_local=3",
+    ),
     "kv_packed_shape": (
         lambda g, bad: dr.ring_flash_attn_kvpacked_func(
             _qkv()[0], _packed_kv(extra=bad), causal=True, group=g, backend="math"
@@ -455,6 +478,33 @@ OWN_ERRORS = {
         r"ValueError: layout='zigzag' is for causal attention only",
     ),
 }
+
+
+def _llama3_short(group, bad: bool) -> None:
+    """llama3 attention with this rank's cu_seqlens_q short of its tokens when ``bad``."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    docs = torch.tensor([0, 3, 2 * S * world], dtype=torch.int32)
+    cu_q, cu_k, max_q, max_k, k_slice = dr.llama3_flash_attn_prepare_cu_seqlens(
+        docs, True, rank, world
+    )
+    cu_q = cu_q.clone()
+    cu_q[-1] -= int(bad)
+    q, k, v = _qkv(2 * S, varlen=True)
+    dr.llama3_flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, 1, k_slice, causal=True, group=group
+    )
+
+
+def _placed_short(group, bad: bool) -> None:
+    """Ring varlen attention in ``document_layout``'s placement, this rank's local
+    cu_seqlens short of its tokens when ``bad``."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layout = dr.document_layout([0, 3, 2 * S * world], world)
+    cu = torch.tensor(layout.local_bounds[rank], dtype=torch.int32)
+    cu[-1] -= int(bad)
+    dr.ring_varlen_attention_func(
+        layout, *_qkv(2 * S, varlen=True), cu, None, causal=True, group=group
+    )
 
 
 def _packed_kv(extra: bool) -> torch.Tensor:

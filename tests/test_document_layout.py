@@ -89,7 +89,9 @@ def every_candidate(seeds, world_size: int, every: int = 1):
             yield causal, window, documents_on_tokens(bounds, tokens, causal, norm)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(
+    "world_size", [1, 2, 3, *(pytest.param(w, marks=pytest.mark.slow) for w in (4, 8))]
+)
 def test_layout_places_every_token_once(world_size):
     for causal, window, lay in every_candidate(range(20), world_size):
         bounds = list(lay.bounds)
@@ -162,7 +164,7 @@ def test_tolerance_trades_cuts_for_balance():
     assert len(tight.split) >= len(loose.split)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_plan_computes_every_visible_pair_once(world_size):
     """Each rank's blocks cover exactly its visible pairs (counted token by token), every
     local row is initialised by exactly one step-0 block, a kernel call never holds one query
@@ -252,7 +254,7 @@ def test_bad_layout_documents():
 # --- 2. numerics, single device ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_simulated_ring_matches_reference(world_size):
     for i, (causal, window, lay) in enumerate(every_candidate(range(200, 206), world_size, 3)):
         bounds = list(lay.bounds)
@@ -444,7 +446,7 @@ def test_rank_disagreement_raises_everywhere(dist_pool):
 # --- 3. documents as shards made elsewhere hold them ----------------------------------------
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_documents_as_sharded_holds_the_shards(world_size):
     """Each rank holds exactly what the dense layout placed on it; sharding and local
     boundaries follow (every placement property: the documents_on_tokens candidates above)."""

@@ -102,19 +102,19 @@ def _fsdp_parity(group, layout, mode, compile_backend, activation_checkpointing,
     return losses, grad_errors
 
 
-def _fsdp_case(compile_backend, activation_checkpointing, fsdp, mode, *, slow=False):
+def _fsdp_case(compile_backend, activation_checkpointing, fsdp, mode):
     return pytest.param(
         compile_backend,
         activation_checkpointing,
         fsdp,
         mode,
-        marks=[pytest.mark.slow] if slow else [],
+        marks=[] if compile_backend is None else [pytest.mark.slow],
         id=f"{'eager' if compile_backend is None else 'compiled'}"
         f"{'-ac' if activation_checkpointing else ''}{'-hsdp' if fsdp == 'hsdp' else ''}-{mode}",
     )
 
 
-# the fast tier keeps each mode's eager and the ring's compiled run with checkpointing
+# the fast tier keeps each mode's eager run with checkpointing; compiled FSDP2: the slow tier
 @pytest.mark.parametrize(
     "compile_backend,activation_checkpointing,fsdp,mode",
     [
@@ -122,9 +122,9 @@ def _fsdp_case(compile_backend, activation_checkpointing, fsdp, mode, *, slow=Fa
         for mode in ("ring", "ulysses")
         for case in (
             _fsdp_case(None, True, "flat", mode),
-            _fsdp_case("aot_eager", False, "flat", mode, slow=True),
-            _fsdp_case("aot_eager", True, "flat", mode, slow=mode == "ulysses"),
-            _fsdp_case("aot_eager", False, "hsdp", mode, slow=True),
+            _fsdp_case("aot_eager", False, "flat", mode),
+            _fsdp_case("aot_eager", True, "flat", mode),
+            _fsdp_case("aot_eager", False, "hsdp", mode),
         )
     ],
 )

@@ -20,8 +20,15 @@ from torch import Tensor
 
 from .._compat import resolve_group
 from ..algorithm import DENSE_ALGORITHMS, VARLEN_ALGORITHMS, route
+from ..consistency import comparing, relay_errors
 from ..layouts import get_layout
-from ..layouts.varlen import check_token_positions, host_values, placed_locals_disagree
+from ..layouts.varlen import (
+    check_placed_local,
+    check_token_positions,
+    host_values,
+    placed_locals_disagree,
+    read_cu_seqlens,
+)
 from ..ops.common import call_attention
 from ..ops.ring import ring_attention
 from ..ops.varlen import llama3_attention, ring_attention_varlen
@@ -80,9 +87,10 @@ def dense_attention(
     )
     call = call.replace(layout=r.layout)
     if r.algorithm == "all_gather":
-        check_qkv_tensors(q, k, v)
-        B, S, H, D = q.shape
-        get_layout(r.layout, "dense").check_local_length(S, world_size)
+        with relay_errors((name,), "llama3_attention"):  # one rank's error: every rank's
+            check_qkv_tensors(q, k, v)
+            B, S, H, D = q.shape
+            get_layout(r.layout, "dense").check_local_length(S, world_size)
         rows = call.replace(q=rows_as_documents(q), k=rows_as_documents(k), v=rows_as_documents(v))
         out, lse = _gather(rows, rows_cu_seqlens(B, S), S, r.heads_k_stride)
         return out.view(B, S, H, D), rows_lse(lse, B, S).contiguous() if return_lse else None
@@ -140,13 +148,17 @@ def varlen_attention(
     if r.algorithm == "all_gather":
         return _gather(call, cu_seqlens, max_seqlen, r.heads_k_stride, positions)
 
+    lay = get_layout(r.layout, "documents")
+    placed = lay.varlen == "placed"  # its local cu_seqlens differ by rank: compare the layout's
+
     def checks() -> tuple[int | None]:
         check_cu_seqlens_arg(cu_seqlens, q)
         _check_positions(positions, call, cu_seqlens)
+        if placed and comparing((name,)):  # this rank's values, not compared: checked here too
+            bounds = read_cu_seqlens(cu_seqlens, q.shape[0])  # (the op checks them again)
+            check_placed_local(lay, bounds, dist.get_rank(group), world_size)
         return (max_seqlen_value(max_seqlen, "max_seqlen"),)
 
-    lay = get_layout(r.layout, "documents")
-    placed = lay.varlen == "placed"  # its local cu_seqlens differ by rank: compare the layout's
     door = Door(
         "ring_attention_varlen",
         form="documents",

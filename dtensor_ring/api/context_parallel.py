@@ -67,8 +67,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention import flex_attention as torch_flex
 
 from ..algorithm import Algorithm
+from ..consistency import relay_errors
 from ..layouts import Layout, balancer_layout, gather_sequence, get_layout, shard_local
-from ..resolve import check_bool, check_unsupported, placement
+from ..resolve import check_bool, check_unsupported, group_arg, placement
 from .attend import dense_attention
 from .dtensor.placements import SDPA_SEQ_DIM, to_op_layout
 from .flex import flex_attention
@@ -175,26 +176,28 @@ def _ring_sdpa_local(
     ``seq_len``: the buffers' whole length, if any; a query that long on several ranks is not
     a shard (ValueError).
     """
-    if attn_mask is not None:
-        raise ValueError(
-            "attn_mask is not supported by F.scaled_dot_product_attention inside "
-            "dtensor_ring.context_parallel (ring attention); pass attn_mask=None and "
-            "is_causal=True for a causal mask"
-        )
-    check_unsupported(dropout_p=dropout_p, alibi_slopes=None)
-    is_causal = check_bool("is_causal", is_causal)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.ndim != 4:
+    # one rank's error reaches every rank (the others meet it in the door's comparison)
+    with relay_errors((group_arg(group)[0],), "ring_attention"):
+        if attn_mask is not None:
             raise ValueError(
-                f"{name} must be 4-D [B, H, S_local, D] inside dtensor_ring.context_parallel, "
-                f"got shape {tuple(t.shape)}"
+                "attn_mask is not supported by F.scaled_dot_product_attention inside "
+                "dtensor_ring.context_parallel (ring attention); pass attn_mask=None and "
+                "is_causal=True for a causal mask"
             )
-    if not check_bool("enable_gqa", enable_gqa) and key.shape[1] != query.shape[1]:
-        raise ValueError(
-            f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
-            "for grouped-query attention (as SDPA requires)"
-        )
-    layout = _shard_layout(group, layout, seq_len, query, "F.scaled_dot_product_attention")
+        check_unsupported(dropout_p=dropout_p, alibi_slopes=None)
+        is_causal = check_bool("is_causal", is_causal)
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.ndim != 4:
+                raise ValueError(
+                    f"{name} must be 4-D [B, H, S_local, D] inside dtensor_ring.context_parallel, "
+                    f"got shape {tuple(t.shape)}"
+                )
+        if not check_bool("enable_gqa", enable_gqa) and key.shape[1] != query.shape[1]:
+            raise ValueError(
+                f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+                "for grouped-query attention (as SDPA requires)"
+            )
+        layout = _shard_layout(group, layout, seq_len, query, "F.scaled_dot_product_attention")
     out, _ = dense_attention(
         *to_op_layout(query, key, value),
         layout=layout,

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..algorithm import Algorithm
+from ..consistency import comparing
 from ..layouts import get_layout
 from ..layouts.varlen import host_values
 from ..ops.common import call_attention
@@ -72,9 +73,10 @@ from ..resolve import (
     group_arg,
     local_k_slice_bounds,
     max_seqlen_value,
+    normalize_window,
     resolve_call,
 )
-from ..schedule.llama3 import llama3_locals_disagree
+from ..schedule.llama3 import check_llama3_metadata, llama3_locals_disagree
 from .attend import dense_attention, varlen_attention
 
 if TYPE_CHECKING:
@@ -315,7 +317,15 @@ def llama3_attention_func(
         check_cu_seqlens_arg(cu_seqlens_q, q, "cu_seqlens_q")
         check_cu_seqlens_arg(cu_seqlens_k, q, "cu_seqlens_k")
         max_q = max_seqlen_value(max_seqlen_q, "max_seqlen_q")
-        return max_q, max_seqlen_value(max_seqlen_k, "max_seqlen_k"), *k_bounds
+        max_k = max_seqlen_value(max_seqlen_k, "max_seqlen_k")
+        if comparing((name,)):  # the values too, so that one rank's error reaches every rank
+            T = q.shape[0]  # (the op checks them again: a call that compares nothing)
+            check_llama3_metadata(
+                host_values(cu_seqlens_q), host_values(cu_seqlens_k), max_q, max_k, *k_bounds,
+                T, normalize_window(window_size, causal, T * world_size)[0],
+                dist.get_rank(group), world_size,
+            )  # fmt: skip
+        return max_q, max_k, *k_bounds
 
     def local() -> tuple:
         bq, bk = host_values(cu_seqlens_q), host_values(cu_seqlens_k)

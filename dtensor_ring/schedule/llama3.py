@@ -221,6 +221,39 @@ def llama3_meta(
     check_cu_seqlens_tensor(cu_seqlens_k, "cu_seqlens_k")
     bq = host_values(cu_seqlens_q)
     bk = host_values(cu_seqlens_k)
+    check_llama3_metadata(
+        bq, bk, max_seqlen_q, max_seqlen_k, k_start, k_stop, local_len, causal, rank, world_size
+    )
+    return _llama3_meta_cached(
+        _without_empty(bq),
+        _without_empty(bk),
+        k_start,
+        k_stop,
+        local_len,
+        causal,
+        rank,
+        world_size,
+        torch.device(device),
+        window,
+    )
+
+
+def check_llama3_metadata(
+    bq: Sequence[int],
+    bk: Sequence[int],
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    k_start: int,
+    k_stop: int,
+    local_len: int,
+    causal: bool,
+    rank: int,
+    world_size: int,
+) -> None:
+    """The checks of one rank's llama3 metadata (``cu_seqlens_q/k`` values ``bq``, ``bk``)
+    against its ``local_len`` tokens that need no other rank's; raise ValueError. The front
+    door runs them before the call compares across ranks (so that one rank's error reaches
+    every rank), the op again when it runs."""
     check_nondecreasing(bq, local_len, "cu_seqlens_q")
     if not 0 <= k_start < k_stop <= world_size * local_len:
         raise ValueError(
@@ -254,18 +287,6 @@ def llama3_meta(
     hint = "what llama3_flash_attn_prepare_cu_seqlens returns"
     check_max_seqlen("max_seqlen_q", max_seqlen_q, bq, hint)
     check_max_seqlen("max_seqlen_k", max_seqlen_k, bk, hint)
-    return _llama3_meta_cached(
-        _without_empty(bq),
-        _without_empty(bk),
-        k_start,
-        k_stop,
-        local_len,
-        causal,
-        rank,
-        world_size,
-        torch.device(device),
-        window,
-    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -16,7 +16,8 @@ sequence on one device (:mod:`tests.adversarial.oracle`), or is expected to rais
   Inf, str, bool (clean error);
 * ``args`` (d): malformed arguments and tensors (types, windows, groups, a rank outside its
   group, dropout, alibi, backends, dtypes, int / empty / wrong-rank tensors, head counts,
-  ``cu_seqlens`` and llama3 metadata);
+  ``cu_seqlens`` and llama3 metadata); and each of those (but the groups) passed by rank 0
+  alone, through a door of every family (``rank0:``): an error on every rank, none waiting;
 * ``disagree`` (e): ranks that disagree on shapes, dtypes, masks, windows, scales, layouts,
   documents, or the op itself. Each runs twice: ``[debug]`` with ``DTENSOR_RING_DEBUG=1``
   (the consistency mode: expected clean error on every rank) and ``[nodebug]`` without (the
@@ -1003,27 +1004,64 @@ def _arg_setup(door: Door, arg: ArgCase) -> Setup:
     )
 
 
+def _arg_doors(arg: ArgCase, doors: list[Door]) -> list[Door]:
+    """The doors of ``doors`` that ``arg`` is a case of."""
+    doors = [d for d in doors if arg.applies(d)]
+    if arg.setup.get("mutate") == "empty_batch":
+        doors = [d for d in doors if not d.packed_stream]
+    if arg.setup.get("mutate") in ("extra_dim", "missing_dim"):
+        doors = [d for d in doors if d.family not in ("sdpa_fn", "sdpa_scope", "hf", "hf_packed")]
+    if arg.label == "zigzag_odd_s_local":
+        doors = [d for d in doors if d.layout in ("zigzag", "llama3_zigzag")]
+    return doors
+
+
+#: arguments that F.scaled_dot_product_attention's own argument parser rejects (by type) before
+#: the ring_sdpa scope sees the call; the scope's own arguments (window_size) are checked when
+#: it is entered, where no group is known: neither can reach the other ranks
+_SDPA_PARSED = ("causal='False'", "dropout_p='0'")
+
+
 def args_cases(doors=None, extra: tuple[ArgCase, ...] = ()) -> list[Case]:
     cases = []
     all_doors = list(doors or DOORS.values())
     for i, arg in enumerate(ARG_CASES + extra):
-        doors = [d for d in all_doors if arg.applies(d)]
-        if arg.setup.get("mutate") == "empty_batch":
-            doors = [d for d in doors if not d.packed_stream]
-        if arg.setup.get("mutate") in ("extra_dim", "missing_dim"):
-            doors = [
-                d for d in doors if d.family not in ("sdpa_fn", "sdpa_scope", "hf", "hf_packed")
-            ]
-        if arg.label == "zigzag_odd_s_local":
-            doors = [d for d in doors if d.layout in ("zigzag", "llama3_zigzag")]
-        for j, door in enumerate(doors):
+        for j, door in enumerate(_arg_doors(arg, all_doors)):
             world = _pick(arg.worlds, i + j)
             cases.append(_case("args", door, world, arg.label, _arg_setup(door, arg), arg.expect))
     for door in all_doors:
         if "group" in door.accepts:
             setup = Setup(kw={"causal": True})
             cases.append(_case("args", door, 3, "rank_outside_group", setup, fn=nonmember_case))
+    for i, arg in enumerate(ARG_CASES + extra):  # rank 0 alone passes it
+        if arg.expect != ERROR or "group" in arg.label:  # a group: no group to tell the others
+            continue
+        families = {}  # a door of each family, taken in turn
+        for d in _arg_doors(arg, all_doors):
+            if d.family == "sdpa_scope" and (arg.label in _SDPA_PARSED or "window_size" in arg.kw):
+                continue  # raised before any door sees the call (docs/troubleshooting.md)
+            families.setdefault(d.family, []).append(d)
+        for j, doors in enumerate(families.values()):
+            door = doors[i % len(doors)]
+            setup = _arg_setup(door, arg)
+            rank0 = {"kw": arg.kw, **{f: getattr(setup, f) for f in arg.setup}}
+            valid = replace(setup, kw={"causal": True}, expect_error=None, grads=False,
+                            **{f: getattr(Setup(), f) for f in arg.setup}, rank0=rank0)  # fmt: skip
+            cases.append(
+                _case("args", door, 3 - (i + j) % 2, f"rank0:{arg.label}", valid, fn=one_rank_case)
+            )
     return cases
+
+
+def one_rank_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """Rank 0 alone passes a malformed argument (``setup.rank0``): its error reaches every
+    rank (Note [Consistency header]): each raises ``ValueError`` / ``TypeError`` (rank 0 its
+    own, the others the relayed one), none waits for rank 0."""
+    try:
+        attention_case(ctx, door, setup)
+    except (ValueError, TypeError) as e:
+        return {"raised": Flag(True, f"{type(e).__name__}: {e}")}
+    return {"raised": Flag(False, "returned a result although rank 0's argument is malformed")}
 
 
 _SDPA_FN = "scaled_dot_product_ring_attention"
