@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from reference import layout_indices, reference_attention, reference_flex
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.attention.flex_attention import (
     AuxRequest,
     create_block_mask,
@@ -398,6 +400,11 @@ def check_ranks_disagree_on_route(group, mode: bool) -> list[str]:
             with pytest.raises(ValueError) as info:
                 dr.flex_attention(q, q, q, block_mask=bm, group=group, **kwargs)
             messages.append(str(info.value))
+        mesh = DeviceMesh.from_group(group, "cpu")  # rank 0: DTensors, with group= besides
+        x = DTensor.from_local(q, mesh, [Shard(2)]) if first else q
+        with pytest.raises(ValueError) as info:
+            dr.flex_attention(x, x, x, block_mask=bm, group=group)
+        messages.append(str(info.value))
     finally:
         dr.set_consistency_checks(None)
     return messages
@@ -406,13 +413,17 @@ def check_ranks_disagree_on_route(group, mode: bool) -> list[str]:
 @pytest.mark.parametrize("mode", [False, True], ids=["mode_off", "mode_on"])
 def test_ranks_disagree_on_route(dist_pool, mode):
     results = dist_pool.run(check_ranks_disagree_on_route, 3, timeout_s=60, mode=mode)
-    for rank, (lse, aux, backend, max_scores, algorithm) in enumerate(results):
+    for rank, (lse, aux, backend, max_scores, algorithm, dtensor) in enumerate(results):
         fields = [(lse, "lse returned"), (aux, "lse returned"), (backend, "backend argument")]
         for message, field in fields:
             assert message.startswith("ranks disagree"), (rank, message)
             # the header names the fields it hashes alone; the mode names every one
             assert field in message or not mode and "further fields" in message, (rank, message)
-        for message, own in ((max_scores, "max_scores"), (algorithm, "algorithm='ring'")):
+        for message, own in (
+            (max_scores, "max_scores"),
+            (algorithm, "algorithm='ring'"),
+            (dtensor, "group= is the DTensors' mesh dim"),
+        ):
             # rank 0's own error; with the mode off the others name the rank that raised it
             relayed = not mode and rank > 0 and "rank 0 of the group raised" in message
             assert own in message or relayed, (rank, message)
@@ -603,8 +614,7 @@ def check_dtensor_inputs(group) -> None:
     """``dr.flex_attention`` on ``Shard(2)`` DTensors: the global view in and out, the
     BlockMask of the whole sequence, ``group=None``; contiguous (``distribute_tensor``) and
     zigzag shards (with ``layout="zigzag"``); out, lse and gradients against fp64."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
@@ -693,7 +703,6 @@ def check_torch_flex_in_context_parallel(group, layout) -> None:
     call time) runs ``dr.flex_attention`` on the shards in the context's layout (None:
     PyTorch's default); forward and backward inside equal the fp64 reference; a whole-length
     query raises; the attribute is torch's again after the context."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.attention import flex_attention as torch_flex
 
     original = torch_flex.flex_attention

@@ -38,6 +38,7 @@ from ..schedule.flex import flex_balance as _plan_balance
 from ..schedule.flex_documents import MASK_MOD_ARGS, MaskDocuments
 from ..schedule.flex_documents import mask_documents as _mask_documents
 from .documents import placed_rows
+from .dtensor.placements import sequence_group_name
 from .varlen import attend_rows
 
 DEFAULT_TILE = 128  # the tile of a bare mask_mod's block sparsity (flex's default BLOCK_SIZE)
@@ -102,7 +103,12 @@ def flex_attention(
             supported (see docs/flex.md).
     """
     if any(isinstance(t, DTensor) for t in (query, key, value)):
-        mesh, placements, group = _sequence_sharded(query, key, value, group)
+        given = group  # a rank's error reaches the ranks of the group it names, or of its mesh
+        with relay_errors(
+            lambda: group_arg(given)[0] if given is not None else sequence_group_name(query),
+            "flex_attention",
+        ):
+            mesh, placements, group = _sequence_sharded(query, key, value, group)
         result = flex_attention(
             *(t.to_local() for t in (query, key, value)), score_mod, block_mask, scale,
             enable_gqa, return_lse, kernel_options, return_aux=return_aux, group=group,

@@ -292,8 +292,9 @@ BAD = {
 }
 
 
-def bad_case(ctx: Ctx, name: str) -> dict:
-    """A call that must raise ValueError / TypeError on every rank before communicating."""
+def bad_case(ctx: Ctx, name: str | None) -> dict:
+    """A call that must raise ValueError / TypeError on every rank before communicating (None:
+    a valid call)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.nn.attention.flex_attention import create_block_mask
@@ -301,7 +302,7 @@ def bad_case(ctx: Ctx, name: str) -> dict:
     import dtensor_ring as dr
 
     W = ctx.world
-    kw = BAD[name](S_LOCAL * W, W)
+    kw = {} if name is None else BAD[name](S_LOCAL * W, W)
     s_local = kw.pop("s_local", S_LOCAL)
     S = s_local * W
     q, k, v, _ = _data(S)
@@ -381,6 +382,16 @@ def disagree_case(ctx: Ctx, what: str) -> dict:
     return {"raised": Flag(False, "no error")}
 
 
+def bad_on_rank0_case(ctx: Ctx, name: str) -> dict:
+    """Rank 0 alone makes the call ``BAD[name]``, the others a valid one: an error on every
+    rank (rank 0 its own, the others the relayed one), none waiting for rank 0."""
+    try:
+        bad_case(ctx, name if ctx.rank == 0 else None)
+    except (ValueError, TypeError) as e:
+        return {"raised": Flag(True, f"{type(e).__name__}: {e}")}
+    return {"raised": Flag(False, "no error")}
+
+
 def double_backward_case(ctx: Ctx) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -448,6 +459,8 @@ def flex_cases() -> list[Case]:
             if world == 1 and name == "local_length_mask":  # the local length is the global
                 continue
             add(f"args:{name}", world, bad_case, {"name": name}, ERROR)
+    for i, name in enumerate(BAD):
+        add(f"args:rank0:{name}", 2 + i % 2, bad_on_rank0_case, {"name": name})
     for what in DISAGREE:
         for world in (2, 3):
             for tag, env in (("nodebug", {}), ("debug", DEBUG_ENV)):

@@ -176,11 +176,11 @@ def check_sdpa_args(
     args = (query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, algorithm)
     if torch.compiler.is_compiling():
         return _check_sdpa_args(*args)
-    with relay_errors(lambda: _sequence_group(query), "sdpa"):
+    with relay_errors(lambda: sequence_group_name(query), "sdpa"):
         return _check_sdpa_args(*args)
 
 
-def _sequence_group(query: object) -> str:
+def sequence_group_name(query: object) -> str:
     """The name of the process group of ``query``'s sequence-sharded mesh dim (ValueError when
     there is not exactly one)."""
     if not isinstance(query, DTensor):
