@@ -26,7 +26,8 @@ sequence on one device (:mod:`tests.adversarial.oracle`), or is expected to rais
 * ``dtensor`` (f): ``distribute_tensor`` / ``shard_sequence`` DTensors through ``ring_sdpa()``
   and ``scaled_dot_product_ring_attention`` with their defaults;
 * ``hf`` (g): keyword arguments the transformers attention function receives (it must use or
-  reject each), and tiny transformers models end to end;
+  reject each; a rejected one passed by rank 0 alone too: ``rank0:``), and tiny transformers
+  models end to end;
 * ``dtype``, ``values``, ``shapes``: fp32 / bf16 / fp16; zero, tiny and huge values; edge sizes;
 * ``debug_on``: consistent calls with the consistency mode on must stay correct.
 
@@ -1380,6 +1381,12 @@ def hf_cases() -> list[Case]:
                 kw={"causal": True, **kw}, ref=ref, expect_error=error, grads=error is None
             )
             cases.append(_case("hf", door, world, label, setup, expect))
+            # rank 0 alone: its error reaches every rank (a local arange is rank 0's own
+            # positions on the ring layout: not an error there)
+            if expect == ERROR and world > 1 and not label.startswith("position_ids=local"):
+                valid = replace(setup, kw={"causal": True}, expect_error=None, grads=False,
+                                rank0={"kw": kw})  # fmt: skip
+                cases.append(_case("hf", door, world, f"rank0:{label}", valid, fn=one_rank_case))
     for world in (2, 3):  # bidirectional on placed documents: their own plan, not the ring's
         kw = {"causal": True, "hf_kwargs": {"is_causal": False}}
         setup = Setup(kw=kw, ref={"causal": False}, grads=True)
