@@ -87,6 +87,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -1045,24 +1046,36 @@ def args_cases(doors=None, extra: tuple[ArgCase, ...] = ()) -> list[Case]:
         for j, doors in enumerate(families.values()):
             door = doors[i % len(doors)]
             setup = _arg_setup(door, arg)
-            rank0 = {"kw": arg.kw, **{f: getattr(setup, f) for f in arg.setup}}
-            valid = replace(setup, kw={"causal": True}, expect_error=None, grads=False,
-                            **{f: getattr(Setup(), f) for f in arg.setup}, rank0=rank0)  # fmt: skip
+            valid = _on_rank0(setup, arg.kw, **{f: getattr(setup, f) for f in arg.setup})
             cases.append(
                 _case("args", door, 3 - (i + j) % 2, f"rank0:{arg.label}", valid, fn=one_rank_case)
             )
     return cases
 
 
-def one_rank_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
-    """Rank 0 alone passes a malformed argument (``setup.rank0``): its error reaches every
-    rank (Note [Consistency header]): each raises ``ValueError`` / ``TypeError`` (rank 0 its
-    own, the others the relayed one), none waits for rank 0."""
+def raises_here(call: Callable[[], object]) -> dict:
+    """The check of a call in which rank 0 alone passes a malformed argument: its error
+    reaches every rank (Note [Consistency header]), so ``call()`` raises ``ValueError`` /
+    ``TypeError`` here (rank 0 its own, the others the relayed one) rather than return; a
+    rank that waits for rank 0 is the runner's hang."""
     try:
-        attention_case(ctx, door, setup)
+        call()
     except (ValueError, TypeError) as e:
         return {"raised": Flag(True, f"{type(e).__name__}: {e}")}
     return {"raised": Flag(False, "returned a result although rank 0's argument is malformed")}
+
+
+def one_rank_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """:func:`attention_case` with ``setup.rank0`` malformed (:func:`raises_here`)."""
+    return raises_here(lambda: attention_case(ctx, door, setup))
+
+
+def _on_rank0(setup: Setup, kw: dict, **fields: object) -> Setup:
+    """``setup`` valid on every rank but rank 0, which passes ``kw`` and ``fields`` (the
+    malformed argument of a :func:`one_rank_case`)."""
+    defaults = {f: getattr(Setup(), f) for f in fields}
+    return replace(setup, kw={"causal": True}, expect_error=None, grads=False, **defaults,
+                   rank0={"kw": kw, **fields})  # fmt: skip
 
 
 _SDPA_FN = "scaled_dot_product_ring_attention"
@@ -1384,8 +1397,7 @@ def hf_cases() -> list[Case]:
             # rank 0 alone: its error reaches every rank (a local arange is rank 0's own
             # positions on the ring layout: not an error there)
             if expect == ERROR and world > 1 and not label.startswith("position_ids=local"):
-                valid = replace(setup, kw={"causal": True}, expect_error=None, grads=False,
-                                rank0={"kw": kw})  # fmt: skip
+                valid = _on_rank0(setup, kw)
                 cases.append(_case("hf", door, world, f"rank0:{label}", valid, fn=one_rank_case))
     for world in (2, 3):  # bidirectional on placed documents: their own plan, not the ring's
         kw = {"causal": True, "hf_kwargs": {"is_causal": False}}

@@ -30,7 +30,7 @@ import torch
 from tests.reference import reference_flex
 
 from . import oracle
-from .cases import CORRECT, DEBUG_ENV, ERROR, WORLDS
+from .cases import CORRECT, DEBUG_ENV, ERROR, WORLDS, raises_here
 from .doors import Ctx
 from .oracle import Check, Flag
 from .runner import Case
@@ -383,13 +383,8 @@ def disagree_case(ctx: Ctx, what: str) -> dict:
 
 
 def bad_on_rank0_case(ctx: Ctx, name: str) -> dict:
-    """Rank 0 alone makes the call ``BAD[name]``, the others a valid one: an error on every
-    rank (rank 0 its own, the others the relayed one), none waiting for rank 0."""
-    try:
-        bad_case(ctx, name if ctx.rank == 0 else None)
-    except (ValueError, TypeError) as e:
-        return {"raised": Flag(True, f"{type(e).__name__}: {e}")}
-    return {"raised": Flag(False, "no error")}
+    """Rank 0 alone makes the call ``BAD[name]``, the others a valid one (:func:`raises_here`)."""
+    return raises_here(lambda: bad_case(ctx, name if ctx.rank == 0 else None))
 
 
 def double_backward_case(ctx: Ctx) -> dict:
