@@ -21,11 +21,13 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
   (``dtensor_ring.document_layout``) under flex, one varlen kernel call on the whole stream
   per varlen kernel that runs here (cuda_flash, flash_attn4 when installed), and the library's
   varlen path (``RankSimulator`` with ``cu_seqlens``) in zigzag, in the balanced layout, in
-  the layout of least predicted time (``document_layout(..., heads=...)``) and as head-tail
-  shards of the packed row hold the documents (torchtitan's varlen module under its default
-  balancer), per varlen kernel; "best" efficiencies are against the fastest one-GPU time of the mask
-  (flex or varlen) / W; ``--graphs``: the varlen ranks also replayed from a CUDA graph (what
-  they cost without host time);
+  the layout of least predicted time (``document_layout(..., heads=...)``), and as the
+  head-tail shards and the mask-aware layout's shards of the packed row hold the documents
+  (what ``flex_attention`` runs for a document mask on those layouts; head-tail: torchtitan's
+  varlen module under its default balancer), per varlen kernel; ``--varlen-only`` skips the
+  flex-kernel layouts of the document masks; "best" efficiencies are against the fastest
+  one-GPU time of the mask (flex or varlen) / W; ``--graphs``: the varlen ranks also
+  replayed from a CUDA graph (what they cost without host time);
 * for every mask, the host time ``dtensor_ring.flex_attention`` takes to read its
   ``BlockMask`` as documents (Note [Document masks on the varlen kernels]: a document mask,
   called without a ``score_mod`` or the lse, runs on the library's varlen path measured
@@ -68,11 +70,13 @@ def documents(seq_len: int, n: int, device) -> tuple[torch.Tensor, list[int]]:
     return torch.repeat_interleave(torch.arange(n), lengths).to(device), bounds
 
 
-def head_tail_row(bounds: list[int], W: int, window: tuple[int, int]):
-    """The documents as head-tail shards of their packed row hold them, as placed documents:
-    what torchtitan's varlen module runs under its default balancer ("headtail")."""
+def rows_of(layout, bounds: list[int], W: int, window: tuple[int, int]):
+    """The documents as ``layout``'s shards of their packed row hold them, as placed
+    documents: what ``dtensor_ring.flex_attention`` runs on the varlen kernels for a document
+    mask on that layout (zigzag: torchtitan's varlen module under its default balancer)."""
     causal, norm = normalize_window(window, False, bounds[-1])
-    rows = [dr.token_indices("zigzag", bounds[-1], r, W) for r in range(W)]
+    lay = dr.get_layout(layout, "dense") if isinstance(layout, str) else layout
+    rows = [lay.token_indices(bounds[-1], r, W) for r in range(W)]
     return documents_on_tokens(bounds, torch.stack(rows), causal, norm)
 
 
@@ -163,6 +167,11 @@ def main() -> None:
     parser.add_argument(
         "--graphs", action="store_true", help="also replay the varlen ranks from CUDA graphs"
     )
+    parser.add_argument(
+        "--varlen-only",
+        action="store_true",
+        help="document masks: skip the flex-kernel layouts (the route runs on the varlen ones)",
+    )
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     dev, S, W = torch.device("cuda"), a.seq_len, a.world_size
@@ -207,6 +216,8 @@ def main() -> None:
         paths = [("ring", "ring"), ("zigzag", "zigzag"), ("mask-aware k=8", dr.flex_layout(bm, W))]
         if bounds is not None:
             paths.append(("documents", dr.document_layout(bounds, W, window_size=window)))
+            if a.varlen_only:
+                paths = []
         for label, layout in paths:
             sims = [
                 RankSimulator(
@@ -234,7 +245,10 @@ def main() -> None:
             varlen_paths = [("zigzag", "zigzag"), ("documents", balanced)]
             if modelled != balanced:
                 varlen_paths.append(("docs by model", modelled))
-            varlen_paths.append(("head-tail row", head_tail_row(bounds, W, window)))
+            varlen_paths.append(("head-tail row", rows_of("zigzag", bounds, W, window)))
+            varlen_paths.append(
+                ("mask-aware row", rows_of(dr.flex_layout(bm, W), bounds, W, window))
+            )
             for label, layout in varlen_paths:
                 sims = [
                     RankSimulator(
