@@ -286,7 +286,14 @@ def run_one_rank_raises_off(group, name: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize(
-    "name", ["dropout", "llama3_cu_seqlens_q", "placed_cu_seqlens", "llama3_zigzag_odd_length"]
+    "name",
+    [
+        "dropout",
+        "llama3_cu_seqlens_q",
+        "placed_cu_seqlens",
+        "llama3_zigzag_odd_length",
+        "kv_cache_sliding_window",
+    ],
 )
 def test_one_rank_raises_off(dist_pool, world_size, name):
     """Mode off, gloo: the rank whose checks fail raises its own error, the others a
@@ -459,6 +466,10 @@ OWN_ERRORS = {
         ),
         r"ValueError: .*S_local=3",
     ),
+    "kv_cache_sliding_window": (  # a constructor's check: the others' next call hears it
+        lambda g, bad: _kv_cache_prefill(g, sliding_window=0 if bad else None),
+        r"ValueError: sliding_window=0 must be positive, or None",
+    ),
     "kv_packed_shape": (
         lambda g, bad: dr.ring_flash_attn_kvpacked_func(
             _qkv()[0], _packed_kv(extra=bad), causal=True, group=g, backend="math"
@@ -505,6 +516,12 @@ def _placed_short(group, bad: bool) -> None:
     dr.ring_varlen_attention_func(
         layout, *_qkv(2 * S, varlen=True), cu, None, causal=True, group=group
     )
+
+
+def _kv_cache_prefill(group, sliding_window: int | None) -> None:
+    """A ``KVCacheShard`` made with ``sliding_window``, filled by ``prefill_attention``."""
+    cache = dr.KVCacheShard(group, sliding_window=sliding_window)
+    dr.prefill_attention(*_qkv(), cache, backend="math")
 
 
 def _packed_kv(extra: bool) -> torch.Tensor:

@@ -113,7 +113,8 @@ class KVCacheShard:
     def __init__(self, group: dist.ProcessGroup | None = None, sliding_window: int | None = None):
         self.group = group
         self.group_name, world = group_arg(group)
-        self.index = ShardPositions(dist.get_rank(group), world, sliding_window)
+        with relay_errors(self.group_name, "KVCacheShard"):  # the others' next call hears it
+            self.index = ShardPositions(dist.get_rank(group), world, sliding_window)
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
 

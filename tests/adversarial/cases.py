@@ -1065,9 +1065,10 @@ def raises_here(call: Callable[[], object]) -> dict:
     return {"raised": Flag(False, "returned a result although rank 0's argument is malformed")}
 
 
-def one_rank_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
-    """:func:`attention_case` with ``setup.rank0`` malformed (:func:`raises_here`)."""
-    return raises_here(lambda: attention_case(ctx, door, setup))
+def one_rank_case(ctx: Ctx, door: Door, setup: Setup, inner=attention_case) -> dict:
+    """``inner`` (:func:`attention_case`; decoding, the KV cache) with ``setup.rank0``
+    malformed (:func:`raises_here`)."""
+    return raises_here(lambda: inner(ctx, door, setup))
 
 
 def _on_rank0(setup: Setup, kw: dict, **fields: object) -> Setup:

@@ -20,6 +20,7 @@ mutations, views, scales, sinks and values of :mod:`tests.adversarial.cases`, an
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -44,6 +45,7 @@ from .cases import (
     default_heads,
     make_data,
     nonmember_case,
+    one_rank_case,
     rank0_overrides,
 )
 from .doors import VIEWS, Ctx, Door, _split_result
@@ -335,6 +337,11 @@ def decode_cases() -> list[Case]:
     cases.append(
         _nonmember("decode", DECODE, _decode_setup(extra={"split": "uneven"}), decode_case)
     )
+    for j in (j for j, (label, _, e) in enumerate(variants) if e == ERROR and "group" not in label):
+        world = _pick((2, 3), j)
+        label, fields, _ = _decode_variants(world)[j]
+        valid = _decode_setup()
+        cases.append(_one_rank("decode", DECODE, world, label, valid, fields, decode_case))
     for j in range(len(_decode_disagreements(2))):
         world = _pick((2, 3, 4), j)
         name, rank0 = _decode_disagreements(world)[j]
@@ -401,6 +408,13 @@ def decode_sinks_cases() -> list[Case]:
         setup = _decode_setup(kw={"sinks": _SINKS(H), "window_size": (2, 0)}, extra=extra, lse=True)
         cases.append(_case("sinks", DECODE, world, "sinks,no_visible_key", setup, fn=decode_case))
     return cases
+
+
+def _one_rank(kind: str, door: Door, world: int, label: str, valid: Setup, rank0: dict, inner):
+    """Rank 0 alone makes ``inner``'s call malformed by ``rank0`` (Setup fields), the others
+    make it ``valid``: an error on every rank (:func:`~tests.adversarial.cases.one_rank_case`)."""
+    params = {"door": door, "setup": replace(valid, rank0=rank0), "inner": inner}
+    return Case(f"{kind}/{door.name}/W{world}/rank0:{label}", kind, world, one_rank_case, params)
 
 
 def _nonmember(kind: str, door: Door, setup: Setup, inner) -> Case:
@@ -587,6 +601,11 @@ def _kv_disagreements(world: int) -> list[tuple[str, dict, bool]]:
     ]
 
 
+# Not passed by rank 0 alone: a group argument (no group to tell the others) and a second
+# prefill (a call the others never make, so none of theirs can hear of its error).
+_SEQUENCE = ("group=0", "prefill_twice")
+
+
 def kv_cache_cases() -> list[Case]:
     cases = []
     doors = list(KV_DOORS.values())
@@ -608,6 +627,15 @@ def kv_cache_cases() -> list[Case]:
             setup = _kv_setup(expect, label, **args)
             cases.append(_case("kv_cache", door, world, label, setup, expect, fn=kv_cache_case))
     cases.append(_nonmember("kv_cache", primary, _kv_setup(), kv_cache_case))
+    variants = _kv_variants(primary, 1)
+    bad_args = (j for j, (label, _, e) in enumerate(variants) if e == ERROR)
+    for j in (j for j in bad_args if variants[j][0] not in _SEQUENCE):
+        world = _pick((2, 3), j)
+        label, args, _ = _kv_variants(primary, world)[j]
+        valid = _kv_setup(steps=args.get("steps", 3))
+        bad = _kv_setup(ERROR, label, **args)
+        rank0 = {f: getattr(bad, f) for f in ("kw", "extra", "mutate", "s_local")}
+        cases.append(_one_rank("kv_cache", primary, world, label, valid, rank0, kv_cache_case))
     for j, (name, rank0, neutral) in enumerate(_kv_disagreements(2)):
         world = _pick((2, 3, 4), j)
         kw = {"window_size": (2, 0)}
