@@ -313,6 +313,31 @@ def test_varlen_refused(dist_pool):
     dist_pool.run(check_varlen_refused, 1)
 
 
+def check_varlen_refused_on_rank0(group: dist.ProcessGroup, bad: str) -> str:
+    """Rank 0 alone passes ``bad`` (int64 boundaries / an unknown keyword), the others a
+    valid call: every rank raises (rank 0 its own error, the others one naming it)."""
+    W = dist.get_world_size(group)
+    q = torch.zeros(2, L // W, 4, 8, dtype=torch.float64)
+    k = torch.zeros(2, L // W, 2, 8, dtype=torch.float64)
+    kw = {"attention_masks": _metadata([0, 2 * L], [0, 2 * L]), "enable_gqa": True}
+    if dist.get_rank(group) == 0:
+        if bad == "int64":
+            kw["attention_masks"] = _metadata([0, 2 * L], [0, 2 * L], torch.int64)
+        else:
+            kw["dropout"] = 0.1
+    with pytest.raises((ValueError, TypeError)) as info:
+        _VarlenForward(group, "ring", (-1, 0))(q, k, k, **kw)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["int64", "keyword"])
+def test_varlen_refused_on_rank0(dist_pool, bad):
+    messages = dist_pool.run(check_varlen_refused_on_rank0, 3, bad=bad)
+    assert ("int32" if bad == "int64" else "unexpected") in messages[0], messages[0]
+    for message in messages[1:]:
+        assert "rank 0 of the group raised an error in its own checks" in message, message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args",

@@ -56,10 +56,11 @@ from ..api.documents import PlacedRows, document_layout, document_mask, placed_r
 from ..api.flex import flex_attention, flex_layout
 from ..api.parallel_style import ContextParallel, context_parallel_shard, sharded_layout
 from ..api.varlen import attend_rows
+from ..consistency import relay_errors
 from ..layouts import Layout
 from ..layouts.documents import DocumentLayout
 from ..layouts.varlen import check_bounds, check_cu_seqlens_tensor, host_values
-from ..resolve import normalize_window
+from ..resolve import group_arg, normalize_window
 from ..schedule.flex_documents import mask_documents
 
 
@@ -163,15 +164,18 @@ class _VarlenForward:
         enable_gqa: bool = False,
         **kwargs: Any,
     ) -> Tensor:
-        if kwargs:
-            raise TypeError(f"torchtitan VarlenAttention on the ring: unexpected {sorted(kwargs)}")
-        B, L_local, N = q_BLNH.shape[:3]
-        if not enable_gqa and k_BLNH.shape[2] != N:
-            raise ValueError(
-                f"torchtitan VarlenAttention on the ring: {N} query heads and "
-                f"{k_BLNH.shape[2]} key/value heads need enable_gqa=True"
-            )
-        placed = self._placed(attention_masks, B, L_local)
+        with relay_errors(lambda: group_arg(self.group)[0], "VarlenAttention"):  # every rank's
+            if kwargs:
+                raise TypeError(
+                    f"torchtitan VarlenAttention on the ring: unexpected {sorted(kwargs)}"
+                )
+            B, L_local, N = q_BLNH.shape[:3]
+            if not enable_gqa and k_BLNH.shape[2] != N:
+                raise ValueError(
+                    f"torchtitan VarlenAttention on the ring: {N} query heads and "
+                    f"{k_BLNH.shape[2]} key/value heads need enable_gqa=True"
+                )
+            placed = self._placed(attention_masks, B, L_local)
         if out_transform is None:
             return attend_rows(
                 placed, q_BLNH, k_BLNH, v_BLNH, softmax_scale=scale,

@@ -14,6 +14,7 @@ Errors on every rank: int64 boundaries, ``cu_seq_k`` unlike ``cu_seq_q``, bounda
 boundaries than the rest (W > 1). And torchtitan's FlexAttention forward under a per-row
 document mask on the shards ``prepare_context_parallel_input`` makes (head-tail, contiguous,
 "ptrr" on one row: the documents placed whole), with and without an ``out_transform``.
+Each error variant also passed by rank 0 alone (``rank0:``): an error on every rank.
 Forward and backward against the strict fp64 reference (:mod:`tests.adversarial.oracle`).
 """
 
@@ -25,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from . import oracle
-from .cases import CORRECT, ERROR, WORLDS
+from .cases import CORRECT, ERROR, WORLDS, raises_here
 from .doors import Ctx
 from .oracle import Check
 from .runner import Case
@@ -69,9 +70,10 @@ VARIANTS = {
 ERRORS = ("int64", "cu_k", "short", "other_batch", "no_gqa", "keyword", "mla")
 
 
-def titan_case(ctx: Ctx, variant: str) -> dict:
+def titan_case(ctx: Ctx, variant: str, rank0: bool = False) -> dict:
     """torchtitan's VarlenAttention forward on this rank's tokens of :data:`VARIANTS`
-    ``[variant]``, and the backward of ``(out * dout).sum()``."""
+    ``[variant]``, and the backward of ``(out * dout).sum()``; ``rank0``: the variant's
+    change on rank 0 alone (the others' call unchanged)."""
     import dtensor_ring as dr
     from dtensor_ring.integrations.torchtitan import _VarlenForward, varlen_bounds
 
@@ -80,6 +82,8 @@ def titan_case(ctx: Ctx, variant: str) -> dict:
     lengths = (5 * W, 8 * W, 3 * W)  # the second document crosses from row 0 into row 1
     metadata = _metadata(lengths)
     held, window, change = VARIANTS[variant]
+    if rank0 and rank != 0:
+        change = None
     if held == "documents":
         layout = dr.document_layout(varlen_bounds(metadata), W)
         flat = dr.token_indices(layout, B * L, rank, W)
@@ -118,6 +122,11 @@ def titan_case(ctx: Ctx, variant: str) -> dict:
     visible = oracle.visible_varlen([0, *itertools.accumulate(lengths)], False, window)
     weighted = "out_transform" in kw
     return _stream_checks(out_T, leaves, (q, k, v, dout), visible, scale, flat, weighted)
+
+
+def titan_one_rank_case(ctx: Ctx, variant: str) -> dict:
+    """:func:`titan_case` malformed on rank 0 alone: every rank raises (:func:`raises_here`)."""
+    return raises_here(lambda: titan_case(ctx, variant, rank0=True))
 
 
 def _stream_checks(out_T, leaves, qkv_dout, visible, scale, flat, weighted: bool) -> dict:
@@ -219,6 +228,11 @@ def titan_cases() -> list[Case]:
             name = f"titan/VarlenAttention/W{world}/{variant}"
             expect = ERROR if wrong else CORRECT
             cases.append(Case(name, "titan", world, titan_case, {"variant": variant}, expect))
+        if change in ERRORS:  # rank 0 alone passes it
+            world = 2 + len(cases) % 2
+            name = f"titan/VarlenAttention/W{world}/rank0:{variant}"
+            params = {"variant": variant}
+            cases.append(Case(name, "titan", world, titan_one_rank_case, params, CORRECT))
     for variant in FLEX_VARIANTS:
         for world in WORLDS:
             name = f"titan/FlexAttention/W{world}/{variant}"
