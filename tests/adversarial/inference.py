@@ -15,8 +15,9 @@
 
 Each malformed argument of either kind is also passed by rank 0 alone (``rank0:``, the
 others valid): an error on every rank, none waiting (not a group, nor a second prefill: a
-call the others never make). Both reuse :class:`~tests.adversarial.cases.Setup` (its ``extra`` fields), ``make_data``, the
-mutations, views, scales, sinks and values of :mod:`tests.adversarial.cases`, and the oracle.
+call the others never make). Both reuse :class:`~tests.adversarial.cases.Setup` (its
+``extra`` fields), ``make_data``, the mutations, views, scales, sinks and values of
+:mod:`tests.adversarial.cases`, and the oracle.
 """
 
 from __future__ import annotations
