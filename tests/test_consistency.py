@@ -293,6 +293,7 @@ def run_one_rank_raises_off(group, name: str) -> tuple[str, str]:
         "placed_cu_seqlens",
         "llama3_zigzag_odd_length",
         "kv_cache_sliding_window",
+        "context_parallel_layout",
     ],
 )
 def test_one_rank_raises_off(dist_pool, world_size, name):
@@ -470,6 +471,10 @@ OWN_ERRORS = {
         lambda g, bad: _kv_cache_prefill(g, sliding_window=0 if bad else None),
         r"ValueError: sliding_window=0 must be positive, or None",
     ),
+    "context_parallel_layout": (  # checked on entering the context, compared there
+        lambda g, bad: _cp_sdpa(g, layout="nope" if bad else None),
+        r"ValueError: layout='nope' is not a sequence layout",
+    ),
     "kv_packed_shape": (
         lambda g, bad: dr.ring_flash_attn_kvpacked_func(
             _qkv()[0], _packed_kv(extra=bad), causal=True, group=g, backend="math"
@@ -522,6 +527,17 @@ def _kv_cache_prefill(group, sliding_window: int | None) -> None:
     """A ``KVCacheShard`` made with ``sliding_window``, filled by ``prefill_attention``."""
     cache = dr.KVCacheShard(group, sliding_window=sliding_window)
     dr.prefill_attention(*_qkv(), cache, backend="math")
+
+
+def _cp_sdpa(group, layout: str | None) -> None:
+    """SDPA on the shards of ``context_parallel(..., layout=layout)``."""
+    W = dist.get_world_size(group)
+    positions = torch.arange(S * W)
+    with dr.context_parallel(
+        DeviceMesh.from_group(group, "cpu"), buffers=[positions], buffer_seq_dims=[0], layout=layout
+    ):
+        q, k, v = (t.transpose(1, 2) for t in _qkv())
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def _packed_kv(extra: bool) -> torch.Tensor:

@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention import flex_attention as torch_flex
 
 from ..algorithm import Algorithm
-from ..consistency import relay_errors
+from ..consistency import check_consistent, comparing, relay_errors
 from ..layouts import Layout, balancer_layout, gather_sequence, get_layout, shard_local
 from ..resolve import check_bool, check_unsupported, group_arg, placement
 from .attend import dense_attention
@@ -335,32 +335,41 @@ def context_parallel(
             the layout alias's, else "ring".
 
     Raises:
-        ValueError: on a malformed argument, a sequence length the layout cannot split, and
+        ValueError: on a malformed argument, a sequence length the layout cannot split (on
+            every rank of the mesh where one rank's call compares: a gloo group or the
+            consistency mode, docs/troubleshooting.md), and
             inside, on SDPA with ``attn_mask`` or ``dropout_p > 0``, or (W > 1) with a query
             as long as the first buffer: not a shard (computed from an unsharded tensor).
         RuntimeError: when this torch's checkpoint internals lack the known form
             (``_compat/checkpoint.py``: activation checkpointing could not be followed).
     """
     group = _cp_group(mesh)
+    group_name = group_arg(group)[0]
     buffers = [] if buffers is None else buffers
     buffer_seq_dims = [] if buffer_seq_dims is None else buffer_seq_dims
     no_restore = set() if no_restore_buffers is None else no_restore_buffers
-    _check_buffer_args(buffers, buffer_seq_dims, no_restore)
     world_size, rank = mesh.size(), mesh.get_local_rank()
-    seq_len = buffers[0].shape[buffer_seq_dims[0]] if buffers else None
-    if seq_len is not None:
-        layout = _layout_for(layout, seq_len, world_size)
-    elif layout is not None:
-        get_layout(layout, "dense")
-    algorithm = default_algorithm(algorithm)
-    if layout is not None:
-        placement(layout, algorithm)
+    # Entered by every rank of the group together, so compared as a call is: one rank's bad
+    # argument raises on every rank here, not in the others' first SDPA call
+    with relay_errors(group_name, "context_parallel"):
+        _check_buffer_args(buffers, buffer_seq_dims, no_restore)
+        seq_len = buffers[0].shape[buffer_seq_dims[0]] if buffers else None
+        if seq_len is not None:
+            layout = _layout_for(layout, seq_len, world_size)
+        elif layout is not None:
+            get_layout(layout, "dense")
+        algorithm = default_algorithm(algorithm)
+        if layout is not None:
+            placement(layout, algorithm)
+        with torch.no_grad():  # (raises for a length the layout cannot split)
+            shards = [
+                shard_local(b, layout, rank, world_size, d)
+                for b, d in zip(buffers, buffer_seq_dims, strict=True)
+            ]
+    if comparing(group_name):
+        check_consistent(group_name, {"op": "context_parallel"})
     with torch.no_grad():
         originals = [None if b in no_restore else b.clone() for b in buffers]
-        shards = [
-            shard_local(b, layout, rank, world_size, d)
-            for b, d in zip(buffers, buffer_seq_dims, strict=True)
-        ]
         for buffer, shard in zip(buffers, shards, strict=True):
             buffer.resize_(shard.shape)
             buffer.copy_(shard)

@@ -1610,6 +1610,12 @@ CP_ARG_CASES = (
 )
 
 
+def cp_buffers_one_rank_case(ctx: Ctx, variant: str) -> dict:
+    """:func:`cp_buffers_case` with ``variant``'s malformed argument on rank 0 alone (the
+    others' call valid): every rank raises (:func:`raises_here`)."""
+    return raises_here(lambda: cp_buffers_case(ctx, variant if ctx.rank == 0 else "zigzag_default"))
+
+
 def cp_buffers_case(ctx: Ctx, variant: str) -> dict:
     """``context_parallel(mesh, buffers=[ids, positions, labels], buffer_seq_dims=[1, 0, 1],
     no_restore_buffers={labels})``: inside, the buffers hold this rank's shard in place (zigzag
@@ -1748,6 +1754,11 @@ def context_parallel_cases() -> list[Case]:
             cases.append(
                 Case(name, "context_parallel", world, cp_buffers_case, {"variant": variant}, expect)
             )
+        if expect == ERROR and not variant.startswith("mesh"):  # rank 0 alone passes it
+            world = 2 + len(cases) % 2
+            name = f"context_parallel/buffers/W{world}/rank0:{variant}"
+            params = {"variant": variant}
+            cases.append(Case(name, "context_parallel", world, cp_buffers_one_rank_case, params))
     return cases
 
 
