@@ -203,6 +203,29 @@ def test_errors(dist_pool, world_size):
     assert "placed (Replicate(),)" in text and "rotate_method" in text
 
 
+def check_misplaced_on_rank0(group: dist.ProcessGroup) -> str:
+    """Rank 0 alone passes replicated DTensors, the others their Shard(2) shards: every rank
+    raises (rank 0 its own error, the others one naming it), none waits."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    x = torch.randn(B, H, 4 * W, D)
+    module = parallelize_module(SDPAWrapper(), mesh, dr.ContextParallel())
+    if rank == 0:
+        inputs = [DTensor.from_local(x, mesh, [Replicate()]) for _ in "qkv"]
+    else:
+        inputs = [DTensor.from_local(x[:, :, :4], mesh, [Shard(2)]) for _ in "qkv"]
+    with pytest.raises(ValueError) as info:
+        module(*inputs, is_causal=True)
+    return str(info.value)
+
+
+def test_misplaced_on_rank0(dist_pool):
+    messages = dist_pool.run(check_misplaced_on_rank0, 3)
+    assert "placed (Replicate(),)" in messages[0], messages[0]
+    for message in messages[1:]:
+        assert "rank 0 of the group raised an error in its own checks" in message, message
+
+
 def test_balancer_layout():
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
         _HeadTailLoadBalancer,

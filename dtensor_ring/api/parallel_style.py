@@ -66,8 +66,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import for_each_simulated_rank
 from ..algorithm import Algorithm, check_pair
+from ..consistency import relay_errors
 from ..layouts import Layout, balancer_layout, get_layout, token_indices
-from ..resolve import check_algorithm, placement
+from ..resolve import check_algorithm, group_arg, placement
 from .context_parallel import (
     _check_buffer_args,
     _cp_group,
@@ -159,7 +160,7 @@ class ContextParallel(ParallelStyle):
 
         @functools.wraps(forward)
         def context_parallel_forward(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = _local_inputs((args, kwargs), device_mesh, self.seq_dim)
+            args, kwargs = _local_inputs((args, kwargs), device_mesh, self.seq_dim, group)
             mode = functools.partial(_SDPAMode, group, self.layout, self.algorithm)
             with mode(), recompute_context(mode):
                 return forward(*args, **kwargs)
@@ -175,7 +176,7 @@ def _flex_forward(
     ``flex_attention`` wrapper (its forward has ``flex_attention``'s signature, as PyTorch's
     FLEX style requires), so the call is :func:`dtensor_ring.flex_attention` on the shards,
     with the global ``BlockMask`` that :func:`context_parallel_shard` passed through."""
-    args, kwargs = _local_inputs((args, kwargs), mesh, style.seq_dim)
+    args, kwargs = _local_inputs((args, kwargs), mesh, style.seq_dim, group)
     layout = sharded_layout(style.layout)
     return flex_attention(*args, group=group, layout=layout, algorithm=style.algorithm, **kwargs)
 
@@ -188,18 +189,21 @@ def sharded_layout(layout: str | Layout | None = None) -> str | Layout:
     return _SHARDED[0] or ("zigzag" if cp_options.enable_load_balance else "ring")
 
 
-def _local_inputs(inputs: Any, mesh: DeviceMesh, seq_dim: int) -> Any:
+def _local_inputs(inputs: Any, mesh: DeviceMesh, seq_dim: int, group: dist.ProcessGroup) -> Any:
     """``inputs`` with every DTensor replaced by its local shard (``ValueError`` unless it is
-    placed ``Shard(seq_dim)`` on ``mesh``)."""
+    placed ``Shard(seq_dim)`` on ``mesh``, relayed to every rank of ``group``: the others are
+    about to compare their attention call)."""
     flat, spec = tree_flatten(inputs)
-    for i, x in enumerate(flat):
-        if isinstance(x, DTensor):
-            if x.device_mesh != mesh or tuple(x.placements) != (Shard(seq_dim),):
+    with relay_errors(lambda: group_arg(group)[0], "ContextParallel"):
+        for x in flat:
+            if isinstance(x, DTensor) and (
+                x.device_mesh != mesh or tuple(x.placements) != (Shard(seq_dim),)
+            ):
                 raise ValueError(
                     f"ContextParallel: a DTensor input placed {tuple(x.placements)} on "
                     f"{x.device_mesh}; expected (Shard({seq_dim}),) on {mesh}"
                 )
-            flat[i] = x.to_local()
+    flat = [x.to_local() if isinstance(x, DTensor) else x for x in flat]
     return tree_unflatten(flat, spec)
 
 
