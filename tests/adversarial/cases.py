@@ -40,7 +40,8 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
 * ``context_parallel``: ``F.scaled_dot_product_attention`` on plain shards inside
   ``dtensor_ring.context_parallel`` and inside a module parallelized with
   ``dtensor_ring.ContextParallel`` (PyTorch's default layout, "stripe", "llama3_zigzag"),
-  and the buffers it shards in place and restores (:func:`cp_buffers_case`);
+  and the buffers it shards in place and restores (:func:`cp_buffers_case`; a malformed
+  argument also on rank 0 alone, ``rank0:``);
 * ``decode``, ``kv_cache``: ``decode_attention_func`` over uneven / empty / scattered cache
   shards and windows by position, and ``KVCacheShard`` + ``prefill_attention`` +
   ``decode_step_attention`` (:mod:`tests.adversarial.inference`);
