@@ -170,7 +170,11 @@ def flex_attention(
         and _documents_run(q_BSHD)
     ):
         documents = _mask_documents(tiles_mask, q_BSHD.shape[0])
-        if documents is not None:
+        # A window within documents stays on flex's kernels on CUDA: the routed call was wrong
+        # there (tests/gpu/check_flex.py, H100, 2026-12-05: error 35x one-GPU flex's), a
+        # fact every rank shares (the device, the mask)
+        windowed = documents is not None and documents.window_size not in ((-1, 0), (-1, -1))
+        if documents is not None and not (windowed and q_BSHD.is_cuda):
             return _on_documents(documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec)
     lay = get_layout(layout, "dense")
     plan = flex_plan(lay, world_size, q_BSHD.shape[1], visible, trim=kernel.trims)
