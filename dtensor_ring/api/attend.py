@@ -154,6 +154,16 @@ def varlen_attention(
     def checks() -> tuple[int | None]:
         check_cu_seqlens_arg(cu_seqlens, q)
         _check_positions(positions, call, cu_seqlens)
+        windowed = isinstance(window_size, (tuple, list)) and tuple(window_size) not in (
+            (-1, -1),
+            (-1, 0),
+        )
+        if placed and windowed and q.is_cuda:  # measured wrong (tests/gpu/check_flex.py, H100,
+            raise ValueError(  # 2026-12-05): refused until found, never quietly wrong
+                "a sliding window on a placed document layout (document_layout, "
+                "documents_as_sharded) is not supported on CUDA yet; use a per-document layout "
+                "(layout='zigzag') or no window"
+            )
         if placed and comparing((name,)):  # this rank's values, not compared: checked here too
             bounds = read_cu_seqlens(cu_seqlens, q.shape[0])  # (the op checks them again)
             check_placed_local(lay, bounds, dist.get_rank(group), world_size)
