@@ -213,11 +213,12 @@ def main() -> None:
             t = (timed(one[0], a.reps) / W, timed(one[1], a.reps) / W)
             rows.append(ideal_row(name, f"one GPU {kernel} / {W}", t))
             best = tuple(min(x, y) for x, y in zip(best, t, strict=True))
-        paths = [("ring", "ring"), ("zigzag", "zigzag"), ("mask-aware k=8", dr.flex_layout(bm, W))]
-        if bounds is not None:
-            paths.append(("documents", dr.document_layout(bounds, W, window_size=window)))
-            if a.varlen_only:
-                paths = []
+        paths = []  # the flex-kernel layouts (--varlen-only: not for the document masks)
+        if bounds is None or not a.varlen_only:
+            mask_aware = dr.flex_layout(bm, W)
+            paths = [("ring", "ring"), ("zigzag", "zigzag"), ("mask-aware k=8", mask_aware)]
+            if bounds is not None:
+                paths.append(("documents", dr.document_layout(bounds, W, window_size=window)))
         for label, layout in paths:
             sims = [
                 RankSimulator(

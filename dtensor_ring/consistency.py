@@ -270,6 +270,19 @@ def relay_errors(
         raise
 
 
+@contextlib.contextmanager
+def collective_entry(group_name: str, op: str) -> Iterator[None]:
+    """Around the argument checks of an entry every rank of the group makes together (a
+    ``KVCacheShard``'s construction, entering ``context_parallel``): a rank's error is relayed
+    as a call's is (:func:`relay_errors`), and where calls compare (:func:`comparing`) the
+    entry compares too, so one rank's bad argument raises on every rank here, not in the
+    others' next collective, whatever that is."""
+    with relay_errors(group_name, op):
+        yield
+    if comparing(group_name):
+        check_consistent(group_name, {"op": op})
+
+
 DEBUG_HINT = (
     f" [raised on this rank before any communication; if other ranks did not raise, they wait "
     f"for this one: {ENV_VAR}=1 raises the same error on every rank]"

@@ -102,6 +102,19 @@ def dense_attention(
     return call_attention(ring_attention, q, k, v, *spec.op_args(), sinks)
 
 
+def refuses_placed_window(q: Tensor, window_size: object) -> bool:
+    """Whether a placed document layout refuses a call on ``q`` with flash-attn's
+    ``window_size``: a sliding window (anything but none or plain causal) on CUDA, where the
+    GPU check of 2026-12-05 (tests/gpu/check_flex.py, H100) found the result wrong; refused
+    until that is found, never quietly wrong (docs/varlen.md, Limitations). The device and the
+    window are facts every rank shares."""
+    windowed = isinstance(window_size, (tuple, list)) and tuple(window_size) not in (
+        (-1, -1),
+        (-1, 0),
+    )
+    return windowed and q.is_cuda
+
+
 def varlen_attention(
     q: Tensor,
     k: Tensor,
@@ -154,12 +167,8 @@ def varlen_attention(
     def checks() -> tuple[int | None]:
         check_cu_seqlens_arg(cu_seqlens, q)
         _check_positions(positions, call, cu_seqlens)
-        windowed = isinstance(window_size, (tuple, list)) and tuple(window_size) not in (
-            (-1, -1),
-            (-1, 0),
-        )
-        if placed and windowed and q.is_cuda:  # measured wrong (tests/gpu/check_flex.py, H100,
-            raise ValueError(  # 2026-12-05): refused until found, never quietly wrong
+        if placed and refuses_placed_window(q, window_size):
+            raise ValueError(
                 "a sliding window on a placed document layout (document_layout, "
                 "documents_as_sharded) is not supported on CUDA yet; use a per-document layout "
                 "(layout='zigzag') or no window"

@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention import flex_attention as torch_flex
 
 from ..algorithm import Algorithm
-from ..consistency import check_consistent, comparing, relay_errors
+from ..consistency import collective_entry, relay_errors
 from ..layouts import Layout, balancer_layout, gather_sequence, get_layout, shard_local
 from ..resolve import check_bool, check_unsupported, group_arg, placement
 from .attend import dense_attention
@@ -349,9 +349,7 @@ def context_parallel(
     buffer_seq_dims = [] if buffer_seq_dims is None else buffer_seq_dims
     no_restore = set() if no_restore_buffers is None else no_restore_buffers
     world_size, rank = mesh.size(), mesh.get_local_rank()
-    # Entered by every rank of the group together, so compared as a call is: one rank's bad
-    # argument raises on every rank here, not in the others' first SDPA call
-    with relay_errors(group_name, "context_parallel"):
+    with collective_entry(group_name, "context_parallel"):  # entered by every rank together
         _check_buffer_args(buffers, buffer_seq_dims, no_restore)
         seq_len = buffers[0].shape[buffer_seq_dims[0]] if buffers else None
         if seq_len is not None:
@@ -366,8 +364,6 @@ def context_parallel(
                 shard_local(b, layout, rank, world_size, d)
                 for b, d in zip(buffers, buffer_seq_dims, strict=True)
             ]
-    if comparing(group_name):
-        check_consistent(group_name, {"op": "context_parallel"})
     with torch.no_grad():
         originals = [None if b in no_restore else b.clone() for b in buffers]
         for buffer, shard in zip(buffers, shards, strict=True):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..api.attend import dense_attention
-from ..consistency import check_consistent, comparing, relay_errors
+from ..consistency import collective_entry, relay_errors
 from ..layouts import get_layout, token_indices
 from ..resolve import check_qkv_tensors, check_sinks, check_window_size, group_arg
 from .decode import decode_attention_func
@@ -113,12 +113,8 @@ class KVCacheShard:
     def __init__(self, group: dist.ProcessGroup | None = None, sliding_window: int | None = None):
         self.group = group
         self.group_name, world = group_arg(group)
-        # Made by every rank of the group together, so compared as a call is: one rank's bad
-        # argument raises on every rank here, not in the others' next collective, whatever it is
-        with relay_errors(self.group_name, "KVCacheShard"):
+        with collective_entry(self.group_name, "KVCacheShard"):  # made by every rank together
             self.index = ShardPositions(dist.get_rank(group), world, sliding_window)
-        if comparing(self.group_name):
-            check_consistent(self.group_name, {"op": "KVCacheShard"})
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
 
