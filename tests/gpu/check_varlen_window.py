@@ -1,0 +1,226 @@
+"""GPU check of sliding windows on placed document layouts (docs/varlen.md, Limitations).
+
+Not a test (CI has no GPU): ``python tests/gpu/check_varlen_window.py``. The H100 run of
+``check_flex.py`` (2026-12-05) found packed documents with a window of 256 on a placed layout
+(``dr.documents_as_sharded``) 35x less exact than one-GPU attention on PyTorch's flash varlen
+kernel, while the CPU route is exact. This script finds where:
+
+1. end to end: every rank of a W = 4 ring in turn (``dr.simulate_ring``), bf16, 5 and 32
+   packed documents of 4096 tokens, ``H = 8, H_kv = 2, D = 64``; placed ring / zigzag and the
+   per-document layout zigzag, window ``(255, 0)`` and plain causal; the max error of
+   ``out, dq, dk, dv`` against fp64 (``tests/reference``) as a ratio to one-GPU varlen
+   attention on the whole sequence (the same kernel) in the same dtype;
+2. per kernel call: every varlen call the engine makes on the GPU kernel is repeated on the
+   math kernel in fp64 with the same inputs (the backward with the same ``out`` / ``lse``),
+   and the calls whose error is far above bf16's are printed with their ``cu_seqlens``,
+   ``max_seqlen`` and mask;
+3. the engine's CUDA-only parts: the same rows with the math kernel (``backend="math"``),
+   with merges in eager torch ops instead of the Triton kernel, and with merges on the compute
+   stream instead of the side stream.
+
+Results go to ``$OUT/check_varlen_window.json`` (or the current dir).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from reference import reference_attention_varlen  # noqa: E402
+
+import dtensor_ring as dr  # noqa: E402
+from dtensor_ring.engine import ring as engine_ring  # noqa: E402
+from dtensor_ring.kernels import KernelCall, select_kernel  # noqa: E402
+from dtensor_ring.kernels import merge as kernel_merge  # noqa: E402
+from dtensor_ring.kernels.math import MathKernel  # noqa: E402
+
+H, H_KV, D, S, W = 8, 2, 64, int(os.environ.get("SEQ", 4096)), 4
+DEV = torch.device(os.environ.get("DEVICE", "cuda"))
+MATH = MathKernel()
+# the math kernel's own methods (the recorder may wrap the class itself on a CPU dry run)
+MATH_FWD, MATH_BWD = MathKernel._forward_varlen, MathKernel._backward_varlen
+
+
+def bounds_of(n: int) -> list[int]:
+    """Boundaries of ``n`` random documents of ``S`` tokens (lengths multiples of 2W)."""
+    gen = torch.Generator().manual_seed(n)
+    cuts = torch.sort(torch.randperm(S // (2 * W) - 1, generator=gen)[: n - 1] + 1).values
+    return [0, *(2 * W * cuts).tolist(), S]  # lengths a multiple of 2W, as zigzag needs
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+class Recorder:
+    """Wraps a kernel class's varlen methods: every call is checked against fp64 math."""
+
+    def __init__(self, cls):
+        self.cls, self.calls = cls, []
+        self.fwd, self.bwd = cls._forward_varlen, cls._backward_varlen
+        rec = self
+
+        def fwd(kernel, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window):
+            out, lse = rec.fwd(
+                kernel, q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window
+            )
+            out64, lse64 = MATH_FWD(
+                MATH, *(t.double() for t in (q, k, v)), cu_q, cu_k, max_q, max_k,
+                causal=causal, scale=scale, window=window,
+            )  # fmt: skip
+            finite = torch.isfinite(lse64)
+            rec.note("fwd", cu_q, cu_k, max_q, max_k, causal, window, {
+                "out": max_err(out, out64),
+                "lse": max_err(lse[finite], lse64[finite]),
+                "inf_mismatch": int((lse[~finite] != lse64[~finite]).sum()),
+                "empty_rows": int((~finite).sum()),
+            })  # fmt: skip
+            return out, lse
+
+        def bwd(kernel, do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, scale, window):
+            grads = rec.bwd(
+                kernel, do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                causal=causal, scale=scale, window=window,
+            )  # fmt: skip
+            grads64 = MATH_BWD(
+                MATH, *(t.double() for t in (do, q, k, v, out, lse)), cu_q, cu_k, max_q, max_k,
+                causal=causal, scale=scale, window=window,
+            )  # fmt: skip
+            errs = {
+                n: max_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads, grads64, strict=True)
+            }
+            rec.note("bwd", cu_q, cu_k, max_q, max_k, causal, window, errs)
+            return grads
+
+        cls._forward_varlen, cls._backward_varlen = fwd, bwd
+
+    def note(self, kind, cu_q, cu_k, max_q, max_k, causal, window, errs):
+        self.calls.append({
+            "kind": kind, "lengths_q": cu_q.diff().tolist(), "lengths_k": cu_k.diff().tolist(),
+            "max_q": max_q, "max_k": max_k, "causal": causal, "window": window, "errors": errs,
+        })  # fmt: skip
+
+    def restore(self):
+        self.cls._forward_varlen, self.cls._backward_varlen = self.fwd, self.bwd
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The engine as it is ("kernel"), or with one CUDA-only part replaced."""
+    saved = kernel_merge._fused_merge, engine_ring._side_stream
+    if name == "eager-merge":
+        kernel_merge._fused_merge = lambda: None
+    if name == "one-stream":
+        engine_ring._side_stream = lambda device: torch.cuda.current_stream(device)
+    try:
+        yield
+    finally:
+        kernel_merge._fused_merge, engine_ring._side_stream = saved
+
+
+VARIANTS = ("kernel", "math", "eager-merge", "one-stream")
+
+
+def one_gpu(kernel, q, k, v, dout, cu, window, causal):
+    """Varlen attention on the whole sequence, one kernel call (the baseline)."""
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
+    m = max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))
+    scale = D**-0.5
+    win = None if window in ((-1, -1), (-1, 0)) else window
+    out, lse = kernel.forward_varlen(
+        q, k, v, cu_t, cu_t, m, m, causal=causal, scale=scale, window=win
+    )
+    grads = kernel.backward_varlen(
+        dout, q, k, v, out, lse, cu_t, cu_t, m, m, causal=causal, scale=scale, window=win
+    )
+    return [out, *grads]
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(S, H, D, generator=gen).to(DEV) for _ in range(2))
+    k, v = (torch.randn(S, H_KV, D, generator=gen).to(DEV) for _ in range(2))
+    x = q.to(torch.bfloat16)
+    kernel = select_kernel(KernelCall.of(x[None], x[None, :, :H_KV], varlen=True, window=True))
+    print(f"{device_name()} torch {torch.__version__} kernel {kernel.name}")
+    rows, bad_calls = [], []
+    for n_docs in (5, 32):
+        cu = bounds_of(n_docs)
+        for window in ((255, 0), (-1, 0)):
+            leaves = [t.double().requires_grad_() for t in (q, k, v)]
+            cu_t = torch.tensor(cu, device=DEV)
+            ref_out, _ = reference_attention_varlen(*leaves, cu_t, causal=True, window_size=window)
+            ref_out.backward(dout.double())
+            ref = [ref_out.detach(), *(t.grad for t in leaves)]
+            del ref_out, leaves
+            low = [t.to(torch.bfloat16) for t in (q, k, v, dout)]
+            base = [
+                max_err(a, b)
+                for a, b in zip(one_gpu(kernel, *low, cu, window, True), ref, strict=True)
+            ]
+            for layout_name, name in [
+                (lay, name)
+                for lay in ("placed-ring", "placed-zigzag", "zigzag")
+                for name in VARIANTS
+            ]:
+                if layout_name.startswith("placed-"):
+                    layout = dr.documents_as_sharded(
+                        cu, layout_name[7:], W, causal=True, window_size=window
+                    )
+                else:
+                    layout = layout_name
+                rec = Recorder(type(kernel))
+                t0 = time.time()
+                try:
+                    with variant(name):
+                        got = dr.simulate_ring(
+                            *low, layout=layout, world_size=W, causal=True, cu_seqlens=cu,
+                            window_size=window, backend="math" if name == "math" else None,
+                        )  # fmt: skip
+                finally:
+                    rec.restore()
+                got = [got[0], *got[2:]]
+                errs = [max_err(a, b) for a, b in zip(got, ref, strict=True)]
+                row = {
+                    "docs": n_docs, "window": window, "layout": layout_name, "variant": name,
+                    "errors": errs,
+                    "one_gpu_errors": base,
+                    "ratios": [e / max(b, 1e-30) for e, b in zip(errs, base, strict=True)],
+                    "calls": len(rec.calls), "seconds": round(time.time() - t0, 1),
+                }  # fmt: skip
+                rows.append(row)
+                ratios = " ".join(f"{r:.2f}" for r in row["ratios"])
+                print(
+                    f"docs={n_docs:<3} window={window!s:<10} {layout_name:<14} {name:<12} {ratios}",
+                    flush=True,
+                )
+                worst = max(base)
+                for call in rec.calls:
+                    e = call["errors"]
+                    if max(v for n, v in e.items() if n != "empty_rows") > 4 * worst:
+                        bad_calls.append(
+                            {"row": layout_name, "variant": name, "docs": n_docs, **call}
+                        )
+                        print("   BAD", call, flush=True)
+    out_dir = os.environ.get("OUT", ".")
+    meta = {"gpu": device_name(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "kernel": kernel.name,
+            "shape": {"H": H, "H_kv": H_KV, "D": D, "S": S, "W": W}}  # fmt: skip
+    with open(os.path.join(out_dir, "check_varlen_window.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "bad_calls": bad_calls}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
