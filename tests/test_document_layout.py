@@ -20,9 +20,11 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from reference import reference_attention_varlen
+from reference import flash2_visible, reference_attention_varlen
 
 import dtensor_ring as dr
+from dtensor_ring.kernels.base import window_mask
+from dtensor_ring.kernels.cuda_flash import flash2_max_seqlen_k
 from dtensor_ring.layouts import TokenLayout
 from dtensor_ring.layouts.documents import _candidates, documents_on_tokens, pairs_by_offset
 from dtensor_ring.parts import band_pairs
@@ -168,8 +170,10 @@ def test_tolerance_trades_cuts_for_balance():
 def test_plan_computes_every_visible_pair_once(world_size):
     """Each rank's blocks cover exactly its visible pairs (counted token by token), every
     local row is initialised by exactly one step-0 block, a kernel call never holds one query
-    row twice, and each step computes what the cost model counts for it without a plan
-    (``pairs_by_offset``)."""
+    row twice, each step computes what the cost model counts for it without a plan
+    (``pairs_by_offset``), and FlashAttention-2 computes every windowed call as asked (Note
+    [FlashAttention-2's unbounded window sides]: these plans send documents with more queries
+    than keys)."""
     for causal, window, lay in every_candidate(range(100, 112), world_size):
         bounds = list(lay.bounds)
         norm = None if window == (-1, -1) else window
@@ -184,6 +188,8 @@ def test_plan_computes_every_visible_pair_once(world_size):
                     rows = [i for a, b in blk.q.spans for i in range(a, b)]
                     assert len(rows) == len(set(rows))
                     init_rows += rows if blk.init else []
+                    if blk.window is not None:
+                        _check_flash2_call(blk)
                     for (qa, qb), (ka, kb) in zip(blk.q.spans, blk.kv.spans, strict=True):
                         in_step += band_pairs(
                             qb - qa, kb - ka, *segment_band(blk, qb - qa, kb - ka)
@@ -192,6 +198,17 @@ def test_plan_computes_every_visible_pair_once(world_size):
                 got += in_step
             assert sorted(init_rows) == list(range(bounds[-1] // world_size))
             assert got == pairs_of(lay.indices[r].tolist(), bounds, causal, window)
+
+
+def _check_flash2_call(blk) -> None:
+    """The varlen call of ``blk`` as the FlashAttention-2 adapters make it computes the
+    interface's window in every document (``reference.flash2_visible``)."""
+    sizes_q, sizes_k = ([b - a for a, b in part.spans] for part in (blk.q, blk.kv))
+    max_q, max_k = max(sizes_q), max(sizes_k)
+    passed = flash2_max_seqlen_k(max_q, max_k, blk.window)
+    for s_q, s_k in zip(sizes_q, sizes_k, strict=True):
+        got = flash2_visible(s_q, s_k, max_q, passed, False, blk.window)
+        assert torch.equal(got, window_mask(s_q, s_k, blk.window, "cpu")), (blk, s_q, s_k)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import inspect
+import itertools
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ import types
 
 import pytest
 import torch
+from reference import flash2_visible
 from torch import Tensor
 
 from dtensor_ring.kernels import (
@@ -42,9 +44,11 @@ from dtensor_ring.kernels import (
     flash_attn4_grads,
     select_kernel,
 )
+from dtensor_ring.kernels import cuda_flash as cuda_flash_module
 from dtensor_ring.kernels import flash_attn4 as flash_attn4_module
+from dtensor_ring.kernels import math as math_kernel
 from dtensor_ring.kernels.base import window_mask
-from dtensor_ring.kernels.cuda_flash import TorchFlashKernel
+from dtensor_ring.kernels.cuda_flash import TorchFlashKernel, flash2_max_seqlen_k
 from dtensor_ring.kernels.cudnn import CudnnKernel
 from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
 from dtensor_ring.kernels.flash_attn_pkg import FlashAttnKernel
@@ -63,9 +67,20 @@ def _maybe_contiguous(x: Tensor | None) -> Tensor | None:
     return x.contiguous() if x is not None and x.stride(-1) != 1 else x
 
 
-def _check_options(dropout_p, softcap, alibi_slopes, window: tuple[int, int]) -> None:
+def _check_options(dropout_p, softcap, alibi_slopes, window=(-1, -1)) -> None:
+    """The options the adapters never use; the dense stand-ins take no window."""
     assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
     assert tuple(window) == (-1, -1), window
+
+
+def flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window) -> Tensor:
+    """``[T_q, T_k]`` bool: what FlashAttention-2 computes of a varlen call, document by
+    document (``reference.flash2_visible``: its host rewrite of ``window``, -1 unbounded)."""
+    mask = torch.zeros(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.bool)
+    bounds = zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False)
+    for q0, q1, k0, k1 in bounds:
+        mask[q0:q1, k0:k1] = flash2_visible(q1 - q0, k1 - k0, max_q, max_k, causal, tuple(window))
+    return mask
 
 
 def _check_lse(lse: Tensor, shape: tuple[int, ...]) -> None:
@@ -97,14 +112,14 @@ def _varlen_forward(
     softcap,
     alibi_slopes,
 ):
-    """``(out [T, H, D], lse fp32 [H, T])``."""
-    _check_options(dropout_p, softcap, alibi_slopes, window)
+    """``(out [T, H, D], lse fp32 [H, T])``, with FlashAttention-2's window rewrite."""
+    _check_options(dropout_p, softcap, alibi_slopes)
     assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int)
     assert not causal or torch.equal(cu_q, cu_k)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
-    return MATH.forward_varlen(
-        q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=softmax_scale
-    )
+    mask = flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window)
+    out, lse = math_kernel._forward(q[None], k[None], v[None], softmax_scale, mask)
+    return out[0], lse[0]
 
 
 def _write_grads(grads, dq, dk, dv, like) -> tuple[Tensor, Tensor, Tensor]:
@@ -165,14 +180,14 @@ def _varlen_backward(
     softcap,
     alibi_slopes,
 ):
-    """``(dq, dk, dv, softmax_d)``."""
-    _check_options(dropout_p, softcap, alibi_slopes, window)
+    """``(dq, dk, dv, softmax_d)``, with FlashAttention-2's window rewrite."""
+    _check_options(dropout_p, softcap, alibi_slopes)
     T, H, _ = q.shape
     _check_lse(lse, (H, T))
     dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
-    grads = MATH.backward_varlen(
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, scale=softmax_scale
-    )
+    mask = flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window)
+    tensors = (t[None] for t in (dout, q, k, v, out, lse))
+    grads = [g[0] for g in math_kernel._backward(*tensors, softmax_scale, mask)]
     softmax_d = torch.empty(H, T + 128 * (cu_q.numel() - 1))
     return (*_write_grads(grads, dq, dk, dv, (q, k, v)), softmax_d)
 
@@ -614,6 +629,72 @@ def test_flash_attn_varlen_matches_math(flash_attn_version, causal, num_kv_heads
         dout, q, k, v, want_out, want_lse, *args, causal=causal, scale=SCALE
     )
     _assert_fresh_and_equal(grads, want, (q, k, v, dout, want_out))
+
+
+# Documents with more queries than keys (document 0: 9 > max_seqlen_k + 1) and fewer, as the
+# placed document plans send them, under windows with an unbounded side
+# (Note [FlashAttention-2's unbounded window sides] in dtensor_ring/kernels/cuda_flash.py).
+VARLEN_WINDOWS = [(0, -1), (1, -1), (-1, 2), (2, 3), (3, 0), (-1, -1)]
+
+
+def _check_varlen_windows(kernel, window) -> None:
+    H, H_kv, D = 4, 2, 8
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 9, 11, 20], [0, 3, 8, 12]))
+    args = (cu_q, cu_k, 9, 5)
+    g = torch.Generator().manual_seed(3)
+    q, dout = torch.randn(2, 20, H, D, generator=g).unbind(0)
+    k, v = torch.randn(2, 12, H_kv, D, generator=g).unbind(0)
+    kw = dict(causal=False, scale=SCALE, window=window)
+    out, lse = kernel.forward_varlen(q, k, v, *args, **kw)
+    want_out, want_lse = MATH.forward_varlen(q, k, v, *args, **kw)
+    _assert_fresh_and_equal((out, lse), (want_out, want_lse), (q, k, v))
+    grads = kernel.backward_varlen(dout, q, k, v, want_out, want_lse, *args, **kw)
+    want = MATH.backward_varlen(dout, q, k, v, want_out, want_lse, *args, **kw)
+    _assert_fresh_and_equal(grads, want, (q, k, v, dout, want_out))
+
+
+@pytest.mark.parametrize("window", VARLEN_WINDOWS)
+def test_flash_attn_varlen_windows_are_the_interfaces(flash_attn_version, window):
+    _check_varlen_windows(FLASH, window)
+
+
+@pytest.mark.parametrize("window", VARLEN_WINDOWS)
+def test_cuda_flash_varlen_windows_are_the_interfaces(monkeypatch, window):
+    """PyTorch's copy of FlashAttention-2, its aten ops modelled as the flash-attn stand-ins."""
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, **win):
+        assert not debug
+        window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
+        assert not win
+        out, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale,
+                                   causal, window, 0.0, None)  # fmt: skip
+        return out, lse, *_unused_outputs(q), None
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng,
+                 unused, *, scale, **win):  # fmt: skip
+        window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
+        assert not win
+        cu_and_max = (cu_q, cu_k, max_q, max_k)
+        *grads, _ = _varlen_backward(dout, q, k, v, out, lse, None, None, None, *cu_and_max,
+                                     dropout_p, scale, causal, window, 0.0, None)  # fmt: skip
+        return tuple(grads)
+
+    ops = {"_flash_attention_forward": forward, "_flash_attention_backward": backward}
+    monkeypatch.setattr(cuda_flash_module, "require_aten_op", ops.__getitem__)
+    _check_varlen_windows(TorchFlashKernel(), window)
+
+
+def test_flash2_max_seqlen_k_makes_every_window_the_interfaces():
+    """Every document shape and window (sides -1..7), checked on the model of
+    FlashAttention-2's window rewrite; the arguments as they are lose keys (the note's case)."""
+    for s_q, s_k in itertools.product(range(1, 7), repeat=2):
+        for max_q, max_k in itertools.product((s_q, s_q + 2), (s_k, s_k + 2)):
+            for window in itertools.product(range(-1, 8), repeat=2):
+                max_k_passed = flash2_max_seqlen_k(max_q, max_k, window)
+                got = flash2_visible(s_q, s_k, max_q, max_k_passed, False, window)
+                assert torch.equal(got, window_mask(s_q, s_k, window, "cpu")), (s_q, s_k, window)
+    as_is = flash2_visible(6, 3, 6, 3, False, (0, -1))
+    assert not torch.equal(as_is, window_mask(6, 3, (0, -1), "cpu"))
 
 
 def test_flash_attn_availability(monkeypatch):

@@ -1,9 +1,12 @@
 """Tier 1: schedules and their cost model, single process, no communication."""
 
 import pytest
+import torch
 from expecttest import assert_expected_inline
+from reference import flash2_visible
 
 from dtensor_ring import make_plan, token_indices
+from dtensor_ring.kernels.base import window_mask
 from dtensor_ring.parts import Block, Part, band_pairs
 from dtensor_ring.resolve import normalize_window
 
@@ -82,8 +85,10 @@ def test_every_query_meets_every_visible_key_once(layout, causal, world_size, wi
                 q0, q1 = block.q.bounds(n)
                 k0, k1 = block.kv.bounds(n)
                 lo, hi = block.band(n)
-                if block.window is not None:  # flash kernels take a side >= S_k as unbounded
-                    assert max(block.window) < k1 - k0, block
+                if block.window is not None:  # as FlashAttention-2 computes it (dense ops)
+                    s_q, s_k = q1 - q0, k1 - k0
+                    got = flash2_visible(s_q, s_k, s_q, s_k, False, block.window)
+                    assert torch.equal(got, window_mask(s_q, s_k, block.window, "cpu")), block
                 rows = set()
                 for i in range(q0, q1):
                     for j in range(k0, k1):

@@ -22,7 +22,8 @@ torch 2.11.0+cu130 by ``tests/gpu/check_kernels.py``, dense and varlen, GQA 32:8
   is visible to query ``i`` iff ``j <= i + S_k - S_q``. For the square causal blocks the engine
   sends this is the top-left mask of the interface.
 * ``window_size_left/right`` (keyword, ``None`` = -1 = unbounded) are flash-attn's sliding
-  window, aligned bottom-right like ``causal``: exactly the interface's ``window``.
+  window, aligned bottom-right like ``causal``: the interface's ``window``, once the varlen
+  calls pass :func:`flash2_max_seqlen_k` (Note [FlashAttention-2's unbounded window sides]).
 """
 
 from __future__ import annotations
@@ -44,6 +45,47 @@ def _window_args(window: tuple[int, int] | None) -> dict[str, int]:
     if window is None:
         return {}
     return {"window_size_left": window[0], "window_size_right": window[1]}
+
+
+# Note [FlashAttention-2's unbounded window sides]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# FlashAttention-2's host code (``flash_api.cpp``: the forwards and backwards, PyTorch's copy
+# and the flash-attn package alike) rewrites a window before its kernel sees it:
+#
+#     a side >= max_seqlen_k       -> -1
+#     left < 0 <= right (not causal) -> left = max_seqlen_k
+#     right < 0 <= left            -> right = max_seqlen_k
+#
+# and the kernel shows query i of a document of S_q queries and S_k keys the keys
+# ``i + S_k - S_q - left <= j < i + 1 + S_k - S_q + right``. A left side of max_seqlen_k
+# (>= S_k) always reaches key 0; a right side of max_seqlen_k reaches the last key from the
+# first query only if max_seqlen_k >= S_q - 1. A document with more queries than that loses
+# keys in its first rows. S_q = 6, S_k = 3, window (0, -1) (max_seqlen_k = 3):
+#
+#          asked      FlashAttention-2 (right = 3)
+#     q0   x x x      x . .
+#     q1   x x x      x x .
+#     q2   x x x      x x x
+#     q3   x x x      x x x
+#     q4   . x x      . x x
+#     q5   . . x      . . x
+#
+# The placed document plans send such blocks (a rank's run of a document against a shorter
+# earlier run of it: found wrong on an H100 by ``tests/gpu/check_flex.py`` on 2026-12-05). The
+# dense ops take ``max_seqlen_k = S_k`` and cannot be told otherwise: the dense plans never
+# send such a block (``tests/test_plan.py`` replays every block through a model of the
+# rewrite, ``tests/reference.flash2_visible``). The varlen calls pass
+# ``max(max_seqlen_q, max_seqlen_k)`` with a window (:func:`flash2_max_seqlen_k`): the
+# kernel reads only an upper bound of the key lengths from it (its loops run over each
+# document's own), and every rewritten side is then unbounded for every document.
+
+
+def flash2_max_seqlen_k(
+    max_seqlen_q: int, max_seqlen_k: int, window: tuple[int, int] | None
+) -> int:
+    """The ``max_seqlen_k`` a FlashAttention-2 varlen call passes for the interface's
+    ``window`` (Note [FlashAttention-2's unbounded window sides])."""
+    return max_seqlen_k if window is None else max(max_seqlen_k, max_seqlen_q)
 
 
 def _no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -166,7 +208,7 @@ class TorchFlashKernel(BlockKernel):
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
-            max_seqlen_k,
+            flash2_max_seqlen_k(max_seqlen_q, max_seqlen_k, window),
             0.0,
             causal,
             False,
@@ -203,7 +245,7 @@ class TorchFlashKernel(BlockKernel):
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
-            max_seqlen_k,
+            flash2_max_seqlen_k(max_seqlen_q, max_seqlen_k, window),
             0.0,
             causal,
             rng_state,

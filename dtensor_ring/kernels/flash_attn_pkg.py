@@ -32,7 +32,9 @@ We always pass preallocated ``dq/dk/dv``, so the backward works the same in both
 and ``deterministic=torch.are_deterministic_algorithms_enabled()``, the switch ``cuda_flash``
 obeys too.
 
-Head dim must be a multiple of 8 (2.6 would pad it, 2.7+ refuses). ``causal`` is aligned
+Head dim must be a multiple of 8 (2.6 would pad it, 2.7+ refuses). The window is rewritten by
+the same host code as ``cuda_flash``'s (Note [FlashAttention-2's unbounded window sides] in
+``cuda_flash.py``): the varlen calls pass the same ``max_seqlen_k``. ``causal`` is aligned
 bottom-right when ``S_q != S_k``, as in ``cuda_flash``; the engine only sends square causal
 blocks.
 """
@@ -52,7 +54,7 @@ import torch
 from torch import Tensor
 
 from .base import BlockKernel, KernelCall
-from .cuda_flash import deterministic_reason, head_dim_reason
+from .cuda_flash import deterministic_reason, flash2_max_seqlen_k, head_dim_reason
 
 _INTERFACE = "flash_attn.flash_attn_interface"
 
@@ -197,7 +199,7 @@ class FlashAttnKernel(BlockKernel):
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
-            max_seqlen_k,
+            flash2_max_seqlen_k(max_seqlen_q, max_seqlen_k, window),
             return_softmax=False,
             block_table=None,
             **_options(fn, causal=causal, scale=scale, window=window),
@@ -236,7 +238,7 @@ class FlashAttnKernel(BlockKernel):
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
+            max_seqlen_k=flash2_max_seqlen_k(max_seqlen_q, max_seqlen_k, window),
             deterministic=torch.are_deterministic_algorithms_enabled(),
             **_options(fn, causal=causal, scale=scale, window=window),
         )

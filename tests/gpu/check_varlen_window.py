@@ -16,7 +16,9 @@ kernel, while the CPU route is exact. This script finds where:
    ``max_seqlen`` and mask;
 3. the engine's CUDA-only parts: the same rows with the math kernel (``backend="math"``),
    with merges in eager torch ops instead of the Triton kernel, and with merges on the compute
-   stream instead of the side stream.
+   stream instead of the side stream; and the kernel given ``max_seqlen_k`` as it is
+   ("unpatched": before Note [FlashAttention-2's unbounded window sides] in
+   ``dtensor_ring/kernels/cuda_flash.py``).
 
 Results go to ``$OUT/check_varlen_window.json`` (or the current dir).
 """
@@ -38,7 +40,7 @@ from reference import reference_attention_varlen  # noqa: E402
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.engine import ring as engine_ring  # noqa: E402
-from dtensor_ring.kernels import KernelCall, select_kernel  # noqa: E402
+from dtensor_ring.kernels import KernelCall, cuda_flash, select_kernel  # noqa: E402
 from dtensor_ring.kernels import merge as kernel_merge  # noqa: E402
 from dtensor_ring.kernels.math import MathKernel  # noqa: E402
 
@@ -119,18 +121,20 @@ class Recorder:
 @contextlib.contextmanager
 def variant(name: str):
     """The engine as it is ("kernel"), or with one CUDA-only part replaced."""
-    saved = kernel_merge._fused_merge, engine_ring._side_stream
+    saved = kernel_merge._fused_merge, engine_ring._side_stream, cuda_flash.flash2_max_seqlen_k
     if name == "eager-merge":
         kernel_merge._fused_merge = lambda: None
     if name == "one-stream":
         engine_ring._side_stream = lambda device: torch.cuda.current_stream(device)
+    if name == "unpatched":
+        cuda_flash.flash2_max_seqlen_k = lambda max_q, max_k, window: max_k
     try:
         yield
     finally:
-        kernel_merge._fused_merge, engine_ring._side_stream = saved
+        kernel_merge._fused_merge, engine_ring._side_stream, cuda_flash.flash2_max_seqlen_k = saved
 
 
-VARIANTS = ("kernel", "math", "eager-merge", "one-stream")
+VARIANTS = ("kernel", "math", "eager-merge", "one-stream", "unpatched")
 
 
 def one_gpu(kernel, q, k, v, dout, cu, window, causal):
