@@ -18,9 +18,10 @@ kernel, while the CPU route is exact. This script finds where:
    with merges in eager torch ops instead of the Triton kernel, and with merges on the compute
    stream instead of the side stream; and the kernel given ``max_seqlen_k`` as it is
    ("unpatched": before Note [FlashAttention-2's unbounded window sides] in
-   ``dtensor_ring/kernels/cuda_flash.py``).
+   ``dtensor_ring/kernels/cuda_flash.py``); flash-attn 4 where it is installed.
 
-Results go to ``$OUT/check_varlen_window.json`` (or the current dir).
+``VARIANTS=kernel,flash_attn4`` (env) runs only those. Results go to
+``$OUT/check_varlen_window.json`` (or the current dir).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.engine import ring as engine_ring  # noqa: E402
 from dtensor_ring.kernels import KernelCall, cuda_flash, select_kernel  # noqa: E402
 from dtensor_ring.kernels import merge as kernel_merge  # noqa: E402
+from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel  # noqa: E402
 from dtensor_ring.kernels.math import MathKernel  # noqa: E402
 
 H, H_KV, D, S, W = 8, 2, 64, int(os.environ.get("SEQ", 4096)), 4
 DEV = torch.device(os.environ.get("DEVICE", "cuda"))
 MATH = MathKernel()
+FA4 = FlashAttn4Kernel()
 # the math kernel's own methods (the recorder may wrap the class itself on a CPU dry run)
 MATH_FWD, MATH_BWD = MathKernel._forward_varlen, MathKernel._backward_varlen
 
@@ -134,7 +137,10 @@ def variant(name: str):
         kernel_merge._fused_merge, engine_ring._side_stream, cuda_flash.flash2_max_seqlen_k = saved
 
 
-VARIANTS = ("kernel", "math", "eager-merge", "one-stream", "unpatched")
+VARIANTS = os.environ.get(
+    "VARIANTS", "kernel,math,eager-merge,one-stream,unpatched,flash_attn4"
+).split(",")
+BACKENDS = {"math": "math", "flash_attn4": "flash_attn4"}  # the others: the library's choice
 
 
 def one_gpu(kernel, q, k, v, dout, cu, window, causal):
@@ -178,6 +184,7 @@ def main() -> None:
                 (lay, name)
                 for lay in ("placed-ring", "placed-zigzag", "zigzag")
                 for name in VARIANTS
+                if name != "flash_attn4" or FA4.is_available() is None
             ]:
                 if layout_name.startswith("placed-"):
                     layout = dr.documents_as_sharded(
@@ -185,13 +192,13 @@ def main() -> None:
                     )
                 else:
                     layout = layout_name
-                rec = Recorder(type(kernel))
+                rec = Recorder(FlashAttn4Kernel if name == "flash_attn4" else type(kernel))
                 t0 = time.time()
                 try:
                     with variant(name):
                         got = dr.simulate_ring(
                             *low, layout=layout, world_size=W, causal=True, cu_seqlens=cu,
-                            window_size=window, backend="math" if name == "math" else None,
+                            window_size=window, backend=BACKENDS.get(name),
                         )  # fmt: skip
                 finally:
                     rec.restore()
