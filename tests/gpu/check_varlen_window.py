@@ -5,9 +5,10 @@ Not a test (CI has no GPU): ``python tests/gpu/check_varlen_window.py``. The H10
 (``dr.documents_as_sharded``) 35x less exact than one-GPU attention on PyTorch's flash varlen
 kernel, while the CPU route is exact. This script finds where:
 
-1. end to end: every rank of a W = 4 ring in turn (``dr.simulate_ring``), bf16, 5 and 32
-   packed documents of 4096 tokens, ``H = 8, H_kv = 2, D = 64``; placed ring / zigzag and the
-   per-document layout zigzag, window ``(255, 0)`` and plain causal; the max error of
+1. end to end: every rank of a W = 4 ring in turn (``dr.simulate_ring``), bf16, 5, 32 and
+   512 (of 8 tokens: single-token zigzag pieces) packed documents of 4096 tokens,
+   ``H = 8, H_kv = 2, D = 64``; placed ring / zigzag and the per-document layout zigzag,
+   window ``(255, 0)`` and plain causal; the max error of
    ``out, dq, dk, dv`` against fp64 (``tests/reference``) as a ratio to one-GPU varlen
    attention on the whole sequence (the same kernel) in the same dtype;
 2. per kernel call: every varlen call the engine makes on the GPU kernel is repeated on the
@@ -55,7 +56,11 @@ MATH_FWD, MATH_BWD = MathKernel._forward_varlen, MathKernel._backward_varlen
 
 
 def bounds_of(n: int) -> list[int]:
-    """Boundaries of ``n`` random documents of ``S`` tokens (lengths multiples of 2W)."""
+    """Boundaries of ``n`` random documents of ``S`` tokens (lengths multiples of 2W); all of
+    length 2W for ``n = S // 2W`` (zigzag's pieces are single tokens: varlen calls with
+    ``max_seqlen_q = 1``, which FlashAttention-2 runs on another path with GQA)."""
+    if n == S // (2 * W):
+        return list(range(0, S + 1, 2 * W))
     gen = torch.Generator().manual_seed(n)
     cuts = torch.sort(torch.randperm(S // (2 * W) - 1, generator=gen)[: n - 1] + 1).values
     return [0, *(2 * W * cuts).tolist(), S]  # lengths a multiple of 2W, as zigzag needs
@@ -166,7 +171,7 @@ def main() -> None:
     kernel = select_kernel(KernelCall.of(x[None], x[None, :, :H_KV], varlen=True, window=True))
     print(f"{device_name()} torch {torch.__version__} kernel {kernel.name}")
     rows, bad_calls = [], []
-    for n_docs in (5, 32):
+    for n_docs in (5, 32, S // (2 * W)):
         cu = bounds_of(n_docs)
         for window in ((255, 0), (-1, 0)):
             leaves = [t.double().requires_grad_() for t in (q, k, v)]
