@@ -23,7 +23,9 @@ kernel alone, the engine, its autograd.Function, the front door; :func:`host_lay
 the tables and writes ``bench_overhead.json`` to --out; ``--profile`` also writes, per contender at
 the smallest S, the cProfile of 200 forward and 200 forward + backward calls
 (``profile_<what>[_fwd_bwd].txt``, top 40 by own and cumulative time) and the torch.profiler
-op table of forward + backward (``ops_<what>_fwd_bwd.txt``: host and device time per op).
+op table of forward + backward (``ops_<what>_fwd_bwd.txt``: host and device time per op), and
+where each eager contender's forward and forward + backward make the host wait for the GPU
+(``syncs.txt``, :func:`host_syncs`).
 """
 
 from __future__ import annotations
@@ -103,6 +105,39 @@ def _profile(fn, path: str, calls: int = 200) -> None:
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
     with open(path, "w") as f:
         f.write(text.getvalue())
+
+
+def host_syncs(fn) -> list[str]:
+    """Where one call of ``fn`` (after warm-up) makes the host wait for the GPU: CUDA's sync
+    debug mode warns at every synchronising op (``.item()``, ``bool(tensor)``, a copy to the
+    host); each entry is the library frames (``dtensor_ring/...:line``) above the op, innermost
+    last. Empty off CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    import traceback
+    import warnings
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "dtensor_ring" in f.filename]
+        where = " > ".join(
+            f"{f.filename.rsplit('dtensor_ring/', 1)[-1]}:{f.lineno}" for f in frames
+        )
+        found.append(where or f"(outside dtensor_ring) {filename}:{lineno}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return found
 
 
 def _op_profile(fn, path: str, calls: int = 20) -> None:
@@ -259,6 +294,11 @@ def measure_overhead(
                     _profile(fwd, os.path.join(profile_dir, f"profile_{name}.txt"))
                     _profile(fwd_bwd, os.path.join(profile_dir, f"profile_{name}_fwd_bwd.txt"))
                     _op_profile(fwd_bwd, os.path.join(profile_dir, f"ops_{name}_fwd_bwd.txt"))
+                    with open(os.path.join(profile_dir, "syncs.txt"), "a") as f:
+                        for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                            syncs = host_syncs(fn)
+                            print(f"host syncs, {name} {what}: {len(syncs)}", flush=True)
+                            f.writelines(f"{name} {what}: {where}\n" for where in syncs)
                 with _OPEN_SCOPE:
                     rows.append(
                         dict(
