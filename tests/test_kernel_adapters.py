@@ -48,7 +48,11 @@ from dtensor_ring.kernels import cuda_flash as cuda_flash_module
 from dtensor_ring.kernels import flash_attn4 as flash_attn4_module
 from dtensor_ring.kernels import math as math_kernel
 from dtensor_ring.kernels.base import window_mask
-from dtensor_ring.kernels.cuda_flash import TorchFlashKernel, flash2_max_seqlen_k
+from dtensor_ring.kernels.cuda_flash import (
+    TorchFlashKernel,
+    flash2_dense_needs_varlen,
+    flash2_max_seqlen_k,
+)
 from dtensor_ring.kernels.cudnn import CudnnKernel
 from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
 from dtensor_ring.kernels.flash_attn_pkg import FlashAttnKernel
@@ -67,10 +71,15 @@ def _maybe_contiguous(x: Tensor | None) -> Tensor | None:
     return x.contiguous() if x is not None and x.stride(-1) != 1 else x
 
 
-def _check_options(dropout_p, softcap, alibi_slopes, window=(-1, -1)) -> None:
-    """The options the adapters never use; the dense stand-ins take no window."""
+def _check_options(dropout_p, softcap, alibi_slopes) -> None:
+    """The options the adapters never use."""
     assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
-    assert tuple(window) == (-1, -1), window
+
+
+def flash2_dense_mask(s_q, s_k, causal, window) -> Tensor:
+    """``[S_q, S_k]`` bool: what FlashAttention-2's dense op computes (``max_seqlen_k = S_k``;
+    ``reference.flash2_visible``)."""
+    return flash2_visible(s_q, s_k, s_q, s_k, causal, tuple(window))
 
 
 def flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window) -> Tensor:
@@ -89,12 +98,13 @@ def _check_lse(lse: Tensor, shape: tuple[int, ...]) -> None:
 
 
 def _dense_forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes):
-    """``(out [B, S, H, D], lse fp32 [B, H, S])``."""
-    _check_options(dropout_p, softcap, alibi_slopes, window)
+    """``(out [B, S, H, D], lse fp32 [B, H, S])``, with FlashAttention-2's window rewrite."""
+    _check_options(dropout_p, softcap, alibi_slopes)
     # flash-attn aligns causal bottom-right; the math kernel top-left: equal for square blocks.
     assert not causal or q.shape[1] == k.shape[1]
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
-    return MATH.forward(q, k, v, causal=causal, scale=softmax_scale)
+    mask = flash2_dense_mask(q.shape[1], k.shape[1], causal, window)
+    return math_kernel._forward(q, k, v, softmax_scale, mask)
 
 
 def _varlen_forward(
@@ -149,12 +159,13 @@ def _dense_backward(
     softcap,
     alibi_slopes,
 ):
-    """``(dq, dk, dv, softmax_d)``."""
-    _check_options(dropout_p, softcap, alibi_slopes, window)
+    """``(dq, dk, dv, softmax_d)``, with FlashAttention-2's window rewrite."""
+    _check_options(dropout_p, softcap, alibi_slopes)
     B, S, H, _ = q.shape
     _check_lse(lse, (B, H, S))
     dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
-    grads = MATH.backward(dout, q, k, v, out, lse, causal=causal, scale=softmax_scale)
+    mask = flash2_dense_mask(S, k.shape[1], causal, window)
+    grads = math_kernel._backward(dout, q, k, v, out, lse, softmax_scale, mask)
     softmax_d = torch.empty(B, H, (S + 127) // 128 * 128)
     return (*_write_grads(grads, dq, dk, dv, (q, k, v)), softmax_d)
 
@@ -658,41 +669,102 @@ def test_flash_attn_varlen_windows_are_the_interfaces(flash_attn_version, window
     _check_varlen_windows(FLASH, window)
 
 
-@pytest.mark.parametrize("window", VARLEN_WINDOWS)
-def test_cuda_flash_varlen_windows_are_the_interfaces(monkeypatch, window):
-    """PyTorch's copy of FlashAttention-2, its aten ops modelled as the flash-attn stand-ins."""
+def _aten_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, **win):
+    """``aten._flash_attention_forward`` (PyTorch's copy of FlashAttention-2), modelled as the
+    flash-attn stand-ins (dense when ``cu_q`` is None)."""
+    assert not debug
+    window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
+    assert not win
+    options = (dropout_p, scale, causal, window, 0.0, None)
+    if cu_q is None:
+        assert (max_q, max_k) == (q.shape[1], k.shape[1])
+        out, lse = _dense_forward(q, k, v, *options)
+    else:
+        out, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *options)
+    return out, lse, *_unused_outputs(q), None
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, **win):
-        assert not debug
-        window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
-        assert not win
-        out, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale,
-                                   causal, window, 0.0, None)  # fmt: skip
-        return out, lse, *_unused_outputs(q), None
 
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng,
-                 unused, *, scale, **win):  # fmt: skip
-        window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
-        assert not win
+def _aten_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng,
+                   unused, *, scale, **win):  # fmt: skip
+    """``aten._flash_attention_backward``, as :func:`_aten_forward`."""
+    window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
+    assert not win
+    options = (dropout_p, scale, causal, window, 0.0, None)
+    if cu_q is None:
+        *grads, _ = _dense_backward(dout, q, k, v, out, lse, None, None, None, *options)
+    else:
         cu_and_max = (cu_q, cu_k, max_q, max_k)
         *grads, _ = _varlen_backward(dout, q, k, v, out, lse, None, None, None, *cu_and_max,
-                                     dropout_p, scale, causal, window, 0.0, None)  # fmt: skip
-        return tuple(grads)
+                                     *options)  # fmt: skip
+    return tuple(grads)
 
-    ops = {"_flash_attention_forward": forward, "_flash_attention_backward": backward}
+
+@pytest.fixture
+def modelled_cuda_flash(monkeypatch) -> TorchFlashKernel:
+    """``cuda_flash`` on the CPU, its aten ops modelled (:func:`_aten_forward`)."""
+    ops = {"_flash_attention_forward": _aten_forward, "_flash_attention_backward": _aten_backward}
     monkeypatch.setattr(cuda_flash_module, "require_aten_op", ops.__getitem__)
-    _check_varlen_windows(TorchFlashKernel(), window)
+    return TorchFlashKernel()
+
+
+@pytest.mark.parametrize("window", VARLEN_WINDOWS)
+def test_cuda_flash_varlen_windows_are_the_interfaces(modelled_cuda_flash, window):
+    _check_varlen_windows(modelled_cuda_flash, window)
+
+
+# Dense blocks with a window that FlashAttention-2's dense op would compute otherwise (more
+# queries than keys + 1, an unbounded side: llama3's prefix block) and blocks it computes as
+# asked: (S_q, S_k, window).
+DENSE_WINDOWS = [
+    (11, 2, (0, -1)),
+    (8, 5, (3, -1)),
+    (6, 3, (-1, 4)),
+    (12, 16, (3, 0)),
+    (7, 7, (2, 3)),
+]
+
+
+def _check_dense_windows(kernel, s_q, s_k, window) -> None:
+    B, H, H_kv, D = 2, 4, 2, 8
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, 2 * s_q, H, D, generator=g)[:, s_q:]  # a view, as the engine's parts
+    k, v = torch.randn(2, B, s_k, H_kv, D, generator=g).unbind(0)
+    dout = torch.randn(B, s_q, H, D, generator=g)
+    kw = dict(causal=False, scale=SCALE, window=window)
+    out, lse = kernel.forward(q, k, v, **kw)
+    want_out, want_lse = MATH.forward(q, k, v, **kw)
+    _assert_fresh_and_equal((out, lse), (want_out, want_lse), (q, k, v))
+    assert out.shape == q.shape and lse.shape == (B, H, s_q)
+    grads = kernel.backward(dout, q, k, v, want_out, want_lse, **kw)
+    want = MATH.backward(dout, q, k, v, want_out, want_lse, **kw)
+    _assert_fresh_and_equal(grads, want, (q, k, v, dout, want_out))
+
+
+@pytest.mark.parametrize("s_q,s_k,window", DENSE_WINDOWS)
+def test_cuda_flash_dense_windows_are_the_interfaces(modelled_cuda_flash, s_q, s_k, window):
+    _check_dense_windows(modelled_cuda_flash, s_q, s_k, window)
+
+
+@pytest.mark.parametrize("s_q,s_k,window", DENSE_WINDOWS)
+def test_flash_attn_dense_windows_are_the_interfaces(flash_attn_version, s_q, s_k, window):
+    _check_dense_windows(FLASH, s_q, s_k, window)
 
 
 def test_flash2_max_seqlen_k_makes_every_window_the_interfaces():
     """Every document shape and window (sides -1..7), checked on the model of
-    FlashAttention-2's window rewrite; the arguments as they are lose keys (the note's case)."""
+    FlashAttention-2's window rewrite: varlen calls with the adapters' ``max_seqlen_k``, and
+    the dense blocks the adapters leave on the dense op; the arguments as they are lose keys
+    (the note's case)."""
     for s_q, s_k in itertools.product(range(1, 7), repeat=2):
-        for max_q, max_k in itertools.product((s_q, s_q + 2), (s_k, s_k + 2)):
-            for window in itertools.product(range(-1, 8), repeat=2):
+        for window in itertools.product(range(-1, 8), repeat=2):
+            want = window_mask(s_q, s_k, window, "cpu")
+            for max_q, max_k in itertools.product((s_q, s_q + 2), (s_k, s_k + 2)):
                 max_k_passed = flash2_max_seqlen_k(max_q, max_k, window)
                 got = flash2_visible(s_q, s_k, max_q, max_k_passed, False, window)
-                assert torch.equal(got, window_mask(s_q, s_k, window, "cpu")), (s_q, s_k, window)
+                assert torch.equal(got, want), (s_q, s_k, max_q, max_k, window)
+            if not flash2_dense_needs_varlen(s_q, s_k, window):
+                got = flash2_visible(s_q, s_k, s_q, s_k, False, window)
+                assert torch.equal(got, want), (s_q, s_k, window)
     as_is = flash2_visible(6, 3, 6, 3, False, (0, -1))
     assert not torch.equal(as_is, window_mask(6, 3, (0, -1), "cpu"))
 

@@ -85,7 +85,7 @@ def test_every_query_meets_every_visible_key_once(layout, causal, world_size, wi
                 q0, q1 = block.q.bounds(n)
                 k0, k1 = block.kv.bounds(n)
                 lo, hi = block.band(n)
-                if block.window is not None:  # as FlashAttention-2 computes it (dense ops)
+                if block.window is not None:  # FlashAttention-2's dense op takes it as it is
                     s_q, s_k = q1 - q0, k1 - k0
                     got = flash2_visible(s_q, s_k, s_q, s_k, False, block.window)
                     assert torch.equal(got, window_mask(s_q, s_k, block.window, "cpu")), block

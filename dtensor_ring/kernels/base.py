@@ -26,10 +26,9 @@ for causal blocks with ``S_q == S_k``). Contract:
   ``-left <= j - i - (S_k - S_q) <= right``, -1 unbounded. The engine trims its blocks so that
   no row or column is fully masked (Note [Windowed schedules] in ``schedule/plan.py``).
   FlashAttention-2 rewrites a side >= ``max_seqlen_k`` and an unbounded side into
-  ``max_seqlen_k``, which is not unbounded when ``S_q > S_k + 1`` (Note [FlashAttention-2's
-  unbounded window sides] in ``cuda_flash.py``): the dense plans never send such a block (a
-  test replays them through a model of the rewrite), the varlen adapters pass a larger
-  ``max_seqlen_k``. :func:`window_mask` is the mask as a tensor.
+  ``max_seqlen_k``, which is not unbounded when ``S_q > S_k + 1``; its adapters keep the
+  interface's mask anyway (Note [FlashAttention-2's unbounded window sides] in
+  ``cuda_flash.py``). :func:`window_mask` is the mask as a tensor.
 
 Varlen kernels (``supports_varlen``) take packed ``[T, H, D]`` tensors with int32
 ``cu_seqlens`` and return ``lse_HT``.

@@ -71,13 +71,16 @@ def _window_args(window: tuple[int, int] | None) -> dict[str, int]:
 #     q5   . . x      . . x
 #
 # The placed document plans send such blocks (a rank's run of a document against a shorter
-# earlier run of it: found wrong on an H100 by ``tests/gpu/check_flex.py`` on 2026-12-05). The
-# dense ops take ``max_seqlen_k = S_k`` and cannot be told otherwise: the dense plans never
-# send such a block (``tests/test_plan.py`` replays every block through a model of the
-# rewrite, ``tests/reference.flash2_visible``). The varlen calls pass
-# ``max(max_seqlen_q, max_seqlen_k)`` with a window (:func:`flash2_max_seqlen_k`): the
-# kernel reads only an upper bound of the key lengths from it (its loops run over each
-# document's own), and every rewritten side is then unbounded for every document.
+# earlier run of it: found wrong on an H100 by ``tests/gpu/check_flex.py`` on 2026-12-05), and
+# so does llama3's prefix block (a document's local queries against its few keys on earlier
+# ranks, dense). The varlen calls pass ``max(max_seqlen_q, max_seqlen_k)`` with a window
+# (:func:`flash2_max_seqlen_k`): the kernel reads only an upper bound of the key lengths from
+# it (its loops run over each document's own), and every rewritten side is then unbounded
+# for every document. The dense op takes ``max_seqlen_k = S_k`` and cannot be told
+# otherwise: a windowed dense block with ``S_q > S_k + 1`` runs as a varlen call, a document
+# per batch row (:func:`flash2_dense_needs_varlen`; the ring plans never send one). The
+# tests check both rules on a model of the rewrite (``tests/reference.flash2_visible``) for
+# every shape and window, and replay the plans through it.
 
 
 def flash2_max_seqlen_k(
@@ -86,6 +89,51 @@ def flash2_max_seqlen_k(
     """The ``max_seqlen_k`` a FlashAttention-2 varlen call passes for the interface's
     ``window`` (Note [FlashAttention-2's unbounded window sides])."""
     return max_seqlen_k if window is None else max(max_seqlen_k, max_seqlen_q)
+
+
+def flash2_dense_needs_varlen(s_q: int, s_k: int, window: tuple[int, int] | None) -> bool:
+    """Whether FlashAttention-2's dense op could compute ``window`` on an ``s_q x s_k`` block
+    other than asked (Note [FlashAttention-2's unbounded window sides]: it takes
+    ``max_seqlen_k = s_k``): then the block runs as a varlen call, a document per batch row."""
+    return window is not None and s_q > s_k + 1
+
+
+def dense_as_varlen_forward(kernel: BlockKernel, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
+    """``kernel._forward`` of a dense block through its ``_forward_varlen`` (each batch row a
+    document: :func:`flash2_dense_needs_varlen`)."""
+    (B, S_q, H, D), S_k, H_kv = q_BSHD.shape, k_BSHD.shape[1], k_BSHD.shape[2]
+    cu_q, cu_k = _row_bounds(B, S_q, S_k, q_BSHD.device)
+    out_THD, lse_HT = kernel._forward_varlen(
+        q_BSHD.reshape(B * S_q, H, D),
+        k_BSHD.reshape(B * S_k, H_kv, D),
+        v_BSHD.reshape(B * S_k, H_kv, D),
+        cu_q, cu_k, S_q, S_k, causal=causal, scale=scale, window=window,
+    )  # fmt: skip
+    return out_THD.view(B, S_q, H, D), lse_HT.view(H, B, S_q).transpose(0, 1).contiguous()
+
+
+def dense_as_varlen_backward(
+    kernel: BlockKernel, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
+    window,
+):  # fmt: skip
+    """``kernel._backward`` of a dense block through its ``_backward_varlen`` (as
+    :func:`dense_as_varlen_forward`)."""
+    (B, S_q, H, D), S_k, H_kv = q_BSHD.shape, k_BSHD.shape[1], k_BSHD.shape[2]
+    cu_q, cu_k = _row_bounds(B, S_q, S_k, q_BSHD.device)
+    rows_q = [x.reshape(B * S_q, H, D) for x in (dout_BSHD, q_BSHD)]
+    rows_kv = [x.reshape(B * S_k, H_kv, D) for x in (k_BSHD, v_BSHD)]
+    dq, dk, dv = kernel._backward_varlen(
+        *rows_q, *rows_kv, out_BSHD.reshape(B * S_q, H, D),
+        lse_BHS.transpose(0, 1).reshape(H, B * S_q), cu_q, cu_k, S_q, S_k,
+        causal=causal, scale=scale, window=window,
+    )  # fmt: skip
+    return dq.view(B, S_q, H, D), dk.view(B, S_k, H_kv, D), dv.view(B, S_k, H_kv, D)
+
+
+def _row_bounds(B: int, S_q: int, S_k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """int32 ``cu_seqlens`` of ``B`` rows of ``S_q`` queries and of ``S_k`` keys."""
+    rows = torch.arange(B + 1, dtype=torch.int32)
+    return (rows * S_q).to(device), (rows * S_k).to(device)
 
 
 def _no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -147,6 +195,10 @@ class TorchFlashKernel(BlockKernel):
         return head_dim_reason(call) or deterministic_reason(call)
 
     def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
+        if flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
+            return dense_as_varlen_forward(
+                self, q_BSHD, k_BSHD, v_BSHD, causal=causal, scale=scale, window=window
+            )
         out_BSHD, lse_BHS, *_ = require_aten_op(_FORWARD)(
             q_BSHD,
             k_BSHD,
@@ -166,6 +218,11 @@ class TorchFlashKernel(BlockKernel):
     def _backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
+        if flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
+            return dense_as_varlen_backward(
+                self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS,
+                causal=causal, scale=scale, window=window,
+            )  # fmt: skip
         rng_state, unused = _no_dropout_rng(q_BSHD.device)
         dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD,

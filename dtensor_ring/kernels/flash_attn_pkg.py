@@ -54,7 +54,14 @@ import torch
 from torch import Tensor
 
 from .base import BlockKernel, KernelCall
-from .cuda_flash import deterministic_reason, flash2_max_seqlen_k, head_dim_reason
+from .cuda_flash import (
+    dense_as_varlen_backward,
+    dense_as_varlen_forward,
+    deterministic_reason,
+    flash2_dense_needs_varlen,
+    flash2_max_seqlen_k,
+    head_dim_reason,
+)
 
 _INTERFACE = "flash_attn.flash_attn_interface"
 
@@ -147,6 +154,10 @@ class FlashAttnKernel(BlockKernel):
         return head_dim_reason(call) or deterministic_reason(call)
 
     def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
+        if flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
+            return dense_as_varlen_forward(
+                self, q_BSHD, k_BSHD, v_BSHD, causal=causal, scale=scale, window=window
+            )
         fn = _interface()._flash_attn_forward
         result = fn(
             q_BSHD,
@@ -160,6 +171,11 @@ class FlashAttnKernel(BlockKernel):
     def _backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
+        if flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
+            return dense_as_varlen_backward(
+                self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS,
+                causal=causal, scale=scale, window=window,
+            )  # fmt: skip
         fn = _interface()._flash_attn_backward
         dq, dk, dv = _grad_buffers(q_BSHD, k_BSHD, v_BSHD)
         fn(
