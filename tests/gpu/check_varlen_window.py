@@ -19,7 +19,9 @@ kernel, while the CPU route is exact. This script finds where:
    with merges in eager torch ops instead of the Triton kernel, and with merges on the compute
    stream instead of the side stream; and the kernel given ``max_seqlen_k`` as it is
    ("unpatched": before Note [FlashAttention-2's unbounded window sides] in
-   ``dtensor_ring/kernels/cuda_flash.py``); flash-attn 4 where it is installed.
+   ``dtensor_ring/kernels/cuda_flash.py``); flash-attn 4 where it is installed;
+4. dense kernel calls of the shapes llama3's prefix block sends (``DENSE_CALLS``), with and
+   without the adapter's varlen detour for them.
 
 ``VARIANTS=kernel,flash_attn4`` (env) runs only those. Results go to
 ``$OUT/check_varlen_window.json`` (or the current dir).
@@ -163,6 +165,45 @@ def one_gpu(kernel, q, k, v, dout, cu, window, causal):
     return [out, *grads]
 
 
+# Dense blocks of the shapes llama3's prefix block sends (more queries than keys + 1, a side
+# unbounded or >= S_k) and one FlashAttention-2 takes as it is: (S_q, S_k, window).
+DENSE_CALLS = [
+    (1100, 200, (0, -1)),
+    (800, 500, (300, -1)),
+    (600, 300, (-1, 400)),
+    (512, 512, (100, 0)),
+]
+
+
+def dense_calls(kernels: list) -> list[dict]:
+    """Each dense block of ``DENSE_CALLS`` on each kernel, forward and backward, against fp64
+    math; "as it is": without the adapters' varlen detour (``flash2_dense_needs_varlen``)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for (s_q, s_k, window), kernel in [(c, k) for c in DENSE_CALLS for k in kernels]:
+        q, dout = (torch.randn(1, s_q, H, D, generator=gen).to(DEV, torch.bfloat16) for _ in "ab")
+        k, v = (torch.randn(1, s_k, H_KV, D, generator=gen).to(DEV, torch.bfloat16) for _ in "ab")
+        kw = dict(causal=False, scale=D**-0.5, window=window)
+        out64, lse64 = MATH.forward(q.double(), k.double(), v.double(), **kw)
+        want = MATH.backward(*(t.double() for t in (dout, q, k, v, out64, lse64)), **kw)
+        saved = cuda_flash.flash2_dense_needs_varlen
+        for how in ("adapter", "as it is") if kernel.name == "cuda_flash" else ("adapter",):
+            if how == "as it is":
+                cuda_flash.flash2_dense_needs_varlen = lambda s_q, s_k, window: False
+            try:
+                out, lse = kernel.forward(q, k, v, **kw)
+                grads = kernel.backward(dout, q, k, v, out64.to(q.dtype), lse64.float(), **kw)
+            finally:
+                cuda_flash.flash2_dense_needs_varlen = saved
+            errs = [max_err(a, b) for a, b in zip((out, *grads), (out64, *want), strict=True)]
+            row = {"s_q": s_q, "s_k": s_k, "window": window, "kernel": kernel.name, "how": how,
+                   "errors": errs, "lse_error": max_err(lse, lse64)}  # fmt: skip
+            rows.append(row)
+            print(f"dense {s_q}x{s_k} {window!s:<10} {kernel.name:<12} {how:<9} out/dq/dk/dv "
+                  + " ".join(f"{e:.2e}" for e in errs), flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(S, H, D, generator=gen).to(DEV) for _ in range(2))
@@ -171,6 +212,7 @@ def main() -> None:
     kernel = select_kernel(KernelCall.of(x[None], x[None, :, :H_KV], varlen=True, window=True))
     print(f"{device_name()} torch {torch.__version__} kernel {kernel.name}")
     rows, bad_calls = [], []
+    dense = dense_calls([kernel] + ([FA4] if FA4.is_available() is None else []))
     for n_docs in (5, 32, S // (2 * W)):
         cu = bounds_of(n_docs)
         for window in ((255, 0), (-1, 0)):
@@ -235,7 +277,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"), "kernel": kernel.name,
             "shape": {"H": H, "H_kv": H_KV, "D": D, "S": S, "W": W}}  # fmt: skip
     with open(os.path.join(out_dir, "check_varlen_window.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "bad_calls": bad_calls}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "bad_calls": bad_calls, "dense": dense}, f, indent=1)
 
 
 if __name__ == "__main__":
