@@ -31,9 +31,11 @@ import os
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
+from flash2_model import flash2_dense_mask, flash2_varlen_mask, modelled_flash2
 from reference import flash2_visible
 from torch import Tensor
 
@@ -44,7 +46,6 @@ from dtensor_ring.kernels import (
     flash_attn4_grads,
     select_kernel,
 )
-from dtensor_ring.kernels import cuda_flash as cuda_flash_module
 from dtensor_ring.kernels import flash_attn4 as flash_attn4_module
 from dtensor_ring.kernels import math as math_kernel
 from dtensor_ring.kernels.base import window_mask
@@ -74,22 +75,6 @@ def _maybe_contiguous(x: Tensor | None) -> Tensor | None:
 def _check_options(dropout_p, softcap, alibi_slopes) -> None:
     """The options the adapters never use."""
     assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
-
-
-def flash2_dense_mask(s_q, s_k, causal, window) -> Tensor:
-    """``[S_q, S_k]`` bool: what FlashAttention-2's dense op computes (``max_seqlen_k = S_k``;
-    ``reference.flash2_visible``)."""
-    return flash2_visible(s_q, s_k, s_q, s_k, causal, tuple(window))
-
-
-def flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window) -> Tensor:
-    """``[T_q, T_k]`` bool: what FlashAttention-2 computes of a varlen call, document by
-    document (``reference.flash2_visible``: its host rewrite of ``window``, -1 unbounded)."""
-    mask = torch.zeros(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.bool)
-    bounds = zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False)
-    for q0, q1, k0, k1 in bounds:
-        mask[q0:q1, k0:k1] = flash2_visible(q1 - q0, k1 - k0, max_q, max_k, causal, tuple(window))
-    return mask
 
 
 def _check_lse(lse: Tensor, shape: tuple[int, ...]) -> None:
@@ -669,42 +654,11 @@ def test_flash_attn_varlen_windows_are_the_interfaces(flash_attn_version, window
     _check_varlen_windows(FLASH, window)
 
 
-def _aten_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, **win):
-    """``aten._flash_attention_forward`` (PyTorch's copy of FlashAttention-2), modelled as the
-    flash-attn stand-ins (dense when ``cu_q`` is None)."""
-    assert not debug
-    window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
-    assert not win
-    options = (dropout_p, scale, causal, window, 0.0, None)
-    if cu_q is None:
-        assert (max_q, max_k) == (q.shape[1], k.shape[1])
-        out, lse = _dense_forward(q, k, v, *options)
-    else:
-        out, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *options)
-    return out, lse, *_unused_outputs(q), None
-
-
-def _aten_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng,
-                   unused, *, scale, **win):  # fmt: skip
-    """``aten._flash_attention_backward``, as :func:`_aten_forward`."""
-    window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
-    assert not win
-    options = (dropout_p, scale, causal, window, 0.0, None)
-    if cu_q is None:
-        *grads, _ = _dense_backward(dout, q, k, v, out, lse, None, None, None, *options)
-    else:
-        cu_and_max = (cu_q, cu_k, max_q, max_k)
-        *grads, _ = _varlen_backward(dout, q, k, v, out, lse, None, None, None, *cu_and_max,
-                                     *options)  # fmt: skip
-    return tuple(grads)
-
-
 @pytest.fixture
-def modelled_cuda_flash(monkeypatch) -> TorchFlashKernel:
-    """``cuda_flash`` on the CPU, its aten ops modelled (:func:`_aten_forward`)."""
-    ops = {"_flash_attention_forward": _aten_forward, "_flash_attention_backward": _aten_backward}
-    monkeypatch.setattr(cuda_flash_module, "require_aten_op", ops.__getitem__)
-    return TorchFlashKernel()
+def modelled_cuda_flash() -> Iterator[TorchFlashKernel]:
+    """``cuda_flash``'s adapter on the CPU, its aten ops modelled (``flash2_model``)."""
+    with modelled_flash2() as model:
+        yield model
 
 
 @pytest.mark.parametrize("window", VARLEN_WINDOWS)

@@ -1,0 +1,109 @@
+"""FlashAttention-2 on the CPU, modelled: what its ops compute for the arguments they get.
+
+The model (``reference.flash2_visible``: its host rewrite of the window, its kernel's bounds)
+stands in for the aten ops ``_flash_attention_forward`` / ``_backward`` that ``cuda_flash``
+calls, so the library's own adapter and engine run on the CI machine exactly as they call
+the GPU kernel (Note [FlashAttention-2's unbounded window sides] in
+``dtensor_ring/kernels/cuda_flash.py``: the class of bug this catches). The scores are the
+math kernel's, so a result equals the math kernel's wherever the adapter keeps the mask the
+interface asks for.
+
+* :func:`flash2_varlen_mask`, :func:`flash2_dense_mask`: the masks;
+* :func:`aten_forward`, :func:`aten_backward`: the two ops (dense when ``cu_seqlens_q`` is
+  None);
+* :func:`modelled_flash2`: a context in which ``backend="flash2_model"`` runs ``cuda_flash``'s
+  adapter on these ops, on the CPU in fp32/fp64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from reference import flash2_visible
+from torch import Tensor
+
+from dtensor_ring import kernels
+from dtensor_ring.kernels import cuda_flash
+from dtensor_ring.kernels import math as math_kernel
+
+
+def flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window) -> Tensor:
+    """``[T_q, T_k]`` bool: what FlashAttention-2 computes of a varlen call, document by
+    document (``window``: ``(left, right)``, -1 unbounded)."""
+    mask = torch.zeros(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.bool)
+    bounds = zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False)
+    for q0, q1, k0, k1 in bounds:
+        mask[q0:q1, k0:k1] = flash2_visible(q1 - q0, k1 - k0, max_q, max_k, causal, tuple(window))
+    return mask
+
+
+def flash2_dense_mask(s_q, s_k, causal, window) -> Tensor:
+    """``[S_q, S_k]`` bool: what FlashAttention-2's dense op computes (``max_seqlen_k = S_k``)."""
+    return flash2_visible(s_q, s_k, s_q, s_k, causal, tuple(window))
+
+
+def _mask(q, k, cu_q, cu_k, max_q, max_k, causal, window) -> Tensor:
+    if cu_q is None:
+        assert (max_q, max_k) == (q.shape[1], k.shape[1])
+        return flash2_dense_mask(q.shape[1], k.shape[1], causal, window)
+    return flash2_varlen_mask(cu_q.cpu(), cu_k.cpu(), max_q, max_k, causal, window).to(q.device)
+
+
+def aten_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, **win):
+    """``aten._flash_attention_forward``: ``(out, lse, rng_state, unused, debug_mask)``."""
+    assert dropout_p == 0.0 and not debug
+    window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
+    assert not win, win
+    mask = _mask(q, k, cu_q, cu_k, max_q, max_k, causal, window)
+    if cu_q is None:
+        out, lse = math_kernel._forward(q, k, v, scale, mask)
+    else:
+        out, lse = (x[0] for x in math_kernel._forward(q[None], k[None], v[None], scale, mask))
+    return out, lse, torch.empty(2, dtype=torch.int64), torch.empty(0), None
+
+
+def aten_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng,
+                  unused, *, scale, **win):  # fmt: skip
+    """``aten._flash_attention_backward``: ``(dq, dk, dv)``."""
+    assert dropout_p == 0.0 and lse.is_contiguous()  # the op reads lse by its data pointer
+    window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
+    assert not win, win
+    mask = _mask(q, k, cu_q, cu_k, max_q, max_k, causal, window)
+    if cu_q is None:
+        return math_kernel._backward(dout, q, k, v, out, lse, scale, mask)
+    tensors = (x[None] for x in (dout, q, k, v, out, lse))
+    return tuple(g[0] for g in math_kernel._backward(*tensors, scale, mask))
+
+
+_OPS = {"_flash_attention_forward": aten_forward, "_flash_attention_backward": aten_backward}
+
+
+class Flash2Model(cuda_flash.TorchFlashKernel):
+    """``cuda_flash``'s adapter on the modelled ops, on the CPU."""
+
+    name = "flash2_model"
+    device_types = ("cpu",)
+    dtypes = (torch.float32, torch.float64)
+
+    def is_available(self) -> str | None:
+        return None
+
+    def extra_reason(self, call) -> str | None:
+        return None
+
+
+@contextlib.contextmanager
+def modelled_flash2() -> Iterator[Flash2Model]:
+    """``backend="flash2_model"`` selectable inside (and ``cuda_flash``'s ops modelled)."""
+    saved = cuda_flash.require_aten_op, kernels.BACKENDS
+    cuda_flash.require_aten_op = _OPS.__getitem__
+    model = Flash2Model()
+    kernels.BACKENDS = (*saved[1], model)
+    kernels.clear_selection_cache()
+    try:
+        yield model
+    finally:
+        cuda_flash.require_aten_op, kernels.BACKENDS = saved
+        kernels.clear_selection_cache()
