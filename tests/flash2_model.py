@@ -1,6 +1,6 @@
 """FlashAttention-2 on the CPU, modelled: what its ops compute for the arguments they get.
 
-The model (``reference.flash2_visible``: its host rewrite of the window, its kernel's bounds)
+The model (:func:`flash2_visible`: its host rewrite of the window, its kernel's bounds)
 stands in for the aten ops ``_flash_attention_forward`` / ``_backward`` that ``cuda_flash``
 calls, so the library's own adapter and engine run on the CI machine exactly as they call
 the GPU kernel (Note [FlashAttention-2's unbounded window sides] in
@@ -8,7 +8,8 @@ the GPU kernel (Note [FlashAttention-2's unbounded window sides] in
 math kernel's, so a result equals the math kernel's wherever the adapter keeps the mask the
 interface asks for.
 
-* :func:`flash2_varlen_mask`, :func:`flash2_dense_mask`: the masks;
+* :func:`flash2_visible`: one document's mask; :func:`flash2_varlen_mask`,
+  :func:`flash2_dense_mask`: a call's;
 * :func:`aten_forward`, :func:`aten_backward`: the two ops (dense when ``cu_seqlens_q`` is
   None);
 * :func:`modelled_flash2`: a context in which ``backend="flash2_model"`` runs ``cuda_flash``'s
@@ -21,7 +22,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from reference import flash2_visible
 from torch import Tensor
 
 from dtensor_ring import kernels
@@ -29,9 +29,40 @@ from dtensor_ring.kernels import cuda_flash
 from dtensor_ring.kernels import math as math_kernel
 
 
+def flash2_visible(
+    s_q: int, s_k: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool, window
+) -> Tensor:
+    """``[s_q, s_k]`` bool: the keys FlashAttention-2 shows each query of one document (one
+    dense block, or one document of a varlen call) given these arguments, modelled from its
+    ``flash_api.cpp`` (the host rewrite of the window) and its kernel's bounds (Note
+    [FlashAttention-2's unbounded window sides] in ``dtensor_ring/kernels/cuda_flash.py``).
+    ``window``: ``(left, right)``, -1 unbounded, or None."""
+    left, right = (-1, -1) if window is None else window
+    if left >= max_seqlen_k:
+        left = -1
+    if right >= max_seqlen_k:
+        right = -1
+    if max_seqlen_q == 1:  # "causal=true is the same as causal=false in this case"
+        causal = False
+    if causal:
+        right = 0
+    is_causal = left < 0 and right == 0
+    if left < 0 <= right:
+        left = max_seqlen_k
+    if right < 0 <= left:
+        right = max_seqlen_k
+    i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+    shift = s_k - s_q  # bottom-right alignment
+    if is_causal:
+        return j <= i + shift
+    if left < 0 and right < 0:
+        return torch.ones(s_q, s_k, dtype=torch.bool)
+    return (j >= i + shift - left) & (j < i + 1 + shift + right)
+
+
 def flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window) -> Tensor:
     """``[T_q, T_k]`` bool: what FlashAttention-2 computes of a varlen call, document by
-    document (``window``: ``(left, right)``, -1 unbounded)."""
+    document (:func:`flash2_visible`)."""
     mask = torch.zeros(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.bool)
     bounds = zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False)
     for q0, q1, k0, k1 in bounds:

@@ -211,34 +211,3 @@ def reference_flex(
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
     return p @ v, lse
-
-
-def flash2_visible(
-    s_q: int, s_k: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool, window
-) -> Tensor:
-    """``[s_q, s_k]`` bool: the keys FlashAttention-2 shows each query of one document (one
-    dense block, or one document of a varlen call) given these arguments, modelled from its
-    ``flash_api.cpp`` (the host rewrite of the window) and its kernel's bounds (Note
-    [FlashAttention-2's unbounded window sides] in ``dtensor_ring/kernels/cuda_flash.py``).
-    ``window``: ``(left, right)``, -1 unbounded, or None."""
-    left, right = (-1, -1) if window is None else window
-    if left >= max_seqlen_k:
-        left = -1
-    if right >= max_seqlen_k:
-        right = -1
-    if max_seqlen_q == 1:  # "causal=true is the same as causal=false in this case"
-        causal = False
-    if causal:
-        right = 0
-    is_causal = left < 0 and right == 0
-    if left < 0 <= right:
-        left = max_seqlen_k
-    if right < 0 <= left:
-        right = max_seqlen_k
-    i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
-    shift = s_k - s_q  # bottom-right alignment
-    if is_causal:
-        return j <= i + shift
-    if left < 0 and right < 0:
-        return torch.ones(s_q, s_k, dtype=torch.bool)
-    return (j >= i + shift - left) & (j < i + 1 + shift + right)

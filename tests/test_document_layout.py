@@ -21,8 +21,8 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from flash2_model import modelled_flash2
-from reference import flash2_visible, reference_attention_varlen
+from flash2_model import flash2_visible, modelled_flash2
+from reference import reference_attention_varlen
 
 import dtensor_ring as dr
 from dtensor_ring.kernels.base import window_mask
@@ -204,7 +204,7 @@ def test_plan_computes_every_visible_pair_once(world_size):
 
 def _check_flash2_call(blk) -> None:
     """The varlen call of ``blk`` as the FlashAttention-2 adapters make it computes the
-    interface's window in every document (``reference.flash2_visible``)."""
+    interface's window in every document (``flash2_model.flash2_visible``)."""
     sizes_q, sizes_k = ([b - a for a, b in part.spans] for part in (blk.q, blk.kv))
     max_q, max_k = max(sizes_q), max(sizes_k)
     passed = flash2_max_seqlen_k(max_q, max_k, blk.window)

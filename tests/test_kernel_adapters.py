@@ -35,8 +35,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from flash2_model import flash2_dense_mask, flash2_varlen_mask, modelled_flash2
-from reference import flash2_visible
+from flash2_model import flash2_dense_mask, flash2_varlen_mask, flash2_visible, modelled_flash2
 from torch import Tensor
 
 from dtensor_ring.kernels import (

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from reference import flash2_visible
+from flash2_model import flash2_visible
 
 from dtensor_ring import make_plan, token_indices
 from dtensor_ring.kernels.base import window_mask

@@ -256,14 +256,9 @@ WINDOWED = _params(
 )
 # The same on cuda_flash's adapter with FlashAttention-2's ops modelled (tests/flash2_model.py):
 # the calls the GPU kernel gets, checked on the CPU (llama3's causal prefix block is dense
-# with more queries than keys).
-FLASH2_MODEL = _params(
-    (
-        w,
-        Case(
-            variant=v, docs="random", heads="gqa", window_size=win, seed=w, backend="flash2_model"
-        ),
-    )  # fmt: skip
+# with more queries than keys); W = 4 in the slow tier.
+FLASH2_MODEL = [
+    pytest.param(w, case, id=case.id(w), marks=[pytest.mark.slow] if w == 4 else [])
     for w in (3, 4)
     for v, win in (
         ("ring_full", (3, 2)),
@@ -272,7 +267,8 @@ FLASH2_MODEL = _params(
         ("llama3_causal", (1, 0)),
         ("llama3_full", (3, 2)),
     )  # fmt: skip
-)
+    for case in [Case(variant=v, window_size=win, seed=w, backend="flash2_model")]
+]
 EXTRA = _params(
     [
         *[(w, Case(variant=v, heads="mqa")) for w in (2, 3) for v in VARIANTS],

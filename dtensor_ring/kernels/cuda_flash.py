@@ -79,7 +79,7 @@ def _window_args(window: tuple[int, int] | None) -> dict[str, int]:
 # for every document. The dense op takes ``max_seqlen_k = S_k`` and cannot be told
 # otherwise: a windowed dense block with ``S_q > S_k + 1`` runs as a varlen call, a document
 # per batch row (:func:`flash2_dense_needs_varlen`; the ring plans never send one). The
-# tests check both rules on a model of the rewrite (``tests/reference.flash2_visible``) for
+# tests check both rules on a model of the rewrite (``tests/flash2_model.py``) for
 # every shape and window, and replay the plans through it.
 
 

@@ -77,7 +77,11 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
 * ``documents``: the varlen door on the placed layouts (``document_layout``,
   ``documents_as_sharded``) through the base, mask, memory-layout, non-finite, argument,
   disagreement, dtype, value and shape generators;
-* ``titan``: torchtitan's varlen module on the ring (:mod:`tests.adversarial.titan`).
+* ``titan``: torchtitan's varlen module on the ring (:mod:`tests.adversarial.titan`);
+* ``flash2``: every door that takes a window and a backend, its windowed masks at W = 2-4 on
+  ``backend="flash2_model"``: ``cuda_flash``'s adapter on FlashAttention-2's ops modelled on
+  the CPU (``tests/flash2_model.py``), the calls the GPU kernel gets (Note
+  [FlashAttention-2's unbounded window sides]).
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
@@ -1531,6 +1535,44 @@ def documents_cases() -> list[Case]:
     return _retag(cases, "documents")
 
 
+def flash2_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
+    """:func:`attention_case` with ``backend="flash2_model"`` selectable (modelled ops)."""
+    from tests.flash2_model import modelled_flash2
+
+    with modelled_flash2():
+        return attention_case(ctx, door, setup)
+
+
+def flash2_cases() -> list[Case]:
+    """The windowed masks of every door with a window and a backend, at W = 2-4, on
+    FlashAttention-2's modelled ops (the placed layouts', llama3_zigzag's and ``auto``'s
+    doors too)."""
+    doors = [
+        d
+        for d in (*DOORS.values(), DOCUMENTS_DOOR, HEAD_TAIL_DOOR, *LLAMA3_ZIGZAG_PRIMARY)
+        if {"window_size", "backend"} <= d.accepts
+    ]
+    cases = []
+    for i, door in enumerate(doors):
+        variants = [(d, kw, 4) for d, kw, _ in _mask_variants(door, 2) if "window_size" in kw]
+        variants += [  # windows shorter than a rank's 16 tokens: runs of unequal lengths
+            (f"window={w},s_local=16".replace(" ", ""), {"causal": c, "window_size": w}, 16)
+            for c, w in ((True, (5, 0)), (True, (1, 0)), (False, (3, 2)))
+            if c or not door.causal_only
+        ]
+        for j, (detail, kw, s_local) in enumerate(variants):
+            world = _pick((2, 3, 4), i + j)
+            setup = Setup(kw={**kw, "backend": "flash2_model"}, s_local=s_local)
+            cases.append(_case("flash2", door, world, detail, setup, fn=flash2_case))
+            if door.packed_stream and door.layout == "llama3" and s_local == 16:
+                # a document starting 2 tokens before rank 1's slice: llama3's prefix block
+                # is then many queries against 2 keys
+                docs = replace(setup, docs=(6, 8 * world - 6))
+                detail += ",docs=(6,rest)"
+                cases.append(_case("flash2", door, world, detail, docs, fn=flash2_case))
+    return cases
+
+
 def llama3_zigzag_cases() -> list[Case]:
     """The "llama3_zigzag" layout (zigzag's tokens, K/V all-gathered): its flash and varlen
     front doors through every adversity, and the doors that take a layout (``ring_attention_func``,
@@ -1797,6 +1839,7 @@ KINDS = {
     "flex": flex_cases,
     "documents": documents_cases,
     "titan": titan_cases,
+    "flash2": flash2_cases,
 }
 FAST_PER_KIND = 3  # the CI subset: 3 per kind
 
