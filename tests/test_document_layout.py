@@ -273,8 +273,12 @@ def test_bad_layout_documents():
 # --- 2. numerics, single device ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", [None, "flash2_model"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world_size, backend",
+    [(1, None), (2, None), (3, None), pytest.param(4, None, marks=pytest.mark.slow),
+     (2, "flash2_model"),
+     *(pytest.param(w, "flash2_model", marks=pytest.mark.slow) for w in (3, 4))],
+)  # fmt: skip
 def test_simulated_ring_matches_reference(world_size, backend):
     """Every candidate placement, exact; ``flash2_model``: through cuda_flash's adapter on
     FlashAttention-2's modelled ops (the calls the GPU gets: these plans send documents with

@@ -256,9 +256,9 @@ WINDOWED = _params(
 )
 # The same on cuda_flash's adapter with FlashAttention-2's ops modelled (tests/flash2_model.py):
 # the calls the GPU kernel gets, checked on the CPU (llama3's causal prefix block is dense
-# with more queries than keys); W = 4 in the slow tier.
+# with more queries than keys); W = 4 and the ring layouts in the slow tier.
 FLASH2_MODEL = [
-    pytest.param(w, case, id=case.id(w), marks=[pytest.mark.slow] if w == 4 else [])
+    pytest.param(w, case, id=case.id(w), marks=[pytest.mark.slow] * (w == 4 or v[:6] != "llama3"))
     for w in (3, 4)
     for v, win in (
         ("ring_full", (3, 2)),
