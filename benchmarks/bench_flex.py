@@ -388,7 +388,8 @@ def _write(a, rows) -> None:
         "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": "bfloat16", "reps": a.reps,
     }  # fmt: skip
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    path = os.path.join(out, f"bench_flex_h200_{date}.json")
+    gpu = meta["gpu"].split()[1].lower() if meta["gpu"].startswith("NVIDIA ") else "gpu"
+    path = os.path.join(out, f"bench_flex_{gpu}_{date}.json")  # e.g. bench_flex_h100_...
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

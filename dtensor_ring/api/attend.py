@@ -102,19 +102,6 @@ def dense_attention(
     return call_attention(ring_attention, q, k, v, *spec.op_args(), sinks)
 
 
-def refuses_placed_window(q: Tensor, window_size: object) -> bool:
-    """Whether a placed document layout refuses a call on ``q`` with flash-attn's
-    ``window_size``: a sliding window (anything but none or plain causal) on CUDA, where the
-    GPU check of 2026-12-05 (tests/gpu/check_flex.py, H100) found the result wrong; refused
-    until that is found, never quietly wrong (docs/varlen.md, Limitations). The device and the
-    window are facts every rank shares."""
-    windowed = isinstance(window_size, (tuple, list)) and tuple(window_size) not in (
-        (-1, -1),
-        (-1, 0),
-    )
-    return windowed and q.is_cuda
-
-
 def varlen_attention(
     q: Tensor,
     k: Tensor,
@@ -167,12 +154,6 @@ def varlen_attention(
     def checks() -> tuple[int | None]:
         check_cu_seqlens_arg(cu_seqlens, q)
         _check_positions(positions, call, cu_seqlens)
-        if placed and refuses_placed_window(q, window_size):
-            raise ValueError(
-                "a sliding window on a placed document layout (document_layout, "
-                "documents_as_sharded) is not supported on CUDA yet; use a per-document layout "
-                "(layout='zigzag') or no window"
-            )
         if placed and comparing((name,)):  # this rank's values, not compared: checked here too
             bounds = read_cu_seqlens(cu_seqlens, q.shape[0])  # (the op checks them again)
             check_placed_local(lay, bounds, dist.get_rank(group), world_size)

@@ -37,7 +37,6 @@ from ..schedule.flex import FlexBalance, VisibleBlocks, balanced_layout, flex_pl
 from ..schedule.flex import flex_balance as _plan_balance
 from ..schedule.flex_documents import MASK_MOD_ARGS, MaskDocuments
 from ..schedule.flex_documents import mask_documents as _mask_documents
-from .attend import refuses_placed_window
 from .documents import placed_rows
 from .dtensor.placements import sequence_group_name
 from .varlen import attend_rows
@@ -171,8 +170,7 @@ def flex_attention(
         and _documents_run(q_BSHD)
     ):
         documents = _mask_documents(tiles_mask, q_BSHD.shape[0])
-        # (a window the placed layouts refuse stays on flex's kernels)
-        if documents is not None and not refuses_placed_window(q_BSHD, documents.window_size):
+        if documents is not None:
             return _on_documents(documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec)
     lay = get_layout(layout, "dense")
     plan = flex_plan(lay, world_size, q_BSHD.shape[1], visible, trim=kernel.trims)
