@@ -22,8 +22,9 @@ torch 2.11.0+cu130 by ``tests/gpu/check_kernels.py``, dense and varlen, GQA 32:8
   is visible to query ``i`` iff ``j <= i + S_k - S_q``. For the square causal blocks the engine
   sends this is the top-left mask of the interface.
 * ``window_size_left/right`` (keyword, ``None`` = -1 = unbounded) are flash-attn's sliding
-  window, aligned bottom-right like ``causal``: the interface's ``window``, once the varlen
-  calls pass :func:`flash2_max_seqlen_k` (Note [FlashAttention-2's unbounded window sides]).
+  window, aligned bottom-right like ``causal``: the interface's ``window`` as the adapter
+  passes it (Note [FlashAttention-2's unbounded window sides]: a larger ``max_seqlen_k`` for
+  varlen calls, a varlen call for some dense blocks).
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def _window_args(window: tuple[int, int] | None) -> dict[str, int]:
 # FlashAttention-2's host code (``flash_api.cpp``: the forwards and backwards, PyTorch's copy
 # and the flash-attn package alike) rewrites a window before its kernel sees it:
 #
-#     a side >= max_seqlen_k       -> -1
-#     left < 0 <= right (not causal) -> left = max_seqlen_k
-#     right < 0 <= left            -> right = max_seqlen_k
+#     a side >= max_seqlen_k           -> -1
+#     left < 0 <= right (not causal)   -> left = max_seqlen_k
+#     right < 0 <= left                -> right = max_seqlen_k
 #
 # and the kernel shows query i of a document of S_q queries and S_k keys the keys
 # ``i + S_k - S_q - left <= j < i + 1 + S_k - S_q + right``. A left side of max_seqlen_k

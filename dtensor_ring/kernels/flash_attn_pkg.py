@@ -34,9 +34,9 @@ obeys too.
 
 Head dim must be a multiple of 8 (2.6 would pad it, 2.7+ refuses). The window is rewritten by
 the same host code as ``cuda_flash``'s (Note [FlashAttention-2's unbounded window sides] in
-``cuda_flash.py``): the varlen calls pass the same ``max_seqlen_k``. ``causal`` is aligned
-bottom-right when ``S_q != S_k``, as in ``cuda_flash``; the engine only sends square causal
-blocks.
+``cuda_flash.py``): the adapter keeps the interface's window as ``cuda_flash``'s does.
+``causal`` is aligned bottom-right when ``S_q != S_k``, as in ``cuda_flash``; the engine only
+sends square causal blocks.
 """
 
 from __future__ import annotations
