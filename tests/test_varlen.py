@@ -256,9 +256,10 @@ WINDOWED = _params(
 )
 # The same on cuda_flash's adapter with FlashAttention-2's ops modelled (tests/flash2_model.py):
 # the calls the GPU kernel gets, checked on the CPU (llama3's causal prefix block is dense
-# with more queries than keys); W = 4 and the ring layouts (W = 3 only) in the slow tier.
+# with more queries than keys); the fast tier keeps llama3 causal at W = 3, the ring layouts
+# run at W = 3 only.
 FLASH2_MODEL = [
-    pytest.param(w, case, id=case.id(w), marks=[pytest.mark.slow] * (w == 4 or v[:6] != "llama3"))
+    pytest.param(w, case, id=case.id(w), marks=[] if fast else [pytest.mark.slow])
     for w in (3, 4)
     for v, win in (
         ("ring_full", (3, 2)),
@@ -268,6 +269,7 @@ FLASH2_MODEL = [
         ("llama3_full", (3, 2)),
     )  # fmt: skip
     for case in [Case(variant=v, window_size=win, seed=w, backend="flash2_model")]
+    for fast in [(w, v, win) == (3, "llama3_causal", (6, 0))]
     if w == 3 or v[:6] == "llama3"
 ]
 EXTRA = _params(
