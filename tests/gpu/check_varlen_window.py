@@ -1,9 +1,11 @@
-"""GPU check of sliding windows on placed document layouts (docs/varlen.md, Limitations).
+"""GPU check of sliding windows in varlen calls, the placed document layouts' above all.
 
 Not a test (CI has no GPU): ``python tests/gpu/check_varlen_window.py``. The H100 run of
 ``check_flex.py`` (2026-12-05) found packed documents with a window of 256 on a placed layout
 (``dr.documents_as_sharded``) 35x less exact than one-GPU attention on PyTorch's flash varlen
-kernel, while the CPU route is exact. This script finds where:
+kernel, while the CPU route is exact; this script found where (Note [FlashAttention-2's
+unbounded window sides] in ``dtensor_ring/kernels/cuda_flash.py``, docs/window.md) and checks
+the fix:
 
 1. end to end: every rank of a W = 4 ring in turn (``dr.simulate_ring``), bf16, 5, 32 and
    512 (of 8 tokens: single-token zigzag pieces) packed documents of 4096 tokens,
