@@ -79,7 +79,8 @@ def _window_args(window: tuple[int, int] | None) -> dict[str, int]:
 # it (its loops run over each document's own), and every rewritten side is then unbounded
 # for every document. The dense op takes ``max_seqlen_k = S_k`` and cannot be told
 # otherwise: a windowed dense block with ``S_q > S_k + 1`` runs as a varlen call, a document
-# per batch row (:func:`flash2_dense_needs_varlen`; the ring plans never send one). The
+# per batch row (:func:`flash2_dense_needs_varlen`; the ring plans never send one). Both
+# rules live in :class:`Flash2Kernel`, the base of the two FlashAttention-2 adapters. The
 # tests check both rules on a model of the rewrite (``tests/flash2_model.py``) for
 # every shape and window, and replay the plans through it.
 
@@ -99,36 +100,83 @@ def flash2_dense_needs_varlen(s_q: int, s_k: int, window: tuple[int, int] | None
     return window is not None and s_q > s_k + 1
 
 
-def dense_as_varlen_forward(kernel: BlockKernel, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
-    """``kernel._forward`` of a dense block through its ``_forward_varlen`` (each batch row a
-    document: :func:`flash2_dense_needs_varlen`)."""
-    (B, S_q, H, D), S_k, H_kv = q_BSHD.shape, k_BSHD.shape[1], k_BSHD.shape[2]
-    cu_q, cu_k = _row_bounds(B, S_q, S_k, q_BSHD.device)
-    out_THD, lse_HT = kernel._forward_varlen(
-        q_BSHD.reshape(B * S_q, H, D),
-        k_BSHD.reshape(B * S_k, H_kv, D),
-        v_BSHD.reshape(B * S_k, H_kv, D),
-        cu_q, cu_k, S_q, S_k, causal=causal, scale=scale, window=window,
-    )  # fmt: skip
-    return out_THD.view(B, S_q, H, D), lse_HT.view(H, B, S_q).transpose(0, 1).contiguous()
+class Flash2Kernel(BlockKernel):
+    """What the FlashAttention-2 adapters share: the interface's window kept whatever the ops'
+    host code does with it (Note [FlashAttention-2's unbounded window sides]). A subclass
+    implements ``_op_forward`` / ``_op_backward`` / ``_op_forward_varlen`` /
+    ``_op_backward_varlen``: the ops as they are, with the arguments of ``_forward`` & co."""
 
+    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
+        if not flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
+            return self._op_forward(
+                q_BSHD, k_BSHD, v_BSHD, causal=causal, scale=scale, window=window
+            )
+        (B, S_q, H, D), S_k, H_kv = q_BSHD.shape, k_BSHD.shape[1], k_BSHD.shape[2]
+        cu_q, cu_k = _row_bounds(B, S_q, S_k, q_BSHD.device)  # a document per batch row
+        out_THD, lse_HT = self._forward_varlen(
+            q_BSHD.reshape(B * S_q, H, D),
+            k_BSHD.reshape(B * S_k, H_kv, D),
+            v_BSHD.reshape(B * S_k, H_kv, D),
+            cu_q, cu_k, S_q, S_k, causal=causal, scale=scale, window=window,
+        )  # fmt: skip
+        return out_THD.view(B, S_q, H, D), lse_HT.view(H, B, S_q).transpose(0, 1).contiguous()
 
-def dense_as_varlen_backward(
-    kernel: BlockKernel, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale,
-    window,
-):  # fmt: skip
-    """``kernel._backward`` of a dense block through its ``_backward_varlen`` (as
-    :func:`dense_as_varlen_forward`)."""
-    (B, S_q, H, D), S_k, H_kv = q_BSHD.shape, k_BSHD.shape[1], k_BSHD.shape[2]
-    cu_q, cu_k = _row_bounds(B, S_q, S_k, q_BSHD.device)
-    rows_q = [x.reshape(B * S_q, H, D) for x in (dout_BSHD, q_BSHD)]
-    rows_kv = [x.reshape(B * S_k, H_kv, D) for x in (k_BSHD, v_BSHD)]
-    dq, dk, dv = kernel._backward_varlen(
-        *rows_q, *rows_kv, out_BSHD.reshape(B * S_q, H, D),
-        lse_BHS.transpose(0, 1).reshape(H, B * S_q), cu_q, cu_k, S_q, S_k,
-        causal=causal, scale=scale, window=window,
-    )  # fmt: skip
-    return dq.view(B, S_q, H, D), dk.view(B, S_k, H_kv, D), dv.view(B, S_k, H_kv, D)
+    def _backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
+    ):
+        if not flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
+            return self._op_backward(
+                dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS,
+                causal=causal, scale=scale, window=window,
+            )  # fmt: skip
+        (B, S_q, H, D), S_k, H_kv = q_BSHD.shape, k_BSHD.shape[1], k_BSHD.shape[2]
+        cu_q, cu_k = _row_bounds(B, S_q, S_k, q_BSHD.device)  # as in _forward
+        rows_q = [x.reshape(B * S_q, H, D) for x in (dout_BSHD, q_BSHD)]
+        rows_kv = [x.reshape(B * S_k, H_kv, D) for x in (k_BSHD, v_BSHD)]
+        dq, dk, dv = self._backward_varlen(
+            *rows_q, *rows_kv, out_BSHD.reshape(B * S_q, H, D),
+            lse_BHS.transpose(0, 1).reshape(H, B * S_q), cu_q, cu_k, S_q, S_k,
+            causal=causal, scale=scale, window=window,
+        )  # fmt: skip
+        return dq.view(B, S_q, H, D), dk.view(B, S_k, H_kv, D), dv.view(B, S_k, H_kv, D)
+
+    def _forward_varlen(
+        self, q_THD, k_THD, v_THD, cu_q, cu_k, max_q, max_k, *, causal, scale, window
+    ):
+        max_k = flash2_max_seqlen_k(max_q, max_k, window)
+        return self._op_forward_varlen(
+            q_THD, k_THD, v_THD, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale,
+            window=window,
+        )  # fmt: skip
+
+    def _backward_varlen(
+        self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, *,
+        causal, scale, window,
+    ):  # fmt: skip
+        max_k = flash2_max_seqlen_k(max_q, max_k, window)
+        return self._op_backward_varlen(
+            dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k,
+            causal=causal, scale=scale, window=window,
+        )  # fmt: skip
+
+    def _op_forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
+        raise NotImplementedError
+
+    def _op_backward(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
+    ):
+        raise NotImplementedError
+
+    def _op_forward_varlen(
+        self, q_THD, k_THD, v_THD, cu_q, cu_k, max_q, max_k, *, causal, scale, window
+    ):
+        raise NotImplementedError
+
+    def _op_backward_varlen(
+        self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, *,
+        causal, scale, window,
+    ):  # fmt: skip
+        raise NotImplementedError
 
 
 def _row_bounds(B: int, S_q: int, S_k: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -173,7 +221,7 @@ def cuda_sm80_reason() -> str | None:
     return None
 
 
-class TorchFlashKernel(BlockKernel):
+class TorchFlashKernel(Flash2Kernel):
     """FlashAttention-2 as vendored in PyTorch (dense and varlen, GQA native)."""
 
     name: ClassVar[str] = "cuda_flash"
@@ -195,11 +243,7 @@ class TorchFlashKernel(BlockKernel):
     def extra_reason(self, call: KernelCall) -> str | None:
         return head_dim_reason(call) or deterministic_reason(call)
 
-    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
-        if flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
-            return dense_as_varlen_forward(
-                self, q_BSHD, k_BSHD, v_BSHD, causal=causal, scale=scale, window=window
-            )
+    def _op_forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
         out_BSHD, lse_BHS, *_ = require_aten_op(_FORWARD)(
             q_BSHD,
             k_BSHD,
@@ -216,14 +260,9 @@ class TorchFlashKernel(BlockKernel):
         )
         return out_BSHD, lse_BHS
 
-    def _backward(
+    def _op_backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
-        if flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
-            return dense_as_varlen_backward(
-                self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS,
-                causal=causal, scale=scale, window=window,
-            )  # fmt: skip
         rng_state, unused = _no_dropout_rng(q_BSHD.device)
         dq, dk, dv = require_aten_op(_BACKWARD)(
             dout_BSHD,
@@ -245,7 +284,7 @@ class TorchFlashKernel(BlockKernel):
         )
         return dq, dk, dv
 
-    def _forward_varlen(
+    def _op_forward_varlen(
         self,
         q_THD,
         k_THD,
@@ -266,7 +305,7 @@ class TorchFlashKernel(BlockKernel):
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
-            flash2_max_seqlen_k(max_seqlen_q, max_seqlen_k, window),
+            max_seqlen_k,
             0.0,
             causal,
             False,
@@ -275,7 +314,7 @@ class TorchFlashKernel(BlockKernel):
         )
         return out_THD, lse_HT
 
-    def _backward_varlen(
+    def _op_backward_varlen(
         self,
         dout_THD,
         q_THD,
@@ -303,7 +342,7 @@ class TorchFlashKernel(BlockKernel):
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
-            flash2_max_seqlen_k(max_seqlen_q, max_seqlen_k, window),
+            max_seqlen_k,
             0.0,
             causal,
             rng_state,

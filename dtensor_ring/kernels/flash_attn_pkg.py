@@ -34,7 +34,7 @@ obeys too.
 
 Head dim must be a multiple of 8 (2.6 would pad it, 2.7+ refuses). The window is rewritten by
 the same host code as ``cuda_flash``'s (Note [FlashAttention-2's unbounded window sides] in
-``cuda_flash.py``): the adapter keeps the interface's window as ``cuda_flash``'s does.
+``cuda_flash.py``): both adapters keep the interface's window through ``Flash2Kernel``.
 ``causal`` is aligned bottom-right when ``S_q != S_k``, as in ``cuda_flash``; the engine only
 sends square causal blocks.
 """
@@ -53,15 +53,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .base import BlockKernel, KernelCall
-from .cuda_flash import (
-    dense_as_varlen_backward,
-    dense_as_varlen_forward,
-    deterministic_reason,
-    flash2_dense_needs_varlen,
-    flash2_max_seqlen_k,
-    head_dim_reason,
-)
+from .base import KernelCall
+from .cuda_flash import Flash2Kernel, deterministic_reason, head_dim_reason
 
 _INTERFACE = "flash_attn.flash_attn_interface"
 
@@ -127,7 +120,7 @@ def _grad_buffers(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tens
     return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
 
-class FlashAttnKernel(BlockKernel):
+class FlashAttnKernel(Flash2Kernel):
     """FlashAttention-2 from the ``flash-attn`` package (dense and varlen, GQA native)."""
 
     name: ClassVar[str] = "flash_attn"
@@ -153,11 +146,7 @@ class FlashAttnKernel(BlockKernel):
     def extra_reason(self, call: KernelCall) -> str | None:
         return head_dim_reason(call) or deterministic_reason(call)
 
-    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
-        if flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
-            return dense_as_varlen_forward(
-                self, q_BSHD, k_BSHD, v_BSHD, causal=causal, scale=scale, window=window
-            )
+    def _op_forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
         fn = _interface()._flash_attn_forward
         result = fn(
             q_BSHD,
@@ -168,14 +157,9 @@ class FlashAttnKernel(BlockKernel):
         )
         return _out_and_lse(fn, result)
 
-    def _backward(
+    def _op_backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
     ):
-        if flash2_dense_needs_varlen(q_BSHD.shape[1], k_BSHD.shape[1], window):
-            return dense_as_varlen_backward(
-                self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS,
-                causal=causal, scale=scale, window=window,
-            )  # fmt: skip
         fn = _interface()._flash_attn_backward
         dq, dk, dv = _grad_buffers(q_BSHD, k_BSHD, v_BSHD)
         fn(
@@ -193,7 +177,7 @@ class FlashAttnKernel(BlockKernel):
         )
         return dq, dk, dv
 
-    def _forward_varlen(
+    def _op_forward_varlen(
         self,
         q_THD,
         k_THD,
@@ -215,14 +199,14 @@ class FlashAttnKernel(BlockKernel):
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
-            flash2_max_seqlen_k(max_seqlen_q, max_seqlen_k, window),
+            max_seqlen_k,
             return_softmax=False,
             block_table=None,
             **_options(fn, causal=causal, scale=scale, window=window),
         )
         return _out_and_lse(fn, result)
 
-    def _backward_varlen(
+    def _op_backward_varlen(
         self,
         dout_THD,
         q_THD,
@@ -254,7 +238,7 @@ class FlashAttnKernel(BlockKernel):
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=flash2_max_seqlen_k(max_seqlen_q, max_seqlen_k, window),
+            max_seqlen_k=max_seqlen_k,
             deterministic=torch.are_deterministic_algorithms_enabled(),
             **_options(fn, causal=causal, scale=scale, window=window),
         )
