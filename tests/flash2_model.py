@@ -8,8 +8,8 @@ the GPU kernel (Note [FlashAttention-2's unbounded window sides] in
 math kernel's, so a result equals the math kernel's wherever the adapter keeps the mask the
 interface asks for.
 
-* :func:`flash2_visible`: one document's mask; :func:`flash2_varlen_mask`,
-  :func:`flash2_dense_mask`: a call's;
+* :func:`flash2_visible`: one document's mask; :func:`flash2_forward`,
+  :func:`flash2_backward`: a call's results (the flash-attn package stand-ins use them too);
 * :func:`aten_forward`, :func:`aten_backward`: the two ops (dense when ``cu_seqlens_q`` is
   None);
 * :func:`modelled_flash2`: a context in which ``backend="flash2_model"`` runs ``cuda_flash``'s
@@ -60,26 +60,36 @@ def flash2_visible(
     return (j >= i + shift - left) & (j < i + 1 + shift + right)
 
 
-def flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window) -> Tensor:
-    """``[T_q, T_k]`` bool: what FlashAttention-2 computes of a varlen call, document by
-    document (:func:`flash2_visible`)."""
-    mask = torch.zeros(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.bool)
-    bounds = zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False)
-    for q0, q1, k0, k1 in bounds:
-        mask[q0:q1, k0:k1] = flash2_visible(q1 - q0, k1 - k0, max_q, max_k, causal, tuple(window))
-    return mask
-
-
-def flash2_dense_mask(s_q, s_k, causal, window) -> Tensor:
-    """``[S_q, S_k]`` bool: what FlashAttention-2's dense op computes (``max_seqlen_k = S_k``)."""
-    return flash2_visible(s_q, s_k, s_q, s_k, causal, tuple(window))
-
-
 def _mask(q, k, cu_q, cu_k, max_q, max_k, causal, window) -> Tensor:
+    """``[S_q, S_k]`` (dense: ``cu_q`` None, ``max_*`` the lengths) or ``[T_q, T_k]``
+    (varlen: document by document) bool: what FlashAttention-2 computes."""
+    window = tuple(window)
     if cu_q is None:
         assert (max_q, max_k) == (q.shape[1], k.shape[1])
-        return flash2_dense_mask(q.shape[1], k.shape[1], causal, window)
-    return flash2_varlen_mask(cu_q.cpu(), cu_k.cpu(), max_q, max_k, causal, window).to(q.device)
+        return flash2_visible(max_q, max_k, max_q, max_k, causal, window)
+    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    bounds = zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False)
+    for q0, q1, k0, k1 in bounds:
+        mask[q0:q1, k0:k1] = flash2_visible(q1 - q0, k1 - k0, max_q, max_k, causal, window)
+    return mask.to(q.device)
+
+
+def flash2_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
+    """``(out, lse)`` as FlashAttention-2 computes them: dense ``[B, S, H, D]`` inputs when
+    ``cu_q`` is None (``max_*`` the lengths), else packed ``[T, H, D]`` with ``cu_seqlens``."""
+    mask = _mask(q, k, cu_q, cu_k, max_q, max_k, causal, window)
+    if cu_q is None:
+        return math_kernel._forward(q, k, v, scale, mask)
+    return tuple(x[0] for x in math_kernel._forward(q[None], k[None], v[None], scale, mask))
+
+
+def flash2_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window):
+    """``(dq, dk, dv)`` as FlashAttention-2 computes them (as :func:`flash2_forward`)."""
+    mask = _mask(q, k, cu_q, cu_k, max_q, max_k, causal, window)
+    if cu_q is None:
+        return math_kernel._backward(dout, q, k, v, out, lse, scale, mask)
+    tensors = (x[None] for x in (dout, q, k, v, out, lse))
+    return tuple(g[0] for g in math_kernel._backward(*tensors, scale, mask))
 
 
 def aten_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, **win):
@@ -87,11 +97,7 @@ def aten_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *,
     assert dropout_p == 0.0 and not debug
     window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
     assert not win, win
-    mask = _mask(q, k, cu_q, cu_k, max_q, max_k, causal, window)
-    if cu_q is None:
-        out, lse = math_kernel._forward(q, k, v, scale, mask)
-    else:
-        out, lse = (x[0] for x in math_kernel._forward(q[None], k[None], v[None], scale, mask))
+    out, lse = flash2_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window)
     return out, lse, torch.empty(2, dtype=torch.int64), torch.empty(0), None
 
 
@@ -101,11 +107,7 @@ def aten_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, 
     assert dropout_p == 0.0 and lse.is_contiguous()  # the op reads lse by its data pointer
     window = (win.pop("window_size_left", -1), win.pop("window_size_right", -1))
     assert not win, win
-    mask = _mask(q, k, cu_q, cu_k, max_q, max_k, causal, window)
-    if cu_q is None:
-        return math_kernel._backward(dout, q, k, v, out, lse, scale, mask)
-    tensors = (x[None] for x in (dout, q, k, v, out, lse))
-    return tuple(g[0] for g in math_kernel._backward(*tensors, scale, mask))
+    return flash2_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window)
 
 
 _OPS = {"_flash_attention_forward": aten_forward, "_flash_attention_backward": aten_backward}

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from flash2_model import flash2_dense_mask, flash2_varlen_mask, flash2_visible, modelled_flash2
+from flash2_model import flash2_backward, flash2_forward, flash2_visible, modelled_flash2
 from torch import Tensor
 
 from dtensor_ring.kernels import (
@@ -46,7 +46,6 @@ from dtensor_ring.kernels import (
     select_kernel,
 )
 from dtensor_ring.kernels import flash_attn4 as flash_attn4_module
-from dtensor_ring.kernels import math as math_kernel
 from dtensor_ring.kernels.base import window_mask
 from dtensor_ring.kernels.cuda_flash import (
     TorchFlashKernel,
@@ -87,8 +86,8 @@ def _dense_forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, a
     # flash-attn aligns causal bottom-right; the math kernel top-left: equal for square blocks.
     assert not causal or q.shape[1] == k.shape[1]
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
-    mask = flash2_dense_mask(q.shape[1], k.shape[1], causal, window)
-    return math_kernel._forward(q, k, v, softmax_scale, mask)
+    lengths = q.shape[1], k.shape[1]
+    return flash2_forward(q, k, v, None, None, *lengths, causal, softmax_scale, window)
 
 
 def _varlen_forward(
@@ -111,9 +110,7 @@ def _varlen_forward(
     assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int)
     assert not causal or torch.equal(cu_q, cu_k)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
-    mask = flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window)
-    out, lse = math_kernel._forward(q[None], k[None], v[None], softmax_scale, mask)
-    return out[0], lse[0]
+    return flash2_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window)
 
 
 def _write_grads(grads, dq, dk, dv, like) -> tuple[Tensor, Tensor, Tensor]:
@@ -148,8 +145,9 @@ def _dense_backward(
     B, S, H, _ = q.shape
     _check_lse(lse, (B, H, S))
     dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
-    mask = flash2_dense_mask(S, k.shape[1], causal, window)
-    grads = math_kernel._backward(dout, q, k, v, out, lse, softmax_scale, mask)
+    lengths = S, k.shape[1]
+    grads = flash2_backward(dout, q, k, v, out, lse, None, None, *lengths, causal, softmax_scale,
+                            window)  # fmt: skip
     softmax_d = torch.empty(B, H, (S + 127) // 128 * 128)
     return (*_write_grads(grads, dq, dk, dv, (q, k, v)), softmax_d)
 
@@ -180,9 +178,8 @@ def _varlen_backward(
     T, H, _ = q.shape
     _check_lse(lse, (H, T))
     dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
-    mask = flash2_varlen_mask(cu_q, cu_k, max_q, max_k, causal, window)
-    tensors = (t[None] for t in (dout, q, k, v, out, lse))
-    grads = [g[0] for g in math_kernel._backward(*tensors, softmax_scale, mask)]
+    cu_and_max = (cu_q, cu_k, max_q, max_k)
+    grads = flash2_backward(dout, q, k, v, out, lse, *cu_and_max, causal, softmax_scale, window)
     softmax_d = torch.empty(H, T + 128 * (cu_q.numel() - 1))
     return (*_write_grads(grads, dq, dk, dv, (q, k, v)), softmax_d)
 
