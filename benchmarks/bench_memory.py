@@ -33,6 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_single_gpu import IN_KERNEL, block_grads_mode, block_grads_modes  # noqa: E402
+
 from dtensor_ring import make_plan, shard_local  # noqa: E402
 from dtensor_ring.kernels import BACKENDS, KernelCall, get_kernel  # noqa: E402
 from dtensor_ring.simulate import RankSimulator  # noqa: E402
@@ -109,10 +111,15 @@ def main() -> None:
     backends = able if cuda else ["math"]
     rows = []
     for backend in backends:
-        try:
-            rows.append(measure(backend, W, T, dims, dtype, device))
-        except Exception as e:  # a kernel that cannot run these shapes: say why in the JSON
-            rows.append({"backend": backend, "error": f"{type(e).__name__}: {e}"})
+        modes = block_grads_modes(backend, compare=True)
+        # as it runs; where its kernel sums dq itself, also the engine's sum (the baseline)
+        for mode in modes[: 1 + (modes[0] == IN_KERNEL)]:
+            name = backend if mode == modes[0] else f"{backend} ({mode})"
+            try:
+                with block_grads_mode(backend, mode):
+                    rows.append(dict(measure(backend, W, T, dims, dtype, device), backend=name))
+            except Exception as e:  # a kernel that cannot run these shapes: say why in the JSON
+                rows.append({"backend": name, "error": f"{type(e).__name__}: {e}"})
     print(f"W = {W}, {T} tokens a rank, {dtype}, H/H_kv/D = {dims}; MiB above the inputs")
     print(f"{'backend':>12} {'phase':>14} {'ring':>9} {'single':>9} {'ratio':>6}")
     for r in rows:

@@ -21,8 +21,9 @@ rank, it measures, in one run:
   replayed (``eff_*_graph``): the ring without any host work per call;
 * per call of the zigzag rank: the GPU operations it issues (kernels, memsets, copies;
   torch.profiler) and the host time to issue it (``gpu_ops_*``, ``host_*_ms``);
-* with ``--compare-rounded``, backends that give fp32 block gradients also with their plain
-  backward (``block_grads``);
+* with ``--compare-rounded``, backends with more than one way to a ring's block gradients
+  (flash-attn 4: dq summed in its kernel, fp32 block gradients summed by the engine, its plain
+  backward) measured each way (``block_grads``);
 * ``layout="auto"``'s candidates (ring, all-gather, Ulysses) measured against the cost
   model's prediction, and whether it chose the fastest (``policy``);
 * the fixed cost of one call at W = 1 (``overhead``, ``--overhead-seq``): eager SDPA, the
@@ -48,7 +49,7 @@ import torch
 from bench_overhead import host_ms  # benchmarks/ is the script's directory
 
 from dtensor_ring import make_plan, shard_local
-from dtensor_ring.kernels import KernelCall, get_kernel
+from dtensor_ring.kernels import BlockKernel, KernelCall, get_kernel
 from dtensor_ring.kernels.math import MathKernel
 from dtensor_ring.simulate import RankSimulator, simulate_ring
 
@@ -265,32 +266,43 @@ def block_throughput(backend: str, tokens: int, a, device, gen) -> list[dict]:
     return rows
 
 
+# How a ring's backward gets its block gradients (Note [Ring backward]), for backends that have
+# more than the plain way: dq summed inside the kernel (BlockKernel.dq_accumulator), fp32 block
+# gradients summed by the engine, or the kernel's plain backward (the input dtype).
+IN_KERNEL, FP32, INPUT_DTYPE = "fp32, dq summed in the kernel", "fp32", "input dtype"
+
+
 @contextlib.contextmanager
-def rounded_block_grads(backend: str, rounded: bool):
-    """With ``rounded``, the backend's plain backward (block gradients in the input dtype): the
-    baseline of Note [Unrounded block gradients from flash-attn 4], in the same run."""
+def block_grads_mode(backend: str, mode: str):
+    """The backend's block gradients as ``mode`` for the duration (instance attributes over the
+    class's): the baselines of the fp32 and in-kernel sums, in the same run."""
     kernel = get_kernel(backend)
-    if rounded:
-        kernel.unrounded_grads = False  # an instance attribute over the class's
+    if mode != IN_KERNEL:
+        kernel.dq_accumulator = lambda *args, **kwargs: None
+    if mode == INPUT_DTYPE:
+        kernel.unrounded_grads = False
     try:
         yield
     finally:
         kernel.__dict__.pop("unrounded_grads", None)
+        kernel.__dict__.pop("dq_accumulator", None)
 
 
-def block_grads_variants(backend: str, a) -> list[bool]:
-    """``rounded`` values to measure: with --compare-rounded and a backend that has unrounded
-    block gradients, both."""
-    if not (a.compare_rounded and get_kernel(backend).unrounded_grads):
-        return [False]
-    return [True, False] if a.rounded_first else [False, True]
+def block_grads_modes(backend: str, compare: bool, rounded_first: bool = False) -> list[str]:
+    """The modes to measure: the backend's own first (or last, ``rounded_first``); with
+    ``compare`` every other mode it has."""
+    kernel = get_kernel(backend)
+    modes = [INPUT_DTYPE]
+    if kernel.unrounded_grads:
+        modes.insert(0, FP32)
+    if type(kernel).dq_accumulator is not BlockKernel.dq_accumulator:
+        modes.insert(0, IN_KERNEL)
+    if not compare:
+        return modes[:1]
+    return modes[::-1] if rounded_first else modes
 
 
-def block_grads_name(backend: str) -> str:
-    return "fp32" if get_kernel(backend).unrounded_grads else "input dtype"
-
-
-def precision(backend: str, a, device, gen) -> list[dict]:
+def precision(backend: str, mode: str, a, device, gen) -> list[dict]:
     """Errors of the whole simulated ring vs fp64, relative to the single-device kernel."""
     W, S = a.world_size, a.world_size * a.precision_tokens
     q, k, v, dout = qkv(S, a, a.dtype, device, gen)
@@ -316,7 +328,7 @@ def precision(backend: str, a, device, gen) -> list[dict]:
             rows.append(
                 dict(
                     backend=backend,
-                    block_grads=block_grads_name(backend),
+                    block_grads=mode,
                     layout=layout,
                     tensor=name,
                     max_err=err.max().item(),
@@ -736,19 +748,17 @@ def run_the_rest(results: dict, a, device, gen, backends, tokens) -> None:
                 results["blocks"] += block_throughput(backend, t, a, device, gen)
             except Exception as e:  # record and go on: one failing backend keeps the rest
                 results["errors"].append(f"{backend} {t} blocks: {type(e).__name__}: {e}")
-            for rounded in block_grads_variants(backend, a):
+            for mode in block_grads_modes(backend, a.compare_rounded, a.rounded_first):
                 try:
-                    with rounded_block_grads(backend, rounded):
+                    with block_grads_mode(backend, mode):
                         rows = bench_config(backend, t, a, device, gen)
-                        results["rings"] += [
-                            dict(r, block_grads=block_grads_name(backend)) for r in rows
-                        ]
+                        results["rings"] += [dict(r, block_grads=mode) for r in rows]
                 except Exception as e:
                     results["errors"].append(f"{backend} {t} rings: {type(e).__name__}: {e}")
-        for rounded in block_grads_variants(backend, a):
+        for mode in block_grads_modes(backend, a.compare_rounded, a.rounded_first):
             try:
-                with rounded_block_grads(backend, rounded):
-                    results["precision"] += precision(backend, a, device, gen)
+                with block_grads_mode(backend, mode):
+                    results["precision"] += precision(backend, mode, a, device, gen)
             except Exception as e:
                 results["errors"].append(f"{backend} precision: {type(e).__name__}: {e}")
     # the all-gather needs a varlen kernel (the smoke run: the math kernel)
@@ -829,7 +839,7 @@ def print_tables(results: dict) -> None:
         if "host_fwd_ms" in r:
             ops = f"{r['gpu_ops_fwd']}/{r['gpu_ops_fwd_bwd']}" if r["gpu_ops_fwd"] else "-"
             print(
-                f"{r['backend'] + ' ' + r.get('block_grads', ''):<24}{r['tokens_per_rank']:>8}"
+                f"{r['backend'] + ' ' + r.get('block_grads', ''):<44}{r['tokens_per_rank']:>8}"
                 f"{ops:>14}{r['host_fwd_ms']:>8.2f}/{r['host_fwd_bwd_ms']:<7.2f}"
             )
     print(

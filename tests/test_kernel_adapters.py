@@ -43,6 +43,7 @@ from dtensor_ring.kernels import (
     KernelCall,
     clear_selection_cache,
     flash_attn4_grads,
+    flash_attn4_tiles,
     select_kernel,
 )
 from dtensor_ring.kernels import flash_attn4 as flash_attn4_module
@@ -1244,8 +1245,15 @@ class FA4BackwardSm90:
 
     def __init__(self, dtype, head_dim, head_dim_v, qhead_per_kvhead, causal, **kw):
         self.causal, self.local, self.group, self.kw = causal, kw["is_local"], qhead_per_kvhead, kw
-        cfg = fa4_tile_size_bwd_sm90(head_dim, head_dim_v, causal, self.local)
-        assert kw["tile_m"] == cfg.m_block_size and kw["tile_n"] == cfg.n_block_size
+        # its own mask's tile configuration, or a causal block's (what block sparsity runs)
+        tiles = {
+            (c.m_block_size, c.n_block_size, c.dQ_swapAB)
+            for c in (
+                fa4_tile_size_bwd_sm90(head_dim, head_dim_v, causal, self.local),
+                fa4_tile_size_bwd_sm90(head_dim, head_dim_v, True, False),
+            )
+        }
+        assert (kw["tile_m"], kw["tile_n"], kw["dQ_swapAB"]) in tiles
 
     def __call__(
         self, q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale, *rest
@@ -1284,17 +1292,20 @@ class FA4BackwardSm90:
             torch.einsum("bhqk,bqhd->bkhd", w, x).unflatten(2, (-1, self.group)).sum(3)
             for w, x in ((ds, q64), (p, do64))
         )
-        cfg = fa4_tile_size_bwd_sm90(D, D, self.causal, self.local)
-        hd_r = _fa4_round_up(D, 32)
-        perm_q = _fa4_tile_perm(cfg.m_block_size, hd_r, cfg.AtomLayoutMdQ, cfg.dQ_swapAB)
-        dq_accum.add_(_fa4_to_tiles(dq, cfg.m_block_size, hd_r, perm_q))
+        kw, hd_r = self.kw, _fa4_round_up(D, 32)
+        m, n = kw["tile_m"], kw["tile_n"]
+        s_q_r = _fa4_round_up(S_q, m)  # the rows it reads and adds to: whole tiles
+        assert lse_log2.shape[-1] == dpsum.shape[-1] == s_q_r
+        assert dq_accum.shape == (q.shape[0], q.shape[2], s_q_r * hd_r)
+        perm_q = _fa4_tile_perm(m, hd_r, kw["AtomLayoutMdQ"], kw["dQ_swapAB"])
+        dq_accum.add_(_fa4_to_tiles(dq, m, hd_r, perm_q))
         if self.group == 1:  # written in the input dtype, scaled
             dk_out.copy_(dk * scale)
             dv_out.copy_(dv)
             return
-        perm_kv = _fa4_tile_perm(cfg.n_block_size, hd_r, cfg.AtomLayoutNdKV, cfg.dKV_swapAB)
-        dk_out.add_(_fa4_to_tiles(dk, cfg.n_block_size, hd_r, perm_kv))
-        dv_out.add_(_fa4_to_tiles(dv, cfg.n_block_size, hd_r, perm_kv))
+        perm_kv = _fa4_tile_perm(n, hd_r, kw["AtomLayoutNdKV"], kw["dKV_swapAB"])
+        dk_out.add_(_fa4_to_tiles(dk, n, hd_r, perm_kv))
+        dv_out.add_(_fa4_to_tiles(dv, n, hd_r, perm_kv))
 
 
 def fa4_compile(kernel, *args, options):
@@ -1354,7 +1365,7 @@ def flash_attn4_pieces(flash_attn4, monkeypatch: pytest.MonkeyPatch) -> types.Mo
     monkeypatch.setattr(flash_attn4_grads, "_installed_version", lambda: version)
     monkeypatch.setattr(flash_attn4_grads, "_COMPILED", {})
     monkeypatch.setattr(flash_attn4_grads, "_PLANS", {})
-    monkeypatch.setattr(flash_attn4_grads, "_TILE_ORDERS", {})
+    monkeypatch.setattr(flash_attn4_tiles, "_TILE_ORDERS", {})
     return interface
 
 
@@ -1459,6 +1470,57 @@ def test_ring_sums_unrounded_block_grads(flash_attn4_pieces, monkeypatch, world_
         assert all(once) if world_size == 1 else not all(once), once
     finally:
         clear_selection_cache()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout,num_kv_heads", [("zigzag", 2), ("zigzag", 4), ("ring", 2)])
+@pytest.mark.parametrize("tokens", [128, 96])
+def test_ring_dq_accumulated_by_the_kernel(
+    flash_attn4_pieces, monkeypatch, world_size, layout, num_kv_heads, tokens
+):
+    """With every block's query rows on the kernel's 64-row tiles (128 tokens a rank: zigzag's
+    halves of 64), flash-attn 4's kernel sums a rank's dq blocks itself, its causal and
+    unmasked blocks in one tile order: one preprocess a rank, and dq (with GQA dk and dv too)
+    the fp64 gradient rounded once, deterministic or not. With 96 tokens (halves of 48) zigzag
+    sums per block, as does a kernel without the accumulator: one preprocess a block, the same
+    precision (the ring layout's blocks take each rank's queries whole: any length)."""
+    monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
+    B, H, D, S = 1, 4, 8, tokens * world_size
+    g = torch.Generator().manual_seed(6)
+    q, dout = torch.randn(2, B, S, H, D, generator=g).to(torch.bfloat16).unbind(0)
+    k, v = torch.randn(2, B, S, num_kv_heads, D, generator=g).to(torch.bfloat16).unbind(0)
+    kw = dict(layout=layout, world_size=world_size, backend="flash_attn4", scale=SCALE)
+    preprocess, calls = flash_attn4_pieces._bwd_preprocess, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return preprocess(*args, **kwargs)
+
+    monkeypatch.setattr(flash_attn4_pieces, "_bwd_preprocess", counted)
+    accumulates = tokens % 128 == 0 or layout == "ring"  # ring: each rank's queries whole
+    for deterministic, accumulator in [(False, True), (True, True), (False, False)]:
+        monkeypatch.setattr(
+            torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d
+        )
+        if not accumulator:
+            monkeypatch.setattr(FlashAttn4Kernel, "dq_accumulator", lambda *a, **kw: None)
+        calls.clear()
+        try:
+            clear_selection_cache()
+            out, lse, *grads = simulate_ring(q, k, v, dout, **kw)
+        finally:
+            clear_selection_cache()
+        want = MATH.backward(
+            *(t.double() for t in (dout, q, k, v, out, lse)), causal=True, scale=SCALE
+        )
+        once = [_rounded_once(x, w) for x, w in zip(grads, want, strict=True)]
+        assert once[0] and (num_kv_heads == H or all(once)), once  # MHA: dk, dv come in bf16
+        if world_size == 1:  # one block: flash-attn 4's own backward, no accumulator
+            assert calls == [], calls
+        elif accumulator and accumulates:  # every rank's one preprocess, of all its queries
+            assert calls == [tokens] * world_size, calls
+        else:
+            assert len(calls) > world_size, calls  # a preprocess a block
 
 
 def test_small_calls_prefer_a_kernel_of_little_host_time(flash_attn4, monkeypatch):

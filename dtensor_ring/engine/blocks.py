@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..kernels import BlockKernel
+from ..kernels import BlockKernel, DqAccumulator
 from ..kernels.flex import FlexMods
 from ..kernels.merge import empty_rows_nan_, merge_
 from ..parts import Block, DocSpans, Part
@@ -99,6 +99,22 @@ class Blocks(Protocol):
         (``BlockKernel.backward``)."""
         ...
 
+    def dq_accumulator(
+        self,
+        kernel: BlockKernel,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        blocks: Sequence[Block],
+        scale: float,
+    ) -> DqAccumulator | None:
+        """The kernel's own dq accumulator for ``blocks`` (``BlockKernel.dq_accumulator``; on
+        the whole local tensors), or None: the engine sums the blocks' dq."""
+        ...
+
 
 def _part(x: Tensor, part: Part, dim: int) -> Tensor:
     if part is Part.ALL:  # the tensor itself: no view to build (host time per block)
@@ -173,6 +189,9 @@ class DenseBlocks:
             unrounded=unrounded,
         )
 
+    def dq_accumulator(self, kernel, dout, q, k, v, out, lse, blocks, scale):
+        return kernel.dq_accumulator(dout, q, k, v, out, lse, blocks, scale=scale)
+
 
 def softmax_empty_rows_(out: Tensor, lse: Tensor, whole: bool) -> Tensor:
     """SDPA's rows of nothing but -inf scores: NaN (the softmax of those is 0 / 0), set after
@@ -200,6 +219,9 @@ class FlexBlocks(DenseBlocks):
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         dlse = None if self.dlse_BHS is None else self.take_lse(self.dlse_BHS, block.q)
         return kernel.backward(dout, q, k, v, out, lse, block.origin, scale, self.mods, dlse)
+
+    def dq_accumulator(self, kernel, dout, q, k, v, out, lse, blocks, scale):
+        return None
 
     def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         out_rows, lse_rows = _part(out_acc, part, 1), _part(lse_acc, part, 2)
@@ -314,6 +336,9 @@ class VarlenBlocks:
             scale=scale,
             window=block.window,
         )
+
+    def dq_accumulator(self, kernel, dout, q, k, v, out, lse, blocks, scale):
+        return None
 
 
 def _rows(bounds: tuple[int, ...], part: Part | DocSpans, device: torch.device) -> _Rows:

@@ -29,7 +29,9 @@ the visiting K/V travels with them, one step behind:
 dq and the travelling dK/dV accumulate in the accumulation dtype (exact sums over W blocks),
 and the engine asks the kernel for its block gradients unrounded: a kernel that has them in
 fp32 (flash-attn 4, Note [Unrounded block gradients from flash-attn 4]) then adds no bf16
-rounding per block to the sum.
+rounding per block to the sum. dq stays on the rank, so a kernel that can sum it itself does
+(``BlockKernel.dq_accumulator``; flash-attn 4: Note [dq accumulated inside flash-attn 4]): no
+block dq, no add; else the engine adds each block's (``_SummedDq``).
 
 Note [Merges off the critical path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -228,10 +230,12 @@ def ring_backward(
         return tuple(g.contiguous() for g in grads)
     acc = accumulation_dtype(q_BSHD.dtype)
     direct = dkv_exchanger is not None and dkv_exchanger.direct
-    dq_acc = torch.zeros(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     side = _SideStream(q_BSHD.device)
-    dout_part, q_part, out_part = (PartsOf(blocks.take, x) for x in (dout_BSHD, q_BSHD, out_BSHD))
-    lse_part = PartsOf(blocks.take_lse, lse_BHS)
+    live = [blk for step in steps for blk in step.blocks if not blocks.is_empty(blk)]
+    local = (dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS)
+    dq = blocks.dq_accumulator(kernel, *local, live, scale) or _SummedDq(
+        blocks, kernel, *local, scale, side
+    )
     kv = [k_BSHD, v_BSHD]
     dkv_own = _zeros_like(kv, acc)  # step 0's accumulator: our own K/V
     pending_dkv = None
@@ -242,20 +246,8 @@ def ring_backward(
         for blk in step.blocks:
             if blocks.is_empty(blk):
                 continue
-            dq_b, dk_b, dv_b = blocks.backward(
-                kernel,
-                dout_part(blk.q),
-                q_part(blk.q),
-                blocks.take(kv[0], blk.kv),
-                blocks.take(kv[1], blk.kv),
-                out_part(blk.q),
-                lse_part(blk.q),
-                blk,
-                scale,
-                unrounded=True,
-            )
-            side.run(functools.partial(blocks.add_, dq_acc, blk.q, dq_b), dq_b)
-            grads.append((blk.kv, dk_b, dv_b))
+            k_b, v_b = blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
+            grads.append((blk.kv, *dq.backward(blk, k_b, v_b)))
         if s == 0:
             dkv = dkv_own
         elif direct:  # a fresh share for the visiting K/V; ours may have arrived meanwhile
@@ -277,7 +269,46 @@ def ring_backward(
         received = pending_dkv.wait()
         dkv_own = _add_all_(dkv_own, received) if direct else received
     side.join()
-    return dq_acc.to(q_BSHD.dtype), dkv_own[0].to(k_BSHD.dtype), dkv_own[1].to(v_BSHD.dtype)
+    return dq.result(), dkv_own[0].to(k_BSHD.dtype), dkv_own[1].to(v_BSHD.dtype)
+
+
+class _SummedDq:
+    """A :class:`~dtensor_ring.kernels.DqAccumulator` for any kernel: each block's dq, in the
+    accumulation dtype where the kernel has it so (``unrounded``), added into an accumulator on
+    the side stream (Note [Merges off the critical path])."""
+
+    def __init__(
+        self, blocks, kernel, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, scale, side
+    ):
+        self.blocks, self.kernel, self.scale, self.side = blocks, kernel, scale, side
+        self.dtype = q_BSHD.dtype
+        self.acc = torch.zeros(
+            q_BSHD.shape, dtype=accumulation_dtype(self.dtype), device=q_BSHD.device
+        )
+        self.dout, self.q, self.out = (
+            PartsOf(blocks.take, x) for x in (dout_BSHD, q_BSHD, out_BSHD)
+        )
+        self.lse = PartsOf(blocks.take_lse, lse_BHS)
+
+    def backward(self, blk: Block, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        dq_b, dk_b, dv_b = self.blocks.backward(
+            self.kernel,
+            self.dout(blk.q),
+            self.q(blk.q),
+            k,
+            v,
+            self.out(blk.q),
+            self.lse(blk.q),
+            blk,
+            self.scale,
+            unrounded=True,
+        )
+        self.side.run(functools.partial(self.blocks.add_, self.acc, blk.q, dq_b), dq_b)
+        return dk_b, dv_b
+
+    def result(self) -> Tensor:
+        """dq in the input dtype (after the side stream's updates: ``side.join()``)."""
+        return self.acc.to(self.dtype)
 
 
 def _add_all_(acc: list[Tensor], shares: Sequence[Tensor]) -> list[Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockKernel, KernelCall, accumulation_dtype
+from .base import BlockKernel, DqAccumulator, KernelCall, accumulation_dtype
 from .cpu import CpuFlashKernel
 from .cuda_flash import TorchFlashKernel
 from .cudnn import CudnnKernel
@@ -113,6 +113,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
     "BlockKernel",
+    "DqAccumulator",
     "KernelCall",
     "accumulation_dtype",
     "clear_selection_cache",

@@ -16,6 +16,9 @@ for causal blocks with ``S_q == S_k``). Contract:
   attention are then exact (see Note [Ring backward] in ``engine/ring.py``). With
   ``unrounded=True`` (the caller sums block gradients) a backend that has them before rounding
   (``unrounded_grads``) may return any of the three in the accumulation dtype instead.
+* ``dq_accumulator(...)``: a kernel that can sum a ring's dq blocks itself returns a
+  :class:`DqAccumulator` (flash-attn 4 on sm90: Note [dq accumulated inside flash-attn 4]);
+  the others ``None``, and the engine sums their ``unrounded`` block gradients.
 * ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA, ``H % H_kv == 0``); ``dk``/``dv`` have
   ``H_kv`` heads.
 * Inputs may be any strided views and ``scale`` any finite float: the public methods hand the
@@ -36,11 +39,14 @@ Varlen kernels (``supports_varlen``) take packed ``[T, H, D]`` tensors with int3
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
+
+from ..parts import Block
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -100,6 +106,20 @@ def is_small(tokens: int, heads: int, head_dim: int) -> bool:
     """Whether a call of ``tokens`` local tokens (the sequence a kernel sees), ``heads`` query
     heads of ``head_dim`` is a small one (:data:`SMALL_BLOCK_WORK`)."""
     return tokens * tokens * heads * head_dim < SMALL_BLOCK_WORK
+
+
+class DqAccumulator(Protocol):
+    """A rank's dq over the blocks of a ring's backward, summed inside the kernel."""
+
+    def backward(self, block: Block, k_BSHD: Tensor, v_BSHD: Tensor) -> tuple[Tensor, Tensor]:
+        """Add ``block``'s dq (its query part of the local queries against ``k``/``v``, taken
+        by the engine) into the accumulator; return the block's ``(dk, dv)``, which may be in
+        the accumulation dtype (as ``BlockKernel.backward(..., unrounded=True)``)."""
+        ...
+
+    def result(self) -> Tensor:
+        """dq ``[B, S, H, D]`` in the input dtype, once every block has run."""
+        ...
 
 
 class BlockKernel:
@@ -208,6 +228,23 @@ class BlockKernel:
             window=window,
         )
         return unfold_scale_sign(dq, sign), dk, dv
+
+    def dq_accumulator(
+        self,
+        dout_BSHD: Tensor,
+        q_BSHD: Tensor,
+        k_BSHD: Tensor,
+        v_BSHD: Tensor,
+        out_BSHD: Tensor,
+        lse_BHS: Tensor,
+        blocks: Sequence[Block],
+        *,
+        scale: float,
+    ) -> DqAccumulator | None:
+        """An accumulator that runs ``blocks`` (dense, of the local queries ``q`` against K/V
+        shaped as the local ``k``/``v``, given the global out/lse) and sums their dq inside the
+        kernel, or ``None`` (the default): the engine then sums the blocks' dq itself."""
+        return None
 
     # --- varlen blocks, [T, H, D] with cu_seqlens ----------------------------------------
     def forward_varlen(

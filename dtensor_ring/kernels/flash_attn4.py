@@ -32,7 +32,9 @@ What the source says (``flash_attn/cute/interface.py``):
   ``None``. ``(None, 0)`` is the causal mask.
 * In a ring's backward (``unrounded=True``) on sm90, the block gradients come in fp32 where
   flash-attn 4 has them so (dq; dk and dv with GQA): Note [Unrounded block gradients from
-  flash-attn 4] in ``flash_attn4_grads.py``.
+  flash-attn 4] in ``flash_attn4_grads.py``; and its kernel sums a ring's dq blocks itself
+  where their query rows start on its tiles (:meth:`FlashAttn4Kernel.dq_accumulator`, Note [dq
+  accumulated inside flash-attn 4]).
 * The first call of each configuration (dtype, head dim, GQA ratio, mask kind, varlen, ...)
   JIT-compiles its kernel (seconds); later calls reuse it, whatever the sequence lengths.
 """
@@ -50,7 +52,7 @@ import torch
 
 from .base import BlockKernel, KernelCall
 from .cuda_flash import deterministic_reason, head_dim_reason
-from .flash_attn4_grads import unrounded_backward, unrounded_reason
+from .flash_attn4_grads import RingDq, unrounded_backward, unrounded_reason
 
 _INTERFACE = "flash_attn.cute.interface"
 _NOT_INSTALLED = "the flash-attn-4 package is not installed (pip install flash-attn-4)"
@@ -190,6 +192,26 @@ class FlashAttn4Kernel(BlockKernel):
         if grads is None:  # see unrounded_reason and unrounded_backward
             grads = self._backward(*tensors, causal=causal, scale=scale, window=window)
         return grads
+
+    def dq_accumulator(
+        self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, blocks, *, scale
+    ) -> RingDq | None:
+        tensors = (dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS)
+        if (
+            not self.unrounded_grads or not scale > 0 or any(t.stride(-1) != 1 for t in tensors)
+        ):  # Note [Kernel inputs]
+            return None
+        interface = _interface()
+        if unrounded_reason(interface) is not None:
+            return None
+        return RingDq.of(
+            interface,
+            *tensors,
+            blocks,
+            scale=scale,
+            window_args=_window_args,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        )
 
     def _forward_varlen(
         self,

@@ -34,6 +34,29 @@ Whether a block takes this path (the installed version, the GPU, a graph capture
 one rank; it changes what the rank adds, never what it sends: the ring's dK/dV accumulators are
 fp32 either way.
 
+Note [dq accumulated inside flash-attn 4]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The main kernel does not write dq: it adds it into ``dq_accum`` (a bulk reduce-add into global
+memory), which the preprocess zeroed. A ring's backward runs every block of a rank's queries
+into one such accumulator (:class:`RingDq`), so the kernel itself sums the blocks, in fp32:
+
+    per block, summed by the engine              accumulated by the kernel (RingDq)
+    preprocess(out_b, dout_b): dq_b = 0          preprocess(out, dout) once: dq_acc = 0
+    main kernel: dq_b += ...                     main kernel on q[a:b]: dq_acc[a:b] += ...
+    reorder dq_b; dq[a:b] += dq_b (side stream)  -
+    dq = round(dq)                               dq = round(scale * dq_acc[perm]) once
+
+Rows ``[a, b)`` of the accumulator are the flat range ``[a * D_r, (a + rows_r) * D_r)`` of each
+head when ``a`` starts a tile (``rows_r`` = the block's rows rounded up to tiles), and
+``dpsum`` / ``lse_log2`` are the same rows of the one preprocess's (a block's rows of ``out``,
+``dout`` and ``lse`` are the rows of the whole). So the accumulator serves a plan whose blocks
+start their query rows on tiles (zigzag's halves and the ring's whole shards at 64-token
+multiples); any other plan sums per block as above. Every block is compiled with one tile
+configuration, a causal block's (``_TILES``): for head dims 97-128 flash-attn 4 picks 80-row
+tiles for unmasked blocks and 64 for causal ones, whose tile orders differ; 64 rows is what it
+itself runs unmasked blocks with under block sparsity. dq never leaves the rank, so this is a
+rank's own choice; dK/dV, which travel, are as in the note above.
+
 Which pieces we call, with which arguments, is copied from ``_flash_attn_bwd`` of
 ``flash-attn-4==4.0.0b36`` (dense, sm90, no sinks, score_mod, block sparsity or dlse): private
 functions, so :func:`unrounded_reason` accepts only that version and sm90, and every other
@@ -47,12 +70,15 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import Tensor
+
+from ..parts import Block
+from .flash_attn4_tiles import as_BSHD, learnt, postprocess_args, round_up, tile_order, untile_
 
 CHECKED_VERSION = "4.0.0b36"
 
@@ -76,10 +102,6 @@ def unrounded_reason(interface: ModuleType) -> str | None:
     return None
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return (x + multiple - 1) // multiple * multiple
-
-
 @functools.cache
 def _config(interface: ModuleType, head_dim: int, head_dim_v: int, causal: bool, local: bool):
     """flash-attn 4's sm90 backward configuration (``_tile_size_bwd_sm90``) and the head-dim
@@ -88,119 +110,9 @@ def _config(interface: ModuleType, head_dim: int, head_dim_v: int, causal: bool,
     return cfg, (64 if cfg.dKV_swapAB else 32)
 
 
-def _postprocess_args(interface, cfg, hdim_multiple_of: int, which: str, dtype) -> dict:
-    """The arguments ``_flash_attn_bwd`` gives its postprocess for ``which`` ("dq" or "dkv"),
-    and the output ``dtype`` (the inputs')."""
-    if which == "dq":
-        block, threads = cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128
-        atom, swap = cfg.AtomLayoutMdQ, cfg.dQ_swapAB
-    else:
-        block, threads = cfg.n_block_size, cfg.num_wg * 128
-        atom, swap = cfg.AtomLayoutNdKV, cfg.dKV_swapAB
-    return dict(
-        arch=interface._get_device_arch(),
-        block_size=block,
-        num_threads=threads,
-        atom_layout=atom,
-        swap_ab=swap,
-        hdim_multiple_of=hdim_multiple_of,
-        dtype=dtype,
-    )
-
-
-def _convert(interface, accum: Tensor, output: Tensor, hdim: int, args: dict) -> None:
-    """flash-attn 4's postprocess: ``output = round(accum)`` (scale 1)."""
-    interface._bwd_postprocess_convert(
-        accum,
-        output,
-        1.0,
-        None,
-        None,
-        args["arch"],
-        interface.torch2cute_dtype_map[output.dtype],
-        hdim,
-        args["block_size"],
-        args["num_threads"],
-        args["atom_layout"],
-        args["swap_ab"],
-        use_2cta_instrs=False,
-        cluster_size=1,
-        accum_order=None,
-        cu_total_m_blocks=None,
-        fake_mode=False,
-        hdim_multiple_of=args["hdim_multiple_of"],
-    )
-
-
-_TILE_ORDERS: dict[tuple, Tensor | None] = {}
-
-
 def _capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured on ``device``'s current stream."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _order_key(hdim: int, args: dict, device: torch.device) -> tuple:
-    return (hdim, tuple(sorted(args.items())), device)
-
-
-def _tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tensor | None:
-    """``perm`` with ``tile.flatten()[perm]`` the ``[rows, hdim_rounded]`` row-major tile of a
-    flat accumulator tile, learnt from the postprocess (Note [Unrounded block gradients from
-    flash-attn 4]); columns past ``hdim`` are not read and map to 0. Checked once on a tile of
-    random integers (exact in bf16 and fp16): None if the postprocess is not that reorder (then the
-    plain backward runs)."""
-    key = _order_key(hdim, args, device)
-    if key in _TILE_ORDERS:
-        return _TILE_ORDERS[key]
-    rows, hdim_r = args["block_size"], _round_up(hdim, args["hdim_multiple_of"])
-    size = rows * hdim_r
-    flat = torch.arange(size, device=device)
-    index = torch.zeros(rows, hdim, dtype=torch.int64, device=device)
-    out = torch.empty(1, rows, 1, hdim, dtype=args["dtype"], device=device)
-    for bit in range(max(1, math.ceil(math.log2(size)))):
-        accum = ((flat >> bit) & 1).to(torch.float32).view(1, 1, size)
-        _convert(interface, accum, out, hdim, args)
-        index |= out[0, :, 0, :].to(torch.int64) << bit
-    perm = torch.zeros(rows, hdim_r, dtype=torch.int64, device=device)
-    perm[:, :hdim] = index
-    perm = perm.flatten()
-    values = torch.randint(-128, 128, (size,), generator=torch.Generator().manual_seed(size))
-    values = values.to(device=device, dtype=torch.float32)
-    _convert(interface, values.view(1, 1, size), out, hdim, args)
-    ok = bool(index.lt(size).all()) and torch.equal(
-        out[0, :, 0, :].float(), values[perm].view(rows, hdim_r)[:, :hdim]
-    )
-    _TILE_ORDERS[key] = perm if ok else None
-    return _TILE_ORDERS[key]
-
-
-def _untile_(accums: list[Tensor], perms: list[Tensor], scales: list[float]) -> None:
-    """Each ``accum`` (``[B, H, n_tiles * tile]``) scaled and in row-major tile order, in place:
-    one Triton launch on CUDA (Note [Unrounded block gradients from flash-attn 4])."""
-    untile = _triton_untile() if accums[0].is_cuda else None
-    if untile is not None:
-        untile(accums, perms, scales)
-        return
-    for accum, perm, scale in zip(accums, perms, scales, strict=True):
-        tiles = accum.view(-1, perm.numel())
-        tiles.copy_(tiles.index_select(-1, perm).mul_(scale))
-
-
-def _as_BSHD(accum: Tensor, hdim_r: int, seq: int, hdim: int) -> Tensor:
-    """The ``[B, S, H, D]`` view of an accumulator in row-major tile order: row ``s`` of head
-    ``h`` starts at ``h * n + s * hdim_r`` (one op: host time)."""
-    B, H, n = accum.shape
-    return accum.as_strided((B, seq, H, hdim), (H * n, hdim_r, n, 1))
-
-
-@functools.cache
-def _triton_untile():
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from ._triton_tiles import triton_untile_
-
-    return triton_untile_
 
 
 @dataclass
@@ -227,19 +139,22 @@ class _BlockPlan:
     perms: list[Tensor] | None = None  # their tile orders, once learnt
 
 
-def _block_plan(iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic):
+def _block_plan(
+    iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic, tiles
+):
     causal, local, left, right = iface._resolve_causal_local_window(
         causal, window_size_left, window_size_right
     )
     seqlen_q, num_head, head_dim = q.shape[1:]
     seqlen_k, num_head_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     group = num_head // num_head_kv
-    cfg, multiple = _config(iface, head_dim, head_dim_v, causal, local)
+    tiles = (causal, local) if tiles is None else tiles
+    cfg, multiple = _config(iface, head_dim, head_dim_v, *tiles)
     m, n = cfg.m_block_size, cfg.n_block_size
-    seq_q_r, seq_k_r = _round_up(seqlen_q, m), _round_up(seqlen_k, n)
-    orders = [(head_dim, _postprocess_args(iface, cfg, multiple, "dq", q.dtype))]
+    seq_q_r, seq_k_r = round_up(seqlen_q, m), round_up(seqlen_k, n)
+    orders = [(head_dim, postprocess_args(iface, cfg, multiple, "dq", q.dtype))]
     if group > 1:
-        dkv_args = _postprocess_args(iface, cfg, multiple, "dkv", q.dtype)
+        dkv_args = postprocess_args(iface, cfg, multiple, "dkv", q.dtype)
         orders += [(head_dim, dkv_args), (head_dim_v, dkv_args)]
     cute_dtype = iface.torch2cute_dtype_map[q.dtype]
     key = (
@@ -249,6 +164,7 @@ def _block_plan(iface, q, k, v, dout, causal, window_size_left, window_size_righ
         group,
         causal,
         local,
+        tiles,  # the mask whose tile configuration the kernel is compiled with
         left is not None,
         right is not None,
         deterministic,
@@ -270,8 +186,8 @@ def _block_plan(iface, q, k, v, dout, causal, window_size_left, window_size_righ
         deterministic,
         seq_q_r,
         seq_k_r,
-        _round_up(head_dim, multiple),
-        _round_up(head_dim_v, multiple),
+        round_up(head_dim, multiple),
+        round_up(head_dim_v, multiple),
         key,
         orders,
     )
@@ -279,6 +195,121 @@ def _block_plan(iface, q, k, v, dout, causal, window_size_left, window_size_righ
 
 _PLANS: dict[tuple, _BlockPlan] = {}
 _COMPILED: dict[tuple, object] = {}
+
+
+def _plan(
+    iface, q, k, v, dout, causal, left, right, deterministic, tiles=None
+) -> _BlockPlan | None:
+    """The block's :class:`_BlockPlan` with its tile orders learnt (cached), compiled with the
+    tile configuration of ``tiles = (causal, local)`` (default: the block's own mask). ``None``
+    where a postprocess is not a reorder (:func:`_tile_order`), or while a CUDA graph is
+    being captured if the orders are not learnt yet (learning synchronises, which capture
+    forbids; a warm-up call outside the capture learns them)."""
+    device = q.device
+    signature = (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        device,
+        causal,
+        left,
+        right,
+        deterministic,
+        tiles,
+        *(0 in t.stride() and iface.get_broadcast_dims(t) for t in (q, k, v, dout)),
+    )
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS[signature] = _block_plan(
+            iface, q, k, v, dout, causal, left, right, deterministic, tiles
+        )
+    if plan.perms is None:
+        if _capturing(device) and not all(learnt(h, a, device) for h, a in plan.orders):
+            return None
+        plan.perms = [tile_order(iface, h, a, device) for h, a in plan.orders]
+    return None if None in plan.perms else plan
+
+
+def _new_dkv(plan: _BlockPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The main kernel's dK/dV outputs: zeroed fp32 accumulators with GQA (it adds each query
+    head's share), else tensors of the input dtype (it writes them)."""
+    if plan.group == 1:
+        return torch.empty_like(k), torch.empty_like(v)
+    batch, f32, device = k.shape[0], torch.float32, k.device
+    size_k, size_v = plan.seq_k_r * plan.hd_r, plan.seq_k_r * plan.hdv_r
+    dk = torch.zeros(batch, k.shape[2], size_k, dtype=f32, device=device)
+    dv = torch.zeros(batch, v.shape[2], size_v, dtype=f32, device=device)
+    return dk, dv
+
+
+def _preprocess(iface, plan: _BlockPlan, out, dout, lse, dq_accum) -> tuple[Tensor, Tensor]:
+    """flash-attn 4's preprocess: ``(dpsum, lse_log2)`` of the rows of ``out``; zeroes
+    ``dq_accum``."""
+    batch, seqlen_q, num_head = out.shape[:3]
+    seq_q_r = round_up(seqlen_q, plan.cfg.m_block_size)
+    dpsum, lse_log2 = torch.empty(
+        2, batch, num_head, seq_q_r, dtype=torch.float32, device=out.device
+    ).unbind(0)
+    iface._bwd_preprocess(
+        out,
+        dout,
+        dpsum,
+        lse,
+        lse_log2,
+        dq_accum,
+        None,
+        None,
+        None,
+        plan.cute_dtype,
+        plan.head_dim,
+        plan.head_dim_v,
+        plan.cfg.m_block_size,
+        cu_total_m_blocks=None,
+        fake_mode=False,
+        hdim_multiple_of=plan.multiple,
+    )
+    return dpsum, lse_log2
+
+
+def _main(iface, plan: _BlockPlan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, scale):
+    """flash-attn 4's main backward kernel on one block: adds the block's dq into
+    ``dq_accum`` (and, with GQA, its dK/dV into ``dk``/``dv``; else writes them)."""
+    batch, num_head, num_head_kv = q.shape[0], q.shape[2], k.shape[2]
+    m, n = plan.cfg.m_block_size, plan.cfg.n_block_size
+    semaphores = (None, None, None)
+    if plan.deterministic:
+        shapes = [(batch, num_head, plan.seq_q_r // m, 1)]
+        shapes += [(batch, num_head_kv, plan.seq_k_r // n, 2)] * 2
+        semaphores = tuple(
+            torch.zeros(shape, dtype=torch.int32, device=q.device)
+            if i == 0 or plan.group > 1
+            else None
+            for i, shape in enumerate(shapes)
+        )
+    tensors = [q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk, dv]
+    compiled = _COMPILED.get(plan.key)
+    if compiled is None:
+        compiled = _COMPILED[plan.key] = _compile(iface, plan, tensors, semaphores, scale)
+    null = iface.AuxData(None, None)
+    compiled(
+        *tensors,
+        scale,
+        None,
+        None,
+        None,
+        None,
+        plan.left,
+        plan.right,
+        *semaphores,
+        null,
+        None,
+        None,
+    )
+
+
+def _contiguous(iface, *tensors: Tensor) -> list[Tensor]:
+    return [iface.maybe_contiguous(t) for t in tensors]
 
 
 def unrounded_backward(
@@ -301,92 +332,121 @@ def unrounded_backward(
     input dtype itself). fp32 results are ``[B, S, H, D]`` views (Note [Unrounded block
     gradients from flash-attn 4]). Call only where :func:`unrounded_reason` is None.
 
-    ``None`` (before launching anything; the caller then runs the plain backward) where the
-    postprocess of this configuration failed the check of :func:`_tile_order`, and while a
-    CUDA graph is being captured if its tile orders are not learnt yet: learning them
-    synchronises, which capture forbids (a warm-up call outside the capture learns them)."""
+    ``None`` (before launching anything; the caller then runs the plain backward) where
+    :func:`_plan` finds none."""
     iface = interface
-    q, k, v, out, dout, lse = (
-        iface.maybe_contiguous(t) for t in (q_BSHD, k_BSHD, v_BSHD, out_BSHD, dout_BSHD, lse_BHS)
+    q, k, v, out, dout, lse = _contiguous(
+        iface, q_BSHD, k_BSHD, v_BSHD, out_BSHD, dout_BSHD, lse_BHS
     )
-    device = q.device
-    signature = (
-        q.shape,
-        k.shape,
-        v.shape,
-        q.dtype,
-        device,
-        causal,
-        window_size_left,
-        window_size_right,
-        deterministic,
-        *(0 in t.stride() and iface.get_broadcast_dims(t) for t in (q, k, v, dout)),
-    )
-    plan = _PLANS.get(signature)
+    plan = _plan(iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic)
     if plan is None:
-        plan = _PLANS[signature] = _block_plan(
-            iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic
-        )
-    if plan.perms is None:
-        if _capturing(device) and any(
-            _order_key(h, a, device) not in _TILE_ORDERS for h, a in plan.orders
-        ):
-            return None
-        plan.perms = [_tile_order(iface, h, a, device) for h, a in plan.orders]
-    if None in plan.perms:  # a postprocess that is not a reorder (_tile_order)
         return None
     batch, seqlen_q, num_head, head_dim = q.shape
-    seqlen_k, num_head_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
-    gqa = num_head > num_head_kv
-    m, n = plan.cfg.m_block_size, plan.cfg.n_block_size
-    seq_q_r, seq_k_r, f32 = plan.seq_q_r, plan.seq_k_r, torch.float32
-    dq_accum = torch.empty(batch, num_head, seq_q_r * plan.hd_r, dtype=f32, device=device)
-    dpsum = torch.empty(batch, num_head, seq_q_r, dtype=f32, device=device)
-    lse_log2 = torch.empty(batch, num_head, seq_q_r, dtype=f32, device=device)
-    if gqa:
-        dk = torch.zeros(batch, num_head_kv, seq_k_r * plan.hd_r, dtype=f32, device=device)
-        dv = torch.zeros(batch, num_head_kv, seq_k_r * plan.hdv_r, dtype=f32, device=device)
-    else:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-    semaphores = (None, None, None)
-    if deterministic:
-        shapes = [(batch, num_head, seq_q_r // m, 1)] + [(batch, num_head_kv, seq_k_r // n, 2)] * 2
-        semaphores = tuple(
-            torch.zeros(shape, dtype=torch.int32, device=device) if i == 0 or gqa else None
-            for i, shape in enumerate(shapes)
-        )
-    iface._bwd_preprocess(
-        out,
-        dout,
-        dpsum,
-        lse,
-        lse_log2,
-        dq_accum,
-        None,
-        None,
-        None,
-        plan.cute_dtype,
-        head_dim,
-        head_dim_v,
-        m,
-        cu_total_m_blocks=None,
-        fake_mode=False,
-        hdim_multiple_of=plan.multiple,
+    dq_accum = torch.empty(
+        batch, num_head, plan.seq_q_r * plan.hd_r, dtype=torch.float32, device=q.device
     )
-    tensors = [q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk, dv]
-    compiled = _COMPILED.get(plan.key)
-    if compiled is None:
-        compiled = _COMPILED[plan.key] = _compile(iface, plan, tensors, semaphores, scale)
-    left, right = plan.left, plan.right
-    null = iface.AuxData(None, None)
-    compiled(*tensors, scale, None, None, None, None, left, right, *semaphores, null, None, None)
+    dpsum, lse_log2 = _preprocess(iface, plan, out, dout, lse, dq_accum)
+    dk, dv = _new_dkv(plan, k, v)
+    _main(iface, plan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, scale)
     accums, scales = [dq_accum, dk, dv][: len(plan.perms)], [scale, scale, 1.0]
-    _untile_(accums, plan.perms, scales[: len(accums)])
-    dq = _as_BSHD(dq_accum, plan.hd_r, seqlen_q, head_dim)
-    if gqa:
-        dk = _as_BSHD(dk, plan.hd_r, seqlen_k, head_dim)
-        dv = _as_BSHD(dv, plan.hdv_r, seqlen_k, head_dim_v)
-    return dq, dk, dv
+    untile_(accums, plan.perms, scales[: len(accums)])
+    dq = as_BSHD(dq_accum, plan.hd_r, seqlen_q, head_dim)
+    return (dq, *_dkv_BSHD(plan, k, dk, dv))
+
+
+def _dkv_BSHD(plan: _BlockPlan, k: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dk, dv)`` as ``[B, S, H_kv, D]``: views of untiled fp32 accumulators (GQA)."""
+    if plan.group == 1:
+        return dk, dv
+    seqlen_k = k.shape[1]
+    return (
+        as_BSHD(dk, plan.hd_r, seqlen_k, plan.head_dim),
+        as_BSHD(dv, plan.hdv_r, seqlen_k, plan.head_dim_v),
+    )
+
+
+class RingDq:
+    """The dq of a ring's backward, accumulated by flash-attn 4's own kernel (Note [dq
+    accumulated inside flash-attn 4]): a :class:`~dtensor_ring.kernels.DqAccumulator`. Build
+    with :meth:`of`."""
+
+    def __init__(self, iface, tensors, plan: _BlockPlan, scale, window_args, deterministic):
+        self._iface, self._plan = iface, plan
+        self._dout, self._q, self._out, lse = tensors
+        self._scale, self._window_args, self._deterministic = scale, window_args, deterministic
+        batch, _, num_head, _ = self._q.shape
+        self._dq_accum = torch.empty(
+            batch, num_head, plan.seq_q_r * plan.hd_r, dtype=torch.float32, device=lse.device
+        )
+        self._dpsum, self._lse_log2 = _preprocess(
+            iface, plan, self._out, self._dout, lse, self._dq_accum
+        )
+
+    @classmethod
+    def of(
+        cls,
+        interface: ModuleType,
+        dout_BSHD: Tensor,
+        q_BSHD: Tensor,
+        k_BSHD: Tensor,
+        v_BSHD: Tensor,
+        out_BSHD: Tensor,
+        lse_BHS: Tensor,
+        blocks: Sequence[Block],
+        *,
+        scale: float,
+        window_args: Callable[[tuple[int, int] | None], dict],
+        deterministic: bool,
+    ) -> RingDq | None:
+        """The accumulator for ``blocks`` of the local queries ``q`` against K/V shaped as the
+        local ``k``/``v``, with a positive ``scale``; ``window_args(window)``: flash-attn 4's
+        window keywords. ``None`` (nothing launched) where a block's query rows do not start
+        on a tile of the kernel's configuration, or :func:`_plan` finds none."""
+        iface = interface
+        tensors = _contiguous(iface, dout_BSHD, q_BSHD, out_BSHD, lse_BHS)
+        dout, q = tensors[:2]
+        k, v = _contiguous(iface, k_BSHD, v_BSHD)
+        plan = _plan(iface, q, k, v, dout, True, None, 0, deterministic, _TILES)
+        if plan is None:
+            return None
+        m, seqlen_q = plan.cfg.m_block_size, q.shape[1]
+        for blk in blocks:
+            a, b = blk.q.bounds(seqlen_q)
+            if a % m or (b % m and b != seqlen_q):
+                return None
+        return cls(iface, tensors, plan, scale, window_args, deterministic)
+
+    def backward(self, block: Block, k_BSHD: Tensor, v_BSHD: Tensor) -> tuple[Tensor, Tensor]:
+        """Add ``block``'s dq into the accumulator (its query rows of the local queries, against
+        ``k``/``v``); return its ``(dk, dv)`` as :func:`unrounded_backward` does."""
+        iface = self._iface
+        a, b = block.q.bounds(self._q.shape[1])
+        q, dout = self._q[:, a:b], self._dout[:, a:b]
+        k, v = _contiguous(iface, k_BSHD, v_BSHD)
+        left, right = self._window_args(block.window).values()
+        plan = _plan(iface, q, k, v, dout, block.causal, left, right, self._deterministic, _TILES)
+        if plan is None:  # of() learnt every tile order of this configuration
+            raise RuntimeError("flash-attn 4's tile orders changed within a backward")
+        hd_r, rows = self._plan.hd_r, slice(a, a + plan.seq_q_r)
+        dq_accum = self._dq_accum[:, :, rows.start * hd_r : rows.stop * hd_r]
+        dpsum, lse_log2 = self._dpsum[:, :, rows], self._lse_log2[:, :, rows]
+        dk, dv = _new_dkv(plan, k, v)
+        _main(iface, plan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, self._scale)
+        if plan.group > 1:
+            untile_([dk, dv], plan.perms[1:], [self._scale, 1.0])
+        return _dkv_BSHD(plan, k, dk, dv)
+
+    def result(self) -> Tensor:
+        """dq ``[B, S, H, D]`` in the input dtype: the accumulator scaled and rounded once."""
+        plan, q = self._plan, self._q
+        untile_([self._dq_accum], plan.perms[:1], [self._scale])
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return dq.copy_(as_BSHD(self._dq_accum, plan.hd_r, q.shape[1], q.shape[3]))
+
+
+# The tile configuration (causal, local) every block of a RingDq is compiled with: one tile
+# order for the whole accumulator (Note [dq accumulated inside flash-attn 4]).
+_TILES = (True, False)
 
 
 def _compile(iface, plan: _BlockPlan, tensors, semaphores, scale):

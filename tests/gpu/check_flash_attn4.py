@@ -17,8 +17,10 @@ local shard, as the engine passes them.
   rounded, bitwise the plain backward's; errors of both against fp64; the time of one backward
   and the host time to issue it, for both.
 * the ring: ``simulate_ring`` (zigzag, 4 ranks, 8192 tokens, causal; and with a window) and
-  the functional API on a real 1-rank NCCL group, ``backend="flash_attn4"`` (with fp32 block
-  gradients, and "flash_attn4 rounded" with its plain backward) vs ``cudnn`` / ``cuda_flash``,
+  the functional API on a real 1-rank NCCL group, ``backend="flash_attn4"`` (dq summed in its
+  kernel, Note [dq accumulated inside flash-attn 4]; "flash_attn4 summed": fp32 block
+  gradients summed by the engine; "flash_attn4 rounded": its plain backward) vs ``cudnn`` /
+  ``cuda_flash``,
   against the same fp64 reference, and against single-device flash-attn 4.
 
 Each part runs under ``try``; results are written to ``$OUT/flash_attn4.json`` after each part
@@ -417,11 +419,13 @@ def ring_part(keep: dict) -> None:
     single = errors(run(get_kernel("flash_attn4"), q, k, v, dout, causal=True), keep["ref"])
     for window, ref, names in cases:
         errs = {}
-        for name in (*names, "flash_attn4 rounded"):
+        for name in (*names, "flash_attn4 summed", "flash_attn4 rounded"):
             backend, rounded = name.split()[0], name.endswith("rounded")
             row: dict[str, object] = dict(path="simulate zigzag W=4", backend=name, S=8192)
             row["window"] = window
             kernel = get_kernel(backend)
+            if name.endswith(("summed", "rounded")):  # dq summed by the engine, not the kernel
+                kernel.dq_accumulator = lambda *args, **kwargs: None
             if rounded:  # the plain backward: bf16 block gradients
                 kernel.unrounded_grads = False
             try:
@@ -444,10 +448,11 @@ def ring_part(keep: dict) -> None:
                 row["status"] = error_text(e)
             finally:
                 kernel.__dict__.pop("unrounded_grads", None)
+                kernel.__dict__.pop("dq_accumulator", None)
             rows.append(row)
         base = "cudnn" if window is None else "cuda_flash"
         if "flash_attn4" in errs and base in errs:
-            rows[-len(names) - 1][f"ratio_vs_{base}"] = ratios(errs["flash_attn4"], errs[base])
+            rows[-len(names) - 2][f"ratio_vs_{base}"] = ratios(errs["flash_attn4"], errs[base])
         RESULT["ring"] = rows
         save()
     if late("functional"):

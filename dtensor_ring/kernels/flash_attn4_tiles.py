@@ -1,0 +1,131 @@
+"""The tile order of flash-attn 4's fp32 backward accumulators, learnt from its postprocess,
+and the reorder into rows (Note [Unrounded block gradients from flash-attn 4] in
+``flash_attn4_grads.py``, whose pieces these are)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import torch
+from torch import Tensor
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def postprocess_args(interface, cfg, hdim_multiple_of: int, which: str, dtype) -> dict:
+    """The arguments ``_flash_attn_bwd`` gives its postprocess for ``which`` ("dq" or "dkv"),
+    and the output ``dtype`` (the inputs')."""
+    if which == "dq":
+        block, threads = cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128
+        atom, swap = cfg.AtomLayoutMdQ, cfg.dQ_swapAB
+    else:
+        block, threads = cfg.n_block_size, cfg.num_wg * 128
+        atom, swap = cfg.AtomLayoutNdKV, cfg.dKV_swapAB
+    return dict(
+        arch=interface._get_device_arch(),
+        block_size=block,
+        num_threads=threads,
+        atom_layout=atom,
+        swap_ab=swap,
+        hdim_multiple_of=hdim_multiple_of,
+        dtype=dtype,
+    )
+
+
+def _convert(interface, accum: Tensor, output: Tensor, hdim: int, args: dict) -> None:
+    """flash-attn 4's postprocess: ``output = round(accum)`` (scale 1)."""
+    interface._bwd_postprocess_convert(
+        accum,
+        output,
+        1.0,
+        None,
+        None,
+        args["arch"],
+        interface.torch2cute_dtype_map[output.dtype],
+        hdim,
+        args["block_size"],
+        args["num_threads"],
+        args["atom_layout"],
+        args["swap_ab"],
+        use_2cta_instrs=False,
+        cluster_size=1,
+        accum_order=None,
+        cu_total_m_blocks=None,
+        fake_mode=False,
+        hdim_multiple_of=args["hdim_multiple_of"],
+    )
+
+
+_TILE_ORDERS: dict[tuple, Tensor | None] = {}
+
+
+def _order_key(hdim: int, args: dict, device: torch.device) -> tuple:
+    return (hdim, tuple(sorted(args.items())), device)
+
+
+def learnt(hdim: int, args: dict, device: torch.device) -> bool:
+    """Whether :func:`tile_order` has this order already (it returns it without launching)."""
+    return _order_key(hdim, args, device) in _TILE_ORDERS
+
+
+def tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tensor | None:
+    """``perm`` with ``tile.flatten()[perm]`` the ``[rows, hdim_rounded]`` row-major tile of a
+    flat accumulator tile, learnt from the postprocess (Note [Unrounded block gradients from
+    flash-attn 4]); columns past ``hdim`` are not read and map to 0. Checked once on a tile of
+    random integers (exact in bf16 and fp16): None if the postprocess is not that reorder (then the
+    plain backward runs)."""
+    key = _order_key(hdim, args, device)
+    if key in _TILE_ORDERS:
+        return _TILE_ORDERS[key]
+    rows, hdim_r = args["block_size"], round_up(hdim, args["hdim_multiple_of"])
+    size = rows * hdim_r
+    flat = torch.arange(size, device=device)
+    index = torch.zeros(rows, hdim, dtype=torch.int64, device=device)
+    out = torch.empty(1, rows, 1, hdim, dtype=args["dtype"], device=device)
+    for bit in range(max(1, math.ceil(math.log2(size)))):
+        accum = ((flat >> bit) & 1).to(torch.float32).view(1, 1, size)
+        _convert(interface, accum, out, hdim, args)
+        index |= out[0, :, 0, :].to(torch.int64) << bit
+    perm = torch.zeros(rows, hdim_r, dtype=torch.int64, device=device)
+    perm[:, :hdim] = index
+    perm = perm.flatten()
+    values = torch.randint(-128, 128, (size,), generator=torch.Generator().manual_seed(size))
+    values = values.to(device=device, dtype=torch.float32)
+    _convert(interface, values.view(1, 1, size), out, hdim, args)
+    ok = bool(index.lt(size).all()) and torch.equal(
+        out[0, :, 0, :].float(), values[perm].view(rows, hdim_r)[:, :hdim]
+    )
+    _TILE_ORDERS[key] = perm if ok else None
+    return _TILE_ORDERS[key]
+
+
+def untile_(accums: list[Tensor], perms: list[Tensor], scales: list[float]) -> None:
+    """Each ``accum`` (``[B, H, n_tiles * tile]``) scaled and in row-major tile order, in place:
+    one Triton launch on CUDA (Note [Unrounded block gradients from flash-attn 4])."""
+    untile = _triton_untile() if accums[0].is_cuda else None
+    if untile is not None:
+        untile(accums, perms, scales)
+        return
+    for accum, perm, scale in zip(accums, perms, scales, strict=True):
+        tiles = accum.view(-1, perm.numel())
+        tiles.copy_(tiles.index_select(-1, perm).mul_(scale))
+
+
+def as_BSHD(accum: Tensor, hdim_r: int, seq: int, hdim: int) -> Tensor:
+    """The ``[B, S, H, D]`` view of an accumulator in row-major tile order: row ``s`` of head
+    ``h`` starts at ``h * n + s * hdim_r`` (one op: host time)."""
+    B, H, n = accum.shape
+    return accum.as_strided((B, seq, H, hdim), (H * n, hdim_r, n, 1))
+
+
+@functools.cache
+def _triton_untile():
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from ._triton_tiles import triton_untile_
+
+    return triton_untile_
