@@ -51,7 +51,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_single_gpu import graph_timed, timed  # noqa: E402  (medians of CUDA-event timings)
+from bench_single_gpu import graph_timed, kernels_alone, timed  # noqa: E402  (CUDA-event medians)
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.layouts.documents import documents_on_tokens  # noqa: E402
@@ -124,33 +124,6 @@ def slowest_rank(sims, reps) -> tuple[float, float, int]:
 
         fwd_bwd.append(timed(step, reps))
     return max(fwd), max(fwd_bwd), max(range(len(sims)), key=fwd_bwd.__getitem__)
-
-
-def kernels_alone(sim, reps) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of a rank's block kernels alone, called back to
-    back on the blocks of its plan (no merges, accumulations or engine): what the rank's time
-    would be if everything else were free."""
-    out, lse = sim.forward()
-    dout = torch.randn_like(sim.q)
-    kvs = [(sim.k, sim.v), *sim.kv_deliveries]
-    blocks, take, take_lse = sim.blocks, sim.blocks.take, sim.blocks.take_lse
-    calls = [
-        (blk, *(take(x, blk.q) for x in (sim.q, out, dout)), take_lse(lse, blk.q),
-         *(take(x, blk.kv) for x in kvs[i]))
-        for i, step in enumerate(sim.steps)
-        for blk in step.blocks
-    ]  # fmt: skip
-
-    def fwd():
-        for blk, q, _, _, _, k, v in calls:
-            blocks.forward(sim.kernel, q, k, v, blk, sim.scale)
-
-    def fwd_bwd():
-        fwd()
-        for blk, q, o, do, lse_b, k, v in calls:
-            blocks.backward(sim.kernel, do, q, k, v, o, lse_b, blk, sim.scale)
-
-    return timed(fwd, reps), timed(fwd_bwd, reps)
 
 
 def main() -> None:

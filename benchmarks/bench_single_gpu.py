@@ -20,7 +20,9 @@ rank, it measures, in one run:
 * zigzag with the rank's forward (and forward+backward) captured in one CUDA graph and
   replayed (``eff_*_graph``): the ring without any host work per call;
 * per call of the zigzag rank: the GPU operations it issues (kernels, memsets, copies;
-  torch.profiler) and the host time to issue it (``gpu_ops_*``, ``host_*_ms``);
+  torch.profiler), the host time to issue it (``gpu_ops_*``, ``host_*_ms``), and its block
+  kernels alone, back to back (``kernels_alone_*_ms``, ``eff_*_kernels_alone``: the rank's
+  efficiency if everything but its kernels were free);
 * with ``--compare-rounded``, backends with more than one way to a ring's block gradients
   (flash-attn 4: dq summed in its kernel, fp32 block gradients summed by the engine, its plain
   backward) measured each way (``block_grads``);
@@ -49,6 +51,7 @@ import torch
 from bench_overhead import host_ms  # benchmarks/ is the script's directory
 
 from dtensor_ring import make_plan, shard_local
+from dtensor_ring.engine.blocks import DenseBlocks
 from dtensor_ring.kernels import BlockKernel, KernelCall, get_kernel
 from dtensor_ring.kernels.math import MathKernel
 from dtensor_ring.simulate import RankSimulator, simulate_ring
@@ -90,6 +93,34 @@ def graph_timed(fn, reps: int) -> float:
     with torch.cuda.graph(graph):
         fn()
     return timed(graph.replay, reps)
+
+
+def kernels_alone(sim, reps) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of a rank's block kernels alone, called back to
+    back on the blocks of its plan (no merges, accumulations or engine): what the rank's time
+    would be if everything else were free."""
+    out, lse = sim.forward()
+    dout = torch.randn_like(sim.q)
+    kvs = [(sim.k, sim.v), *sim.kv_deliveries]
+    blocks = sim.blocks or DenseBlocks(sim.q.shape[1])  # dense plans: the engine's default
+    take, take_lse = blocks.take, blocks.take_lse
+    calls = [
+        (blk, *(take(x, blk.q) for x in (sim.q, out, dout)), take_lse(lse, blk.q),
+         *(take(x, blk.kv) for x in kvs[i]))
+        for i, step in enumerate(sim.steps)
+        for blk in step.blocks
+    ]  # fmt: skip
+
+    def fwd():
+        for blk, q, _, _, _, k, v in calls:
+            blocks.forward(sim.kernel, q, k, v, blk, sim.scale)
+
+    def fwd_bwd():
+        fwd()
+        for blk, q, o, do, lse_b, k, v in calls:
+            blocks.backward(sim.kernel, do, q, k, v, o, lse_b, blk, sim.scale)
+
+    return timed(fwd, reps), timed(fwd_bwd, reps)
 
 
 def attn_flops(s_q: int, s_k: int, causal: bool, heads: int, head_dim: int) -> float:
@@ -179,7 +210,12 @@ def bench_config(backend: str, tokens: int, a, device, gen) -> list[dict]:
         t_fwd, t_fwd_bwd = timed(sim.forward, a.reps), timed(sim_fwd_bwd, a.reps)
         graphs, host = {}, {}
         if layout == "zigzag":  # issue #28 item 4: what the host does per call
+            alone_fwd, alone_fwd_bwd = kernels_alone(sim, a.reps)
             host = dict(
+                kernels_alone_fwd_ms=alone_fwd * 1e3,
+                kernels_alone_fwd_bwd_ms=alone_fwd_bwd * 1e3,
+                eff_fwd_kernels_alone=theo_fwd / alone_fwd,
+                eff_fwd_bwd_kernels_alone=theo_fwd_bwd / alone_fwd_bwd,
                 gpu_ops_fwd=gpu_ops(sim.forward),
                 gpu_ops_fwd_bwd=gpu_ops(sim_fwd_bwd),
                 host_fwd_ms=host_ms(sim.forward, calls=20),
@@ -834,13 +870,18 @@ def print_tables(results: dict) -> None:
             )
             + f"  {r.get('block_grads', '')}"
         )
-    print(f"\n{'zigzag, per call':<24}{'tok/rank':>8}{'GPU ops f/fb':>14}{'host ms f/fb':>16}")
+    print(
+        f"\n{'zigzag, per call':<44}{'tok/rank':>8}{'GPU ops f/fb':>14}{'host ms f/fb':>16}"
+        f"{'kernels alone ms f/fb':>24}{'eff':>14}"
+    )
     for r in results["rings"]:
         if "host_fwd_ms" in r:
             ops = f"{r['gpu_ops_fwd']}/{r['gpu_ops_fwd_bwd']}" if r["gpu_ops_fwd"] else "-"
             print(
                 f"{r['backend'] + ' ' + r.get('block_grads', ''):<44}{r['tokens_per_rank']:>8}"
                 f"{ops:>14}{r['host_fwd_ms']:>8.2f}/{r['host_fwd_bwd_ms']:<7.2f}"
+                f"{r['kernels_alone_fwd_ms']:>16.2f}/{r['kernels_alone_fwd_bwd_ms']:<7.2f}"
+                f"{r['eff_fwd_kernels_alone']:>7.1%}/{r['eff_fwd_bwd_kernels_alone']:.1%}"
             )
     print(
         f"\n{'backend':<11}{'layout':<8}{'tensor':<7}{'max err':>10}{'ratio max':>10}"
