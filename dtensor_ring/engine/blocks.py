@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..kernels import BlockKernel, DqAccumulator
 from ..kernels.flex import FlexMods
-from ..kernels.merge import empty_rows_nan_, merge_
+from ..kernels.merge import add_rows_, empty_rows_nan_, merge_
 from ..parts import Block, DocSpans, Part
 from ..schedule.plan import Plan
 
@@ -284,7 +284,7 @@ class VarlenBlocks:
         if rows.index is None:
             rows.take(acc_THD, 0).add_(x_THD)
         else:
-            acc_THD.index_add_(0, rows.index, x_THD.to(acc_THD.dtype))
+            add_rows_(acc_THD, rows.index, x_THD)
 
     def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         rows = self.rows[part]

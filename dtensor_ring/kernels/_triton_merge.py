@@ -1,8 +1,12 @@
-"""A fused Triton kernel for Note [Online-softmax merge] (CUDA only; imported lazily).
+"""Fused Triton kernels for the accumulators of ``merge.py`` (CUDA only; imported lazily).
 
-One pass over the rows of a block: reads the fp32 accumulators and the block's output and lse,
-writes the accumulators. Eager torch needs ~6 kernels and several temporaries for the same
-update; this touches each byte once (fp32 out read + write, block out read, lse).
+* the merge (Note [Online-softmax merge]): one pass over the rows of a block, reading the fp32
+  accumulators and the block's output and lse, writing the accumulators. Eager torch needs ~6
+  kernels and several temporaries for the same update; this touches each byte once (fp32 out
+  read + write, block out read, lse).
+* the indexed add (:func:`~dtensor_ring.kernels.merge.add_rows_`): ``acc[rows] += x``, ``x``
+  upcast on the fly, each row read and written once. Eager torch converts ``x`` to fp32 first
+  (a copy) and ``index_add_`` adds with atomics.
 """
 
 from __future__ import annotations
@@ -101,3 +105,25 @@ def triton_merge_(
         BLOCK_D=block_d,
         HAS_ROWS=rows is not None,
     )
+
+
+@triton.jit
+def _add_rows_kernel(acc_ptr, x_ptr, rows_ptr, N, a_st, x_st, BLOCK: tl.constexpr):
+    i = tl.program_id(0)  # one row of x
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    x = tl.load(x_ptr + i.to(tl.int64) * x_st + cols, mask=ok, other=0.0).to(tl.float32)
+    acc_ptrs = acc_ptr + row * a_st + cols
+    tl.store(acc_ptrs, tl.load(acc_ptrs, mask=ok, other=0.0) + x, mask=ok)
+
+
+def triton_add_rows_(acc: Tensor, rows: Tensor, x: Tensor) -> None:
+    """``acc[rows] += x`` in place for an fp32 ``acc`` and ``x`` whose rows (dim 0) are each
+    one run of ``N`` contiguous values; ``rows`` distinct (int64, on the device)."""
+    n = x[0].numel() if x.shape[0] else 0
+    if n == 0:
+        return
+    block = min(triton.next_power_of_2(n), 1024)
+    grid = (x.shape[0], triton.cdiv(n, block))
+    _add_rows_kernel[grid](acc, x, rows, n, acc.stride(0), x.stride(0), BLOCK=block)

@@ -1,4 +1,4 @@
-"""Exact merge of partial attention results.
+"""Exact merge of partial attention results, and the indexed add of partial gradients.
 
 Note [Online-softmax merge]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -57,14 +57,14 @@ def merge_(
     (``_triton_merge.py``; with ``rows``, reading and writing the accumulator rows in place),
     else the eager torch ops of :func:`merge_eager_` on the gathered rows, scattered back.
     """
-    fused = _fused_merge() if out_acc_BSHD.is_cuda else None
+    fused = _triton() if out_acc_BSHD.is_cuda else None
     if (
         fused is not None
         and out_acc_BSHD.dtype == torch.float32
         and out_acc_BSHD.stride(-1) == 1
         and out_BSHD.stride(-1) == 1
     ):
-        fused(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS, rows)
+        fused.triton_merge_(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS, rows)
     elif rows is None:
         merge_eager_(out_acc_BSHD, lse_acc_BHS, out_BSHD, lse_BHS)
     else:
@@ -74,13 +74,39 @@ def merge_(
         lse_acc_BHS.index_copy_(2, rows, lse_rows)
 
 
+def add_rows_(acc: Tensor, rows: Tensor, x: Tensor) -> None:
+    """``acc[rows] += x`` in place: a block's partial gradient added into the rows of an
+    accumulator it covers (a packed block's rows gathered from the whole shard).
+
+    Args:
+        acc: ``[T, ...]``, the accumulation dtype.
+        rows: int64 ``[t]``, distinct rows of ``acc``, on its device.
+        x: ``[t, ...]``, the block's rows (any float dtype: upcast on the fly).
+
+    On CUDA with an fp32 ``acc`` and rows of ``x`` and ``acc`` each one contiguous run it runs
+    one fused Triton kernel when Triton is installed (``_triton_merge.py``), else
+    ``index_add_`` of ``x`` converted to ``acc``'s dtype.
+    """
+    fused = _triton() if acc.is_cuda else None
+    if fused is not None and acc.dtype == torch.float32 and _rows_dense(acc) and _rows_dense(x):
+        fused.triton_add_rows_(acc, rows, x)
+    else:
+        acc.index_add_(0, rows, x.to(acc.dtype))
+
+
+def _rows_dense(x: Tensor) -> bool:
+    """Whether each row (dim 0) of ``x`` is one run of contiguous values."""
+    return x[0].is_contiguous() if x.shape[0] else True
+
+
 @functools.cache
-def _fused_merge():
+def _triton():
+    """``_triton_merge`` (the fused kernels), or None without Triton."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from ._triton_merge import triton_merge_
+    from . import _triton_merge
 
-    return triton_merge_
+    return _triton_merge
 
 
 def merge_eager_(

@@ -18,7 +18,8 @@ the fix:
    and the calls whose error is far above bf16's are printed with their ``cu_seqlens``,
    ``max_seqlen`` and mask;
 3. the engine's CUDA-only parts: the same rows with the math kernel (``backend="math"``),
-   with merges in eager torch ops instead of the Triton kernel, and with merges on the compute
+   with merges and indexed gradient adds in eager torch ops instead of the Triton kernels
+   (and those kernels against the eager ops on random rows: bitwise), with merges on the compute
    stream instead of the side stream; and the kernel given ``max_seqlen_k`` as it is
    ("unpatched": before Note [FlashAttention-2's unbounded window sides] in
    ``dtensor_ring/kernels/cuda_flash.py``); flash-attn 4 where it is installed;
@@ -133,9 +134,9 @@ class Recorder:
 @contextlib.contextmanager
 def variant(name: str):
     """The engine as it is ("kernel"), or with one CUDA-only part replaced."""
-    saved = kernel_merge._fused_merge, engine_ring._side_stream, cuda_flash.flash2_max_seqlen_k
-    if name == "eager-merge":
-        kernel_merge._fused_merge = lambda: None
+    saved = kernel_merge._triton, engine_ring._side_stream, cuda_flash.flash2_max_seqlen_k
+    if name == "eager":
+        kernel_merge._triton = lambda: None
     if name == "one-stream":
         engine_ring._side_stream = lambda device: torch.cuda.current_stream(device)
     if name == "unpatched":
@@ -143,12 +144,12 @@ def variant(name: str):
     try:
         yield
     finally:
-        kernel_merge._fused_merge, engine_ring._side_stream, cuda_flash.flash2_max_seqlen_k = saved
+        kernel_merge._triton, engine_ring._side_stream, cuda_flash.flash2_max_seqlen_k = saved
 
 
-VARIANTS = os.environ.get(
-    "VARIANTS", "kernel,math,eager-merge,one-stream,unpatched,flash_attn4"
-).split(",")
+VARIANTS = os.environ.get("VARIANTS", "kernel,math,eager,one-stream,unpatched,flash_attn4").split(
+    ","
+)
 BACKENDS = {"math": "math", "flash_attn4": "flash_attn4"}  # the others: the library's choice
 
 
@@ -204,6 +205,21 @@ def dense_calls(kernels: list) -> list[dict]:
             print(f"dense {s_q}x{s_k} {window!s:<10} {kernel.name:<12} {how:<9} out/dq/dk/dv "
                   + " ".join(f"{e:.2e}" for e in errs), flush=True)  # fmt: skip
     return rows
+
+
+def fused_against_eager() -> dict[str, bool]:
+    """The Triton indexed add (``add_rows_``) against ``index_add_`` on the same inputs: an
+    fp32 accumulator, bf16 rows, distinct rows in a shuffled order: bitwise equal (one fp32
+    add per element either way)."""
+    gen = torch.Generator().manual_seed(1)
+    acc = torch.randn(S, H, D, generator=gen).to(DEV)
+    rows = torch.randperm(S, generator=gen)[: S // 3].to(DEV)
+    x = torch.randn(S // 3, H, D, generator=gen).to(DEV, torch.bfloat16)
+    fused, eager = acc.clone(), acc.clone()
+    kernel_merge.add_rows_(fused, rows, x)
+    with variant("eager"):
+        kernel_merge.add_rows_(eager, rows, x)
+    return {"add_rows": torch.equal(fused, eager) and not torch.equal(fused, acc)}
 
 
 def main() -> None:
@@ -274,12 +290,18 @@ def main() -> None:
                             {"row": layout_name, "variant": name, "docs": n_docs, **call}
                         )
                         print("   BAD", call, flush=True)
+    fused = fused_against_eager()
+    print("fused kernels bitwise the eager ops:", fused, flush=True)
     out_dir = os.environ.get("OUT", ".")
     meta = {"gpu": device_name(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "kernel": kernel.name,
             "shape": {"H": H, "H_kv": H_KV, "D": D, "S": S, "W": W}}  # fmt: skip
     with open(os.path.join(out_dir, "check_varlen_window.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "bad_calls": bad_calls, "dense": dense}, f, indent=1)
+        json.dump(
+            {"meta": meta, "rows": rows, "bad_calls": bad_calls, "dense": dense, "fused": fused},
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":
