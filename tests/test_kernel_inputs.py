@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dtensor_ring.kernels import get_kernel
-from dtensor_ring.kernels.merge import empty_rows_nan_, merge_eager_
+from dtensor_ring.kernels.merge import finish_rows, merge_eager_
 from tests.adversarial.oracle import strict_attention, visible_dense
 from tests.reference import reference_attention
 
@@ -126,7 +126,7 @@ def test_nonfinite_reaches_exactly_the_rows_that_see_it(backend, value, tensor, 
         get_kernel(backend), q, k, v, do, causal=causal, scale=0.3, window=window
     )
     # a single block is the whole sequence: its rows whose scores were all -inf are NaN
-    empty_rows_nan_(out, lse)
+    finish_rows(out, lse, out.dtype)
     _same_nonfinite(out, ref.out, "out")
     _same_nonfinite(lse, ref.lse, "lse")
     for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
@@ -146,7 +146,7 @@ def test_merge_of_nonfinite_blocks_equals_whole(value, tensor):
     out_b, lse_b = kernel.forward(q, k[:, half:], v[:, half:], causal=False, scale=0.3)
     out_acc, lse_acc = out_a.clone(), lse_a.clone()
     merge_eager_(out_acc, lse_acc, out_b, lse_b)
-    empty_rows_nan_(out_acc, lse_acc)
+    finish_rows(out_acc, lse_acc, out_acc.dtype)
     _same_nonfinite(out_acc, ref.out, "out")
     _same_nonfinite(lse_acc, ref.lse, "lse")
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..kernels import BlockKernel, DqAccumulator
 from ..kernels.flex import FlexMods
-from ..kernels.merge import add_rows_, empty_rows_nan_, merge_
+from ..kernels.merge import add_rows_, finish_rows, merge_
 from ..parts import Block, DocSpans, Part
 from ..schedule.plan import Plan
 
@@ -76,9 +76,10 @@ class Blocks(Protocol):
         """``(out, lse)`` of ``block`` on parts already taken with :meth:`take`."""
         ...
 
-    def finish_(self, out: Tensor, lse: Tensor, whole: bool) -> Tensor:
-        """The final ``out`` from the accumulated one (or, ``whole``, the one block's): rows
-        with ``lse = -inf`` (no visible key) as the attention being computed defines them."""
+    def finish(self, out: Tensor, lse: Tensor, whole: bool, dtype: torch.dtype) -> Tensor:
+        """The final ``out`` in ``dtype`` from the accumulated one (or, ``whole``, the one
+        block's, in ``dtype`` already): rows with ``lse = -inf`` (no visible key) as the
+        attention being computed defines them."""
         ...
 
     def backward(
@@ -172,8 +173,8 @@ class DenseBlocks:
     def forward(self, kernel, q, k, v, block, scale):
         return kernel.forward(q, k, v, causal=block.causal, scale=scale, window=block.window)
 
-    def finish_(self, out, lse, whole):
-        return softmax_empty_rows_(out, lse, whole)
+    def finish(self, out, lse, whole, dtype):
+        return softmax_empty_rows(out, lse, whole, dtype)
 
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         return kernel.backward(
@@ -193,11 +194,12 @@ class DenseBlocks:
         return kernel.dq_accumulator(dout, q, k, v, out, lse, blocks, scale=scale)
 
 
-def softmax_empty_rows_(out: Tensor, lse: Tensor, whole: bool) -> Tensor:
-    """SDPA's rows of nothing but -inf scores: NaN (the softmax of those is 0 / 0), set after
-    the merges (the math kernel's blocks give 0, for merging); a CUDA kernel's own answer for a
-    whole call is single-device attention's (docs/troubleshooting.md)."""
-    return out if whole and out.is_cuda else empty_rows_nan_(out, lse)
+def softmax_empty_rows(out: Tensor, lse: Tensor, whole: bool, dtype: torch.dtype) -> Tensor:
+    """``out`` in ``dtype`` with SDPA's rows of nothing but -inf scores: NaN (the softmax of
+    those is 0 / 0), set after the merges (the math kernel's blocks give 0, for merging); a
+    CUDA kernel's own answer for a whole call is single-device attention's
+    (docs/troubleshooting.md)."""
+    return out if whole and out.is_cuda else finish_rows(out, lse, dtype)
 
 
 class FlexBlocks(DenseBlocks):
@@ -230,8 +232,8 @@ class FlexBlocks(DenseBlocks):
         merge_(out_rows, lse_rows, out_b, lse_b)
         lse_rows.masked_fill_(neither, float("-inf"))
 
-    def finish_(self, out, lse, whole):
-        return out.masked_fill_((lse == float("-inf")).transpose(-1, -2).unsqueeze(-1), 0)
+    def finish(self, out, lse, whole, dtype):
+        return finish_rows(out, lse, dtype, empty=0.0)
 
 
 @dataclass(frozen=True)
@@ -301,8 +303,8 @@ class VarlenBlocks:
             out_acc, lse_acc = rows.take(out_acc, 0), rows.take(lse_acc, 1)
         merge_(out_acc[None], lse_acc[None], out_b[None], lse_b[None], rows.index)
 
-    def finish_(self, out, lse, whole):
-        return softmax_empty_rows_(out, lse, whole)
+    def finish(self, out, lse, whole, dtype):
+        return softmax_empty_rows(out, lse, whole, dtype)
 
     def forward(self, kernel: BlockKernel, q, k, v, block, scale):
         rq, rk = self.rows[block.q], self.rows[block.kv]

@@ -89,7 +89,7 @@ from torch import Tensor
 from ..comm.collectives import all_gather_single, reduce_scatter_single
 from ..comm.faults import CommSite
 from ..kernels import BlockKernel, accumulation_dtype
-from ..kernels.merge import empty_rows_nan_, merge_
+from ..kernels.merge import finish_rows, merge_
 from ..parts import Block
 from ..schedule.llama3 import Llama3Meta
 from .blocks import varlen_blocks
@@ -233,7 +233,7 @@ def llama3_forward(
                     scale,
                 )
                 rows.init_(out[:, hq], lse[hq], blk.q, out_b, lse_b)
-    return empty_rows_nan_(out, lse), lse
+    return finish_rows(out, lse, out.dtype), lse
 
 
 def llama3_backward(

@@ -149,7 +149,7 @@ def ring_forward(
     if whole is not None:  # one block is the whole call: the kernel's result is the answer
         out, lse = blocks.forward(kernel, q_BSHD, k_BSHD, v_BSHD, whole, scale)
         lse, out = lse.contiguous(), out.contiguous()  # the layouts of the fakes (ops/common.py)
-        return blocks.finish_(out, lse, whole=True), lse
+        return blocks.finish(out, lse, True, out.dtype), lse
     acc = accumulation_dtype(q_BSHD.dtype)
     out_acc = torch.empty(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
     lse_acc = blocks.new_lse(q_BSHD, acc)
@@ -180,8 +180,7 @@ def ring_forward(
         if pending is not None:
             kv = pending.wait()
     side.join()
-    # empty rows after the cast: half the bytes of the fp32 accumulator for bf16/fp16 inputs
-    return blocks.finish_(out_acc.to(q_BSHD.dtype), lse_acc, whole=False), lse_acc
+    return blocks.finish(out_acc, lse_acc, False, q_BSHD.dtype), lse_acc
 
 
 def _whole_block(steps: Sequence[Step]) -> Block | None:

@@ -7,6 +7,9 @@
 * the indexed add (:func:`~dtensor_ring.kernels.merge.add_rows_`): ``acc[rows] += x``, ``x``
   upcast on the fly, each row read and written once. Eager torch converts ``x`` to fp32 first
   (a copy) and ``index_add_`` adds with atomics.
+* the final output (:func:`~dtensor_ring.kernels.merge.finish_rows`): the accumulator cast to
+  the input dtype with the rows of ``lse = -inf`` filled, in one pass; in place (no cast) it
+  reads only ``lse`` and writes only those rows.
 """
 
 from __future__ import annotations
@@ -127,3 +130,43 @@ def triton_add_rows_(acc: Tensor, rows: Tensor, x: Tensor) -> None:
     block = min(triton.next_power_of_2(n), 1024)
     grid = (x.shape[0], triton.cdiv(n, block))
     _add_rows_kernel[grid](acc, x, rows, n, acc.stride(0), x.stride(0), BLOCK=block)
+
+
+@triton.jit
+def _finish_kernel(
+    src_ptr, lse_ptr, dst_ptr, S, H, D, empty,
+    s_sb, s_ss, s_sh, l_sb, l_sh, l_ss, d_sb, d_ss, d_sh,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COPY: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)  # one (b, s) row
+    b = row // S
+    s = row % S
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < H
+    hd_ok = h_ok[:, None] & (d[None, :] < D)
+    lse = tl.load(lse_ptr + b * l_sb + h * l_sh + s * l_ss, mask=h_ok, other=0.0)
+    is_empty = (lse == float("-inf"))[:, None]
+    dst_ptrs = dst_ptr + b * d_sb + s * d_ss + h[:, None] * d_sh + d[None, :]
+    fill = tl.full((BLOCK_H, BLOCK_D), empty, tl.float32)
+    if COPY:
+        x = tl.load(src_ptr + b * s_sb + s * s_ss + h[:, None] * s_sh + d[None, :], mask=hd_ok)
+        x = tl.where(is_empty, fill, x.to(tl.float32))
+        tl.store(dst_ptrs, x.to(dst_ptr.dtype.element_ty), mask=hd_ok)
+    else:
+        tl.store(dst_ptrs, fill.to(dst_ptr.dtype.element_ty), mask=hd_ok & is_empty)
+
+
+def triton_finish_rows(src_BSHD: Tensor, lse_BHS: Tensor, dst_BSHD: Tensor, empty: float) -> None:
+    """``dst = src`` (cast) with the rows of ``lse = -inf`` set to ``empty``; ``dst`` may be
+    ``src`` (then only those rows are written). Unit D strides."""
+    B, S, H, D = src_BSHD.shape
+    block_d = triton.next_power_of_2(D)
+    block_h = max(1, min(triton.next_power_of_2(H), 2048 // block_d))
+    _finish_kernel[(B * S, triton.cdiv(H, block_h))](
+        src_BSHD, lse_BHS, dst_BSHD, S, H, D, float(empty),
+        src_BSHD.stride(0), src_BSHD.stride(1), src_BSHD.stride(2),
+        *lse_BHS.stride(),
+        dst_BSHD.stride(0), dst_BSHD.stride(1), dst_BSHD.stride(2),
+        BLOCK_H=block_h, BLOCK_D=block_d, COPY=dst_BSHD is not src_BSHD,
+    )  # fmt: skip

@@ -20,7 +20,7 @@ an Inf value) stays infinite (``inf + w * (x - inf)`` would be NaN). Non-finite 
 follow the math of the full softmax: a block with ``lse = +inf`` or NaN (a +Inf or NaN score)
 makes the row NaN; a block with ``lse = -inf`` (every score -inf) has weight 0, and a row whose
 blocks *all* have ``lse = -inf`` is the softmax of nothing but -inf scores, NaN
-(:func:`empty_rows_nan_` after the last block; a row with no visible key at all never occurs:
+(:func:`finish_rows` after the last block; a row with no visible key at all never occurs:
 every query sees itself or, windowed, its window).
 
 The accumulators ``o_A`` and ``lse_A`` stay in the accumulation dtype (fp32, fp64 for fp64
@@ -140,11 +140,29 @@ def merge_all(outs_W: Tensor, lses_W: Tensor) -> tuple[Tensor, Tensor]:
     return (outs_W * weights_WBSH1).sum(0), lse_BHS
 
 
-def empty_rows_nan_(out: Tensor, lse: Tensor) -> Tensor:
-    """Set to NaN the rows of the final ``out`` (``[B, S, H, D]`` or ``[T, H, D]``) whose
-    ``lse`` (``[B, H, S]`` or ``[H, T]``) is -inf: every score of the row was -inf, and the
-    softmax of those is 0 / 0 (Note [Online-softmax merge]). Returns ``out``."""
-    return out.masked_fill_((lse == float("-inf")).transpose(-1, -2).unsqueeze(-1), float("nan"))
+def finish_rows(
+    out: Tensor, lse: Tensor, dtype: torch.dtype, empty: float = float("nan")
+) -> Tensor:
+    """The final output: ``out`` (``[B, S, H, D]`` or ``[T, H, D]``) in ``dtype``, with the
+    rows whose ``lse`` (``[B, H, S]`` or ``[H, T]``) is -inf set to ``empty``: NaN where every
+    score of the row was -inf, the softmax of those being 0 / 0 (Note [Online-softmax merge]);
+    0 for ``flex_attention``'s rows without a visible key. A new tensor when ``out`` is of
+    another dtype (an accumulator), else ``out`` itself, updated in place.
+
+    On CUDA it runs one fused Triton kernel when Triton is installed (``_triton_merge.py``:
+    the cast and the fill in one pass; in place, only the empty rows are written), else
+    ``out.to(dtype).masked_fill_(...)``.
+    """
+    fused = _triton() if out.is_cuda else None
+    if fused is None or out.stride(-1) != 1:
+        mask = (lse == float("-inf")).transpose(-1, -2).unsqueeze(-1)
+        return out.to(dtype).masked_fill_(mask, empty)
+    dst = out if out.dtype == dtype else torch.empty(out.shape, dtype=dtype, device=out.device)
+    if out.dim() == 3:  # varlen: one batch row
+        fused.triton_finish_rows(out[None], lse[None], dst[None], empty)
+    else:
+        fused.triton_finish_rows(out, lse, dst, empty)
+    return dst
 
 
 # Note [Attention sinks]

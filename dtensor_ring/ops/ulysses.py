@@ -51,7 +51,7 @@ from torch import Tensor
 from .._compat import resolve_group
 from ..comm.all_to_all import all_to_all
 from ..kernels import accumulation_dtype, get_kernel
-from ..kernels.merge import empty_rows_nan_, sinks_grad_rows
+from ..kernels.merge import finish_rows, sinks_grad_rows
 from ..layouts import get_layout, order_layout
 from ..schedule.cost import kv_repeat
 from .common import (
@@ -147,7 +147,7 @@ def ulysses_local_attention_impl(
     logits ``[h]`` of these heads (Note [Attention sinks])."""
     kernel, window = get_kernel(backend), op_window(window_left, window_right)
     out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, window=window)
-    out = empty_rows_nan_(out.contiguous(), lse)
+    out = finish_rows(out.contiguous(), lse, out.dtype)
     return with_sinks((out, lse.to(accumulation_dtype(q.dtype)).contiguous()), sinks)
 
 

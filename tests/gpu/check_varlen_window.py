@@ -208,9 +208,10 @@ def dense_calls(kernels: list) -> list[dict]:
 
 
 def fused_against_eager() -> dict[str, bool]:
-    """The Triton indexed add (``add_rows_``) against ``index_add_`` on the same inputs: an
-    fp32 accumulator, bf16 rows, distinct rows in a shuffled order: bitwise equal (one fp32
-    add per element either way)."""
+    """The Triton kernels against the eager ops on the same inputs, bitwise: the indexed add
+    (``add_rows_``; an fp32 accumulator, bf16 rows, distinct rows in a shuffled order: one fp32
+    add per element either way) and the final output (``finish_rows``: the cast and the fill
+    of rows with lse = -inf, NaN and 0, from fp32 and in place)."""
     gen = torch.Generator().manual_seed(1)
     acc = torch.randn(S, H, D, generator=gen).to(DEV)
     rows = torch.randperm(S, generator=gen)[: S // 3].to(DEV)
@@ -219,7 +220,20 @@ def fused_against_eager() -> dict[str, bool]:
     kernel_merge.add_rows_(fused, rows, x)
     with variant("eager"):
         kernel_merge.add_rows_(eager, rows, x)
-    return {"add_rows": torch.equal(fused, eager) and not torch.equal(fused, acc)}
+    result = {"add_rows": torch.equal(fused, eager) and not torch.equal(fused, acc)}
+    lse = torch.randn(H, S, generator=gen).to(DEV)
+    lse[:, rows[:50]] = float("-inf")  # empty rows, some heads of them finite again below
+    lse[: H // 2, rows[:10]] = 0.0
+    for empty in (float("nan"), 0.0):  # the cast of an accumulator, and in place
+        for src in (acc, acc.to(torch.bfloat16)):
+            got = kernel_merge.finish_rows(src.clone(), lse, torch.bfloat16, empty)
+            with variant("eager"):
+                want = kernel_merge.finish_rows(src.clone(), lse, torch.bfloat16, empty)
+            same = torch.equal(got.isnan(), want.isnan()) and torch.equal(
+                got.nan_to_num(), want.nan_to_num()
+            )
+            result[f"finish_rows {src.dtype} empty={empty}"] = same
+    return result
 
 
 def main() -> None:
