@@ -1,14 +1,17 @@
 """Tier 1: schedules and their cost model, single process, no communication."""
 
+import itertools
+
 import pytest
 import torch
 from expecttest import assert_expected_inline
 from flash2_model import flash2_visible
 
-from dtensor_ring import make_plan, token_indices
+from dtensor_ring import document_layout, make_plan, token_indices
 from dtensor_ring.kernels.base import window_mask
 from dtensor_ring.parts import Block, Part, band_pairs
 from dtensor_ring.resolve import normalize_window
+from dtensor_ring.schedule.varlen import varlen_plan
 
 
 def test_ring_causal_table():
@@ -202,3 +205,22 @@ def test_plan_errors():
         make_plan("ring", 0, causal=True)
     with pytest.raises(ValueError, match="seq_local"):
         make_plan("ring", 2, True, (3, 0))
+
+
+@pytest.mark.parametrize("n_docs", [3, 9])
+@pytest.mark.parametrize("window", [None, (40, 0)])
+def test_equal_parts_of_a_plan_are_one_object(n_docs, window):
+    """The engine takes the queries' side of a part once a call, by the part's identity:
+    a plan's equal parts (placed documents, whose query spans recur step after step; windowed
+    plans) are one object, so equal parts are taken once."""
+    W, n = 4, 64
+    lengths = [n * W // n_docs] * (n_docs - 1)
+    bounds = [0, *itertools.accumulate(lengths), n * W]
+    plans = [varlen_plan((), document_layout(bounds, W), W, True, window)]
+    plans.append(make_plan("zigzag", W, True, window or (40, 0), n))
+    for plan in plans:
+        parts = [p for row in plan.steps for st in row for b in st.blocks for p in (b.q, b.kv)]
+        by_value: dict = {}
+        for p in parts:
+            assert by_value.setdefault(p, p) is p, p
+        assert len(by_value) < len(parts)  # some recur: the test sees what it checks

@@ -72,7 +72,7 @@ in ``comm/p2p.py``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..layouts import Layout, get_layout
 from ..parts import UNBOUNDED, Block, Span
@@ -298,10 +298,18 @@ def plan_from_blocks(
     seq_local: int | None = None,
 ) -> Plan:
     """The plan whose rank ``r`` computes ``blocks_of(r, src)`` (None entries: nothing) with
-    the K/V of rank ``src``; steps in which no rank computes are dropped."""
+    the K/V of rank ``src``; steps in which no rank computes are dropped. Equal parts are made
+    one object: the engine takes a part's rows of the queries' side once a call, by identity
+    (``engine/blocks.py``'s ``PartsOf``)."""
+    parts: dict = {}
+
+    def one(b: Block) -> Block:
+        q, kv = parts.setdefault(b.q, b.q), parts.setdefault(b.kv, b.kv)
+        return b if q is b.q and kv is b.kv else replace(b, q=q, kv=kv)
+
     table = [
         [
-            tuple(b for b in blocks_of(r, (r - s) % world_size) if b is not None)
+            tuple(one(b) for b in blocks_of(r, (r - s) % world_size) if b is not None)
             for s in range(world_size)
         ]
         for r in range(world_size)
