@@ -291,21 +291,7 @@ def _main(iface, plan: _BlockPlan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk,
     compiled = _COMPILED.get(plan.key)
     if compiled is None:
         compiled = _COMPILED[plan.key] = _compile(iface, plan, tensors, semaphores, scale)
-    null = iface.AuxData(None, None)
-    compiled(
-        *tensors,
-        scale,
-        None,
-        None,
-        None,
-        None,
-        plan.left,
-        plan.right,
-        *semaphores,
-        null,
-        None,
-        None,
-    )
+    compiled(*_kernel_args(tensors, scale, plan, semaphores, iface.AuxData(None, None)))
 
 
 def _contiguous(iface, *tensors: Tensor) -> list[Tensor]:
@@ -449,6 +435,14 @@ class RingDq:
 _TILES = (True, False)
 
 
+def _kernel_args(tensors, scale: float, plan: _BlockPlan, semaphores, aux) -> list:
+    """The main kernel's 22 arguments, as ``_flash_attn_bwd`` passes them to it and to its
+    compilation: the 9 tensors, the scale, no varlen, the window, the semaphores, ``aux`` (no
+    score_mod tensors), no block sparsity."""
+    return [*tensors, scale, None, None, None, None, plan.left, plan.right, *semaphores, aux,
+            None, None]  # fmt: skip
+
+
 def _compile(iface, plan: _BlockPlan, tensors, semaphores, scale):
     """The sm90 main backward kernel, compiled as ``_flash_attn_bwd`` compiles it."""
     cfg, cute = plan.cfg, iface.cute
@@ -488,20 +482,10 @@ def _compile(iface, plan: _BlockPlan, tensors, semaphores, scale):
         )
         for t in semaphores
     ]
+    cute_tensors = [iface.to_cute_tensor(t) for t in tensors]
     return cute.compile(
         kernel,
-        *(iface.to_cute_tensor(t) for t in tensors),
-        scale,
-        None,
-        None,
-        None,
-        None,
-        plan.left,
-        plan.right,
-        *cute_semaphores,
-        iface.AuxData(None, None),
-        None,
-        None,
+        *_kernel_args(cute_tensors, scale, plan, cute_semaphores, iface.AuxData(None, None)),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi",
     )
