@@ -154,7 +154,7 @@ def finish_rows(
     ``out.to(dtype).masked_fill_(...)``.
     """
     fused = _triton() if out.is_cuda else None
-    if fused is None or out.stride(-1) != 1:
+    if fused is None or out.stride(-1) != 1 or out.numel() == 0:
         mask = (lse == float("-inf")).transpose(-1, -2).unsqueeze(-1)
         return out.to(dtype).masked_fill_(mask, empty)
     dst = out if out.dtype == dtype else torch.empty(out.shape, dtype=dtype, device=out.device)
