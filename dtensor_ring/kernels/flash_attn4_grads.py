@@ -409,7 +409,8 @@ class RingDq:
         a, b = block.q.bounds(self._q.shape[1])
         q, dout = self._q[:, a:b], self._dout[:, a:b]
         k, v = _contiguous(iface, k_BSHD, v_BSHD)
-        left, right = self._window_args(block.window).values()
+        window = self._window_args(block.window)
+        left, right = window["window_size_left"], window["window_size_right"]
         plan = _plan(iface, q, k, v, dout, block.causal, left, right, self._deterministic, _TILES)
         if plan is None:  # of() learnt every tile order of this configuration
             raise RuntimeError("flash-attn 4's tile orders changed within a backward")
