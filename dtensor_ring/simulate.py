@@ -219,7 +219,9 @@ class RankSimulator:
 
         Returns ``(dq, dk_own, dv_own, sent)`` where ``sent`` lists the recorded dK/dV sends
         (``record=True``), i.e. this rank's contributions to the K/V visiting at each step
-        (a sparse plan sends none at step 0: that share stays in ``dk_own, dv_own``).
+        (a sparse plan sends none at step 0: that share stays in ``dk_own, dv_own``, then in
+        the accumulation dtype, to be summed with the other ranks' shares and rounded once, as
+        the owner does).
         """
         dkv_exchanger = SimulatedExchanger(
             [self.dkv_buffers], record=record, zero=True, direct=not self.plan.full_ring
@@ -237,6 +239,7 @@ class RankSimulator:
             self.kernel,
             self.scale,
             self.blocks,
+            round_dkv=not record,
         )
         return dq, dk, dv, dkv_exchanger.sent
 

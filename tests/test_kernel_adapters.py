@@ -57,6 +57,7 @@ from dtensor_ring.kernels.cudnn import CudnnKernel
 from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
 from dtensor_ring.kernels.flash_attn_pkg import FlashAttnKernel
 from dtensor_ring.kernels.math import MathKernel
+from dtensor_ring.resolve import normalize_window
 from dtensor_ring.simulate import simulate_ring
 
 MATH = MathKernel()
@@ -1473,23 +1474,29 @@ def test_ring_sums_unrounded_block_grads(flash_attn4_pieces, monkeypatch, world_
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("layout,num_kv_heads", [("zigzag", 2), ("zigzag", 4), ("ring", 2)])
+@pytest.mark.parametrize(
+    "layout,num_kv_heads,window",
+    [("zigzag", 2, None), ("zigzag", 4, None), ("ring", 2, None), ("zigzag", 2, (64, 0))],
+)
 @pytest.mark.parametrize("tokens", [128, 96])
 def test_ring_dq_accumulated_by_the_kernel(
-    flash_attn4_pieces, monkeypatch, world_size, layout, num_kv_heads, tokens
+    flash_attn4_pieces, monkeypatch, world_size, layout, num_kv_heads, window, tokens
 ):
     """With every block's query rows on the kernel's 64-row tiles (128 tokens a rank: zigzag's
     halves of 64), flash-attn 4's kernel sums a rank's dq blocks itself, its causal and
     unmasked blocks in one tile order: one preprocess a rank, and dq (with GQA dk and dv too)
     the fp64 gradient rounded once, deterministic or not. With 96 tokens (halves of 48) zigzag
     sums per block, as does a kernel without the accumulator: one preprocess a block, the same
-    precision (the ring layout's blocks take each rank's queries whole: any length)."""
+    precision (the ring layout's blocks take each rank's queries whole: any length). A window
+    of 64 keeps zigzag's windowed blocks on the tiles at 128 tokens a rank (local blocks)."""
     monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
     B, H, D, S = 1, 4, 8, tokens * world_size
     g = torch.Generator().manual_seed(6)
     q, dout = torch.randn(2, B, S, H, D, generator=g).to(torch.bfloat16).unbind(0)
     k, v = torch.randn(2, B, S, num_kv_heads, D, generator=g).to(torch.bfloat16).unbind(0)
     kw = dict(layout=layout, world_size=world_size, backend="flash_attn4", scale=SCALE)
+    kw["window_size"] = window or (-1, -1)
+    causal, mask_window = normalize_window(kw["window_size"], True, S)
     preprocess, calls = flash_attn4_pieces._bwd_preprocess, []
 
     def counted(*args, **kwargs):
@@ -1511,11 +1518,14 @@ def test_ring_dq_accumulated_by_the_kernel(
         finally:
             clear_selection_cache()
         want = MATH.backward(
-            *(t.double() for t in (dout, q, k, v, out, lse)), causal=True, scale=SCALE
+            *(t.double() for t in (dout, q, k, v, out, lse)),
+            causal=causal,
+            scale=SCALE,
+            window=mask_window,
         )
         once = [_rounded_once(x, w) for x, w in zip(grads, want, strict=True)]
         assert once[0] and (num_kv_heads == H or all(once)), once  # MHA: dk, dv come in bf16
-        if world_size == 1:  # one block: flash-attn 4's own backward, no accumulator
+        if world_size == 1 and window is None:  # one block: flash-attn 4's own backward
             assert calls == [], calls
         elif accumulator and accumulates:  # every rank's one preprocess, of all its queries
             assert calls == [tokens] * world_size, calls

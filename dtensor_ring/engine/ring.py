@@ -211,8 +211,12 @@ def ring_backward(
     kernel: BlockKernel,
     scale: float,
     blocks: Blocks | None = None,
+    *,
+    round_dkv: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of one rank (Note [Ring backward]); returns ``(dq, dk, dv)`` in input dtypes.
+    """Backward of one rank (Note [Ring backward]); returns ``(dq, dk, dv)`` in input dtypes
+    (``round_dkv=False``: dk, dv in the accumulation dtype, for a caller that adds more to them,
+    as the simulator adds the shares of other ranks).
 
     ``out_BSHD``/``lse_BHS`` are the forward's global results for the local queries. The two
     exchangers (:func:`~dtensor_ring.comm.backward_exchangers`) must use different tags (K/V
@@ -268,6 +272,8 @@ def ring_backward(
         received = pending_dkv.wait()
         dkv_own = _add_all_(dkv_own, received) if direct else received
     side.join()
+    if not round_dkv:
+        return dq.result(), *dkv_own
     return dq.result(), dkv_own[0].to(k_BSHD.dtype), dkv_own[1].to(v_BSHD.dtype)
 
 
