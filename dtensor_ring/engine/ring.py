@@ -237,7 +237,7 @@ def ring_backward(
     live = [blk for step in steps for blk in step.blocks if not blocks.is_empty(blk)]
     local = (dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS)
     dq = blocks.dq_accumulator(kernel, *local, live, scale) or _SummedDq(
-        blocks, kernel, *local, scale, side
+        blocks, kernel, dout_BSHD, q_BSHD, out_BSHD, lse_BHS, scale, side
     )
     kv = [k_BSHD, v_BSHD]
     dkv_own = _zeros_like(kv, acc)  # step 0's accumulator: our own K/V
@@ -282,9 +282,7 @@ class _SummedDq:
     accumulation dtype where the kernel has it so (``unrounded``), added into an accumulator on
     the side stream (Note [Merges off the critical path])."""
 
-    def __init__(
-        self, blocks, kernel, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, scale, side
-    ):
+    def __init__(self, blocks, kernel, dout_BSHD, q_BSHD, out_BSHD, lse_BHS, scale, side):
         self.blocks, self.kernel, self.scale, self.side = blocks, kernel, scale, side
         self.dtype = q_BSHD.dtype
         self.acc = torch.zeros(
