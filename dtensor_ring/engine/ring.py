@@ -234,21 +234,20 @@ def ring_backward(
     acc = accumulation_dtype(q_BSHD.dtype)
     direct = dkv_exchanger is not None and dkv_exchanger.direct
     side = _SideStream(q_BSHD.device)
-    live = [blk for step in steps for blk in step.blocks if not blocks.is_empty(blk)]
+    live = [[blk for blk in step.blocks if not blocks.is_empty(blk)] for step in steps]
     local = (dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS)
-    dq = blocks.dq_accumulator(kernel, *local, live, scale) or _SummedDq(
+    every = [blk for step_blocks in live for blk in step_blocks]
+    dq = blocks.dq_accumulator(kernel, *local, every, scale) or _SummedDq(
         blocks, kernel, dout_BSHD, q_BSHD, out_BSHD, lse_BHS, scale, side
     )
     kv = [k_BSHD, v_BSHD]
     dkv_own = _zeros_like(kv, acc)  # step 0's accumulator: our own K/V
     pending_dkv = None
-    for s, step in enumerate(steps):
+    for s, step_blocks in enumerate(live):
         last = s + 1 == len(steps)
         pending_kv = None if last else kv_exchanger.start(kv)
         grads = []
-        for blk in step.blocks:
-            if blocks.is_empty(blk):
-                continue
+        for blk in step_blocks:
             k_b, v_b = blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
             grads.append((blk.kv, *dq.backward(blk, k_b, v_b)))
         if s == 0:

@@ -244,12 +244,11 @@ def _new_dkv(plan: _BlockPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _preprocess(iface, plan: _BlockPlan, out, dout, lse, dq_accum) -> tuple[Tensor, Tensor]:
-    """flash-attn 4's preprocess: ``(dpsum, lse_log2)`` of the rows of ``out``; zeroes
-    ``dq_accum``."""
-    batch, seqlen_q, num_head = out.shape[:3]
-    seq_q_r = round_up(seqlen_q, plan.cfg.m_block_size)
+    """flash-attn 4's preprocess: ``(dpsum, lse_log2)`` of the rows of ``out`` (the queries
+    ``plan`` was made for); zeroes ``dq_accum``."""
+    batch, _, num_head = out.shape[:3]
     dpsum, lse_log2 = torch.empty(
-        2, batch, num_head, seq_q_r, dtype=torch.float32, device=out.device
+        2, batch, num_head, plan.seq_q_r, dtype=torch.float32, device=out.device
     ).unbind(0)
     iface._bwd_preprocess(
         out,
