@@ -25,7 +25,9 @@ rank, it measures, in one run:
   efficiency if everything but its kernels were free);
 * with ``--compare-rounded``, backends with more than one way to a ring's block gradients
   (flash-attn 4: dq summed in its kernel, fp32 block gradients summed by the engine, its plain
-  backward) measured each way (``block_grads``);
+  backward) measured each way (``block_grads``); with ``--compare-launch``, flash-attn 4 also
+  with every forward block through its Python wrapper, not replayed (``block_grads``:
+  ``WRAPPER_FORWARD``);
 * ``layout="auto"``'s candidates (ring, all-gather, Ulysses) measured against the cost
   model's prediction, and whether it chose the fastest (``policy``);
 * the fixed cost of one call at W = 1 (``overhead``, ``--overhead-seq``): eager SDPA, the
@@ -306,36 +308,45 @@ def block_throughput(backend: str, tokens: int, a, device, gen) -> list[dict]:
 # more than the plain way: dq summed inside the kernel (BlockKernel.dq_accumulator), fp32 block
 # gradients summed by the engine, or the kernel's plain backward (the input dtype).
 IN_KERNEL, FP32, INPUT_DTYPE = "fp32, dq summed in the kernel", "fp32", "input dtype"
+# flash-attn 4 as IN_KERNEL, each forward block through its Python wrapper (no replay)
+WRAPPER_FORWARD = "fp32, dq summed in the kernel; forward by the wrapper"
 
 
 @contextlib.contextmanager
 def block_grads_mode(backend: str, mode: str):
-    """The backend's block gradients as ``mode`` for the duration (instance attributes over the
-    class's): the baselines of the fp32 and in-kernel sums, in the same run."""
+    """The backend's block gradients (and flash-attn 4's forward launch) as ``mode`` for the
+    duration (instance attributes over the class's): the baselines of the fp32 and in-kernel
+    sums and of the replayed forward (Note [flash-attn 4's forward, replayed]), in one run."""
+    from dtensor_ring.kernels import flash_attn4_launch
+
     kernel = get_kernel(backend)
-    if mode != IN_KERNEL:
+    if mode in (FP32, INPUT_DTYPE):
         kernel.dq_accumulator = lambda *args, **kwargs: None
     if mode == INPUT_DTYPE:
         kernel.unrounded_grads = False
+    flash_attn4_launch.REPLAY = mode != WRAPPER_FORWARD
     try:
         yield
     finally:
         kernel.__dict__.pop("unrounded_grads", None)
         kernel.__dict__.pop("dq_accumulator", None)
+        flash_attn4_launch.REPLAY = True
 
 
-def block_grads_modes(backend: str, compare: bool, rounded_first: bool = False) -> list[str]:
+def block_grads_modes(
+    backend: str, compare: bool, rounded_first: bool = False, launch: bool = False
+) -> list[str]:
     """The modes to measure: the backend's own first (or last, ``rounded_first``); with
-    ``compare`` every other mode it has."""
+    ``compare`` every other block-gradient mode it has; with ``launch`` flash-attn 4's forward
+    through its wrapper too."""
     kernel = get_kernel(backend)
     modes = [INPUT_DTYPE]
     if kernel.unrounded_grads:
         modes.insert(0, FP32)
     if type(kernel).dq_accumulator is not BlockKernel.dq_accumulator:
         modes.insert(0, IN_KERNEL)
-    if not compare:
-        return modes[:1]
-    return modes[::-1] if rounded_first else modes
+    modes = (modes[::-1] if rounded_first else modes) if compare else modes[:1]
+    return modes + [WRAPPER_FORWARD] * (launch and backend == "flash_attn4")
 
 
 def precision(backend: str, mode: str, a, device, gen) -> list[dict]:
@@ -708,6 +719,11 @@ def main() -> None:
         help="also measure backends with fp32 block gradients with their plain backward",
     )
     p.add_argument("--rounded-first", action="store_true", help="that one first")
+    p.add_argument(
+        "--compare-launch",
+        action="store_true",
+        help="also measure flash-attn 4's rings with every forward block through its wrapper",
+    )
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--link-gbps", type=float, default=450.0, help="GB/s per direction")
     p.add_argument("--overhead-seq", default="1024,8192", help="W = 1 fixed cost at these S")
@@ -784,7 +800,8 @@ def run_the_rest(results: dict, a, device, gen, backends, tokens) -> None:
                 results["blocks"] += block_throughput(backend, t, a, device, gen)
             except Exception as e:  # record and go on: one failing backend keeps the rest
                 results["errors"].append(f"{backend} {t} blocks: {type(e).__name__}: {e}")
-            for mode in block_grads_modes(backend, a.compare_rounded, a.rounded_first):
+            modes = block_grads_modes(backend, a.compare_rounded, a.rounded_first, a.compare_launch)
+            for mode in modes:
                 try:
                     with block_grads_mode(backend, mode):
                         rows = bench_config(backend, t, a, device, gen)

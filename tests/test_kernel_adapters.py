@@ -24,6 +24,7 @@ argument order and shapes on the meta device, whose kernels PyTorch registers fo
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import inspect
 import itertools
@@ -47,6 +48,7 @@ from dtensor_ring.kernels import (
     select_kernel,
 )
 from dtensor_ring.kernels import flash_attn4 as flash_attn4_module
+from dtensor_ring.kernels import flash_attn4_launch as fa4_launch
 from dtensor_ring.kernels.base import window_mask
 from dtensor_ring.kernels.cuda_flash import (
     TorchFlashKernel,
@@ -767,7 +769,10 @@ def _fa4_unused_at_defaults(fn, args: dict, used: set[str]) -> None:
 
 
 def _fa4_maybe_contiguous(x: Tensor | None) -> Tensor | None:
-    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+    """A copy unless the last stride is 1 and the pointer 16-byte aligned (as FA4's)."""
+    if x is None or (x.stride(-1) == 1 and x.data_ptr() % 16 == 0):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _fa4_resolve_window(causal, window_size_left, window_size_right):
@@ -870,20 +875,55 @@ def fa4_flash_attn_fwd(
     disable_scheduler_metadata=False,
     gather_bwd_recompute_p=False,
 ):
-    """``(out, lse, p, row_max, o_lo)``; lse fp32 ``[B, H, S]`` or ``[H, T]`` if return_lse."""
+    """``(out, lse, p, row_max, o_lo)``; lse fp32 ``[B, H, S]`` or ``[H, T]`` if return_lse.
+    As the real one, it works out a compile key from the shapes and options, then calls the
+    compiled kernel of its ``compile_cache`` with sm90's argument list, which writes ``out`` and
+    ``lse`` (given or allocated here)."""
     args = dict(locals())
     FA4_CALLS.append(args)
     used = {"q", "k", "v", "softmax_scale", "causal", "window_size_left", "window_size_right"}
     used |= {"return_lse", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
+    used |= {"out", "lse"}
     _fa4_unused_at_defaults(fa4_flash_attn_fwd, args, used)
     q, k, v = (_fa4_maybe_contiguous(x) for x in (q, k, v))
     _fa4_check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    window = _fa4_window(causal, window_size_left, window_size_right)
-    kw = dict(causal=False, scale=softmax_scale, window=window)
+    varlen = cu_seqlens_q is not None
+    lse_shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if lse is None:
+        lse = torch.empty(lse_shape) if return_lse else None
+    assert lse is None or (lse.shape == lse_shape and lse.dtype == torch.float32)
+    causal, local, left, right = _fa4_resolve_window(causal, window_size_left, window_size_right)
+    key = (q.dtype, q.shape[-1], causal, local, varlen, lse is None)
+    cache = fa4_flash_attn_fwd.compile_cache
+    if key not in cache:
+        cache[key] = functools.partial(_fa4_compiled_fwd, causal)
+    aux = (None, None)  # AuxData(None, None)
+    cache[key](
+        q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, None, None, None, left,
+        right, None, None, aux, None, None,
+    )  # fmt: skip
+    return out, lse, None, None, None
+
+
+def _fa4_compiled_fwd(
+    causal, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    page_table, left, right, sink, sparse, aux, cu_total_m_blocks, cu_total_splits_m_blocks,
+):  # fmt: skip
+    """The stand-in's compiled forward: writes ``out`` and ``lse`` (the mask: FA4's own causal
+    flag and window sides, resolved)."""
+    kw = dict(causal=False, scale=scale, window=_fa4_window(causal, left, right))
     o, lse_ = _fa4_math("forward", cu_seqlens_q, cu_seqlens_k, q, k, v, **kw)
-    return o.to(q.dtype), lse_.float() if return_lse else None, None, None, None
+    out.copy_(o)
+    if lse is not None:
+        lse.copy_(lse_)
+
+
+fa4_flash_attn_fwd.compile_cache = {}
 
 
 def fa4_flash_attn_bwd(
@@ -966,6 +1006,8 @@ def flash_attn4(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     for name, module in (*packages.items(), ("flash_attn.cute.interface", interface)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(flash_attn4_module, "_capability", lambda: (9, 0))
+    monkeypatch.setattr(fa4_launch, "_LAUNCHES", {})  # each test records its own launches
+    monkeypatch.setattr(fa4_flash_attn_fwd, "compile_cache", {})
     FA4_CALLS.clear()
     return FA4_CALLS
 
@@ -1046,6 +1088,57 @@ def test_flash_attn4_varlen_matches_reference(flash_attn4, causal, window, num_k
     for call in flash_attn4:
         assert call["cu_seqlens_q"] is cu_seqlens and call["cu_seqlens_k"] is cu_seqlens
         assert call["max_seqlen_q"] == call["max_seqlen_k"] == max_seqlen
+
+
+def test_flash_attn4_forward_replayed(flash_attn4, monkeypatch):
+    """A forward of a signature seen before launches the kernel the wrapper launched for it,
+    without the wrapper (Note [flash-attn 4's forward, replayed]): bitwise the same results,
+    dense and varlen (``cu_seqlens_q is cu_seqlens_k``), each mask its own signature; a call
+    whose input the wrapper copies goes through the wrapper every time; inputs on one pointer
+    (``q is k is v``) are a signature of their own; ``REPLAY = False`` turns it off."""
+    g = torch.Generator().manual_seed(4)
+    cu_seqlens = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+
+    def inputs(varlen: bool, misaligned: bool = False):  # fresh values, the same signature
+        shape = (20, 4, 16) if varlen else (2, 24, 4, 16)
+        q = torch.randn(shape, generator=g).to(torch.bfloat16)
+        q = q.flatten()[1:].as_strided(q[..., :8].shape, q.stride()) if misaligned else q
+        q = q[..., :8]  # a view, as the ring's blocks
+        k, v = torch.randn(2, *q.shape[:-2], 2, 8, generator=g).to(torch.bfloat16).unbind(0)
+        return q, k, v
+
+    def check(varlen: bool, q, k, v, window, wrapper_calls: int) -> None:
+        calls = len(flash_attn4)
+        kw = dict(causal=window is None, scale=SCALE, window=window)
+        if varlen:
+            args = (cu_seqlens, cu_seqlens, 8, 8)
+            got = FLASH4.forward_varlen(q, k, v, *args, **kw)
+            want = MATH.forward_varlen(*(t.double() for t in (q, k, v)), *args, **kw)
+        else:
+            got = FLASH4.forward(q, k, v, **kw)
+            want = MATH.forward(*(t.double() for t in (q, k, v)), **kw)
+        _assert_same(got, (want[0].to(q.dtype), want[1].float()), (q, k, v))
+        assert len(flash_attn4) - calls == wrapper_calls
+
+    for varlen in (False, True):
+        for window in (None, (3, 0), (2, 5)):
+            check(varlen, *inputs(varlen), window, wrapper_calls=1)  # recorded
+            for _ in range(2):
+                check(varlen, *inputs(varlen), window, wrapper_calls=0)  # replayed
+        for _ in range(2):  # the wrapper copies a misaligned q: its call, every time
+            check(varlen, *inputs(varlen, misaligned=True), None, wrapper_calls=1)
+
+    def heads4():  # q, k or v of a new signature
+        return torch.randn(2, 2, 24, 4, 8, generator=g).to(torch.bfloat16)[:, 0]
+
+    q = heads4()
+    check(False, q, q, q, (1, 1), wrapper_calls=1)
+    check(False, heads4(), heads4(), heads4(), (1, 1), wrapper_calls=1)  # not one pointer
+    check(False, heads4(), heads4(), heads4(), (1, 1), wrapper_calls=0)
+    q = heads4()
+    check(False, q, q, q, (1, 1), wrapper_calls=0)
+    monkeypatch.setattr(fa4_launch, "REPLAY", False)
+    check(False, q, q, q, (1, 1), wrapper_calls=1)
 
 
 def test_flash_attn4_deterministic_follows_torch(flash_attn4, monkeypatch):

@@ -35,6 +35,9 @@ What the source says (``flash_attn/cute/interface.py``):
   flash-attn 4] in ``flash_attn4_grads.py``; and its kernel sums a ring's dq blocks itself
   where their query rows start on its tiles (:meth:`FlashAttn4Kernel.dq_accumulator`, Note [dq
   accumulated inside flash-attn 4]).
+* The forward is launched without ``_flash_attn_fwd``'s host-side configuration where a call of
+  the same signature went through it before (Note [flash-attn 4's forward, replayed] in
+  ``flash_attn4_launch.py``): ~0.1 ms of host time a block.
 * The first call of each configuration (dtype, head dim, GQA ratio, mask kind, varlen, ...)
   JIT-compiles its kernel (seconds); later calls reuse it, whatever the sequence lengths.
 """
@@ -50,6 +53,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import flash_attn4_launch as launch
 from .base import BlockKernel, KernelCall
 from .cuda_flash import deterministic_reason, head_dim_reason
 from .flash_attn4_grads import RingDq, unrounded_backward, unrounded_reason
@@ -149,14 +153,8 @@ class FlashAttn4Kernel(BlockKernel):
         return None
 
     def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
-        out_BSHD, lse_BHS, *_ = _interface()._flash_attn_fwd(
-            q_BSHD,
-            k_BSHD,
-            v_BSHD,
-            return_lse=True,
-            **_options(causal=causal, scale=scale, window=window),
-        )
-        return out_BSHD, lse_BHS
+        options = _options(causal=causal, scale=scale, window=window)
+        return launch.forward(_interface(), q_BSHD, k_BSHD, v_BSHD, **options)
 
     def _backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
@@ -227,18 +225,17 @@ class FlashAttn4Kernel(BlockKernel):
         scale,
         window,
     ):
-        out_THD, lse_HT, *_ = _interface()._flash_attn_fwd(
+        return launch.forward(
+            _interface(),
             q_THD,
             k_THD,
             v_THD,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            return_lse=True,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
             **_options(causal=causal, scale=scale, window=window),
         )
-        return out_THD, lse_HT
 
     def _backward_varlen(
         self,

@@ -22,7 +22,10 @@ local shard, as the engine passes them.
   gradients summed by the engine; "flash_attn4 rounded": its plain backward) vs ``cudnn`` /
   ``cuda_flash``,
   against the same fp64 reference, and against single-device flash-attn 4.
+* the forward launched from a recording (Note [flash-attn 4's forward, replayed]): bitwise the
+  wrapper's output and lse, dense and varlen, and the host time of both.
 
+``FA4_CHECK_PARTS=replay,dense`` runs those parts alone (the ring part follows the dense one).
 Each part runs under ``try``; results are written to ``$OUT/flash_attn4.json`` after each part
 (a run cut short keeps what it measured); the tables are printed last.
 
@@ -407,6 +410,66 @@ def unrounded_part() -> None:
         torch.use_deterministic_algorithms(False)
 
 
+REPLAYS = [  # (S_q, S_k, H_kv, causal, window) dense; (cu_q, cu_k, causal, window) varlen
+    (4096, 4096, H_KV, True, None),
+    (4096, 2048, H_KV, False, None),
+    (2000, 3000, H_KV, False, None),
+    (2048, 2048, H, True, None),
+    (3000, 2000, H_KV, False, (40, 1000)),
+    ((0, 256, 3000, 4096), None, True, None),  # cu_seqlens_k is cu_seqlens_q
+    ((0, 256, 3000, 4096), (0, 512, 1000, 4096), False, (200, 0)),
+    (tuple(range(0, 4097, 8)), None, True, None),  # 512 documents: flash-attn 4's scheduler
+]
+
+
+def replay_part() -> None:
+    """Note [flash-attn 4's forward, replayed]: a forward launched from the recording is
+    bitwise the wrapper's (same inputs, REPLAY off), and its host time."""
+    if late("replay"):
+        return
+    from dtensor_ring.kernels import flash_attn4_launch as launch
+
+    kernel, rows = get_kernel("flash_attn4"), []
+    for case in REPLAYS:
+        row: dict[str, object] = dict(case=str(case)[:80])
+        try:
+            if isinstance(case[0], int):
+                s_q, s_k, h_kv, causal, window = case
+                q, k, v, _ = make_inputs(s_q, s_k, seed=5)
+                if h_kv > H_KV:
+                    k, v = (t.repeat(1, 1, h_kv // H_KV, 1) for t in (k, v))
+                kw = dict(causal=causal, scale=SCALE, window=window)
+                call = functools.partial(kernel.forward, q, k, v, **kw)
+            else:
+                bounds_q, bounds_k, causal, window = case
+                cu_q = torch.tensor(bounds_q, dtype=torch.int32, device="cuda")
+                cu_k = cu_q if bounds_k is None else torch.tensor(bounds_k, dtype=torch.int32)
+                cu_k = cu_k.cuda()
+                q, k, v = (t[0] for t in make_inputs(bounds_q[-1], bounds_q[-1], seed=5)[:3])
+                n_q, n_k = int(cu_q.diff().max()), int(cu_k.diff().max())
+                kw = dict(causal=causal, scale=SCALE, window=window)
+                call = functools.partial(kernel.forward_varlen, q, k, v, cu_q, cu_k, n_q, n_k, **kw)
+            launch.REPLAY = False
+            want = call()
+            row["host_us_wrapper"] = host_us(call)
+            launch.REPLAY = True
+            first, again = call(), call()
+            row["replayed"] = any(isinstance(x, launch._Launch) for x in launch._LAUNCHES.values())
+            row["bitwise"] = all(
+                torch.equal(g, w) for got in (first, again) for g, w in zip(got, want, strict=True)
+            )
+            row["host_us_replayed"] = host_us(call)
+            row["ms"] = median_ms(call)
+        except Exception as e:
+            row["status"] = error_text(e)
+        finally:
+            launch.REPLAY = True
+            launch._LAUNCHES.clear()  # each case tells whether it replayed
+        rows.append(row)
+        RESULT["replay"] = rows
+        save()
+
+
 def ring_part(keep: dict) -> None:
     """zigzag W=4 on one device (simulated), and the functional API on a real 1-rank group."""
     rows = []
@@ -518,6 +581,8 @@ def print_tables() -> None:
         for r in RESULT.get(part, []):
             print(" ", json.dumps(r))
     print("\ndeterministic:", json.dumps(RESULT.get("deterministic")))
+    for row in RESULT.get("replay", []):
+        print("replay:", json.dumps(row))
     print("skipped:", RESULT.get("skipped"), f"; {RESULT.get('seconds')} s")
 
 
@@ -527,13 +592,23 @@ def main() -> None:
     RESULT["environment"] = environment()
     save()
     keep = {}
-    for part in (dense_part, window_part, varlen_part, deterministic_part, unrounded_part):
+    only = os.environ.get("FA4_CHECK_PARTS")  # e.g. "replay,dense": those parts alone
+    for part in (
+        replay_part,
+        dense_part,
+        window_part,
+        varlen_part,
+        deterministic_part,
+        unrounded_part,
+    ):
+        if only and part.__name__.removesuffix("_part") not in only.split(","):
+            continue
         try:
             keep = part() or keep
         except Exception as e:
             RESULT[f"{part.__name__}_error"] = error_text(e)
         print(f"[{time.perf_counter() - START:6.1f}s] {part.__name__}", flush=True)
-    if keep:
+    if keep:  # the dense part's inputs and reference
         try:
             ring_part(keep)
         except Exception as e:

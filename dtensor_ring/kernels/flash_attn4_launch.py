@@ -1,0 +1,199 @@
+"""flash-attn 4's forward launched without its Python wrapper, after one call through it.
+
+Note [flash-attn 4's forward, replayed]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``_flash_attn_fwd`` spends ~0.1 ms of host time a call (an H100's host) working out, from the
+shapes and options alone, which compiled kernel runs with which arguments: ~600 lines of
+configuration, then one call ``compile_cache[key](*args)``. A ring calls it once per block,
+W or more times a forward, so at a few thousand tokens a rank the forward waits on the host.
+For a call whose *signature* (every input's shape, strides, dtype, device and pointer
+alignment; the options; varlen's ``max_seqlen``) was seen before, we launch that kernel
+ourselves with the arguments it got then, the tensors swapped for this call's:
+
+    first call of a signature                       later calls
+    _flash_attn_fwd(q, k, v, out=, lse=, ...)       out, lse = empty
+      configuration (host, ~0.1 ms)                 args = recorded, with this call's
+      compile_cache[key](q, k, v, out, lse,             q, k, v, out, lse, cu_seqlens
+                         scale, ..., window)        compiled(*args)
+        ^ recorded: the compiled function and
+          its arguments, each tensor by which
+          input it is (its pointer, shape, strides)
+
+The recording is kept only when it is certainly the whole call: exactly one compiled function
+ran, each of its tensor arguments is one of the call's own tensors (q, k, v, ``out``, ``lse``
+and ``cu_seqlens``, which we allocate or pass; none copied) and every other argument is a
+constant (None, a number, a tuple of them). Which inputs share a pointer (``cu_seqlens_q is
+cu_seqlens_k``, ``q is k``) is part of the signature, so a tensor argument names one input
+whichever of them it was. Anything the wrapper made for the call (a contiguous copy, split-KV
+partials, a scheduler's tensors for many documents) is a tensor we do not know: that signature
+then always runs the wrapper. What the wrapper computes on the host depends on the signature
+only (it reads no tensor values), so a replay launches what the wrapper would launch; the
+launch takes the current stream, as the wrapper's does. ``REPLAY = False`` runs the wrapper
+every time (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+REPLAY = True  # False: every forward through _flash_attn_fwd (Note [flash-attn 4's ...])
+
+_NOT_REPLAYED = object()  # a signature whose call the wrapper makes every time
+_LAUNCHES: dict[tuple, object] = {}  # (wrapper, signature) -> _Launch or _NOT_REPLAYED
+_MAX_LAUNCHES = 1024  # signatures of a run are few; past this the table starts afresh
+_RECORDING = threading.Lock()  # the wrapper's cache is swapped while one call is recorded
+
+
+class _Launch:
+    """A recorded kernel call: ``compiled(*args)`` with ``args[i] = tensors[j]`` for each
+    ``(i, j)`` of ``fill`` (``tensors``: the call's own, in :func:`forward`'s order)."""
+
+    __slots__ = ("compiled", "args", "fill")
+
+    def __init__(self, compiled: Callable, args: list, fill: list[tuple[int, int]]) -> None:
+        self.compiled, self.args, self.fill = compiled, args, fill
+
+    def __call__(self, tensors: Sequence[Tensor | None]) -> None:
+        args = list(self.args)
+        for i, j in self.fill:
+            args[i] = tensors[j]
+        self.compiled(*args)
+
+
+class _Recorder:
+    """Stands in for the wrapper's ``compile_cache`` during one call: hands out the compiled
+    functions wrapped so that their calls are recorded."""
+
+    def __init__(self, cache: object) -> None:
+        self.cache, self.calls = cache, []
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.cache
+
+    def __setitem__(self, key: object, compiled: object) -> None:
+        self.cache[key] = compiled
+
+    def __getitem__(self, key: object) -> Callable:
+        compiled = self.cache[key]
+
+        def record(*args: object) -> object:
+            self.calls.append((compiled, args))
+            return compiled(*args)
+
+        return record
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.cache, name)
+
+
+def _signature(tensors: Sequence[Tensor | None], options: tuple) -> tuple:
+    """What fixes the wrapper's host-side work for ``tensors``: their shapes, strides, dtypes,
+    devices, pointer alignment and which share a pointer (the first of them, by index)."""
+    ptrs = [None if t is None else t.data_ptr() for t in tensors]
+    return (
+        options,
+        *(
+            None if t is None else (t.shape, t.stride(), t.dtype, t.device, p % 16, ptrs.index(p))
+            for t, p in zip(tensors, ptrs, strict=True)
+        ),
+    )
+
+
+def _launch_of(calls: list, tensors: Sequence[Tensor | None]) -> object:
+    """The recorded call as a :class:`_Launch`, or ``_NOT_REPLAYED`` where it is not certainly
+    the whole call (Note [flash-attn 4's forward, replayed])."""
+    if len(calls) != 1:
+        return _NOT_REPLAYED
+    compiled, args = calls[0]
+    where = {}  # pointer -> the first of the call's tensors there (the signature has the rest)
+    for j, t in enumerate(tensors):
+        if t is not None:
+            where.setdefault(t.data_ptr(), j)
+    fill = []
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            j = where.get(a.data_ptr())
+            t = None if j is None else tensors[j]
+            if t is None or (a.shape, a.stride(), a.dtype) != (t.shape, t.stride(), t.dtype):
+                return _NOT_REPLAYED
+            fill.append((i, j))
+        elif not _plain(a):  # something made for the call: not ours to replay
+            return _NOT_REPLAYED
+    return _Launch(compiled, [None if isinstance(a, Tensor) else a for a in args], fill)
+
+
+def _plain(a: object) -> bool:
+    """Whether ``a`` is made of None, numbers, strings and tuples of them (a constant)."""
+    if isinstance(a, (tuple, list)):
+        return all(_plain(x) for x in a)
+    return a is None or isinstance(a, (bool, int, float, str))
+
+
+def forward(
+    interface: ModuleType,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    **options: object,
+) -> tuple[Tensor, Tensor]:
+    """``_flash_attn_fwd(q, k, v, ..., return_lse=True, **options)``'s ``(out, lse)``:
+    ``q [B, S, H, D]``, ``k, v [B, S_k, H_kv, D]`` (varlen ``[T, H, D]``, ``[T_k, H_kv, D]``)
+    -> ``out`` contiguous like ``q``, ``lse`` fp32 ``[B, H, S]`` (``[H, T]``); replayed where
+    the signature was seen (Note [flash-attn 4's forward, replayed])."""
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    varlen = cu_seqlens_q is not None
+    lse_shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    tensors = (q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens_q, cu_seqlens_k)
+    wrapper = interface._flash_attn_fwd
+    signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, *sorted(options.items())))
+    launch = _LAUNCHES.get((wrapper, signature)) if REPLAY else _NOT_REPLAYED
+    if isinstance(launch, _Launch):
+        launch(tensors)
+        return out, lse
+    call = functools.partial(
+        wrapper,
+        *tensors[:3],
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        out=out,
+        lse=lse,
+        return_lse=True,
+        **options,
+    )
+    if launch is None:  # a new signature
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[wrapper, signature] = _record(wrapper, call, tensors)
+    else:
+        call()
+    return out, lse
+
+
+def _record(wrapper: Callable, call: Callable[[], object], tensors) -> object:
+    """Run ``call`` (the wrapper's) with its compile cache recorded: what
+    :func:`_launch_of` makes of it."""
+    cache = getattr(wrapper, "compile_cache", None)
+    if cache is None:
+        call()
+        return _NOT_REPLAYED
+    with _RECORDING:
+        recorder = _Recorder(cache)
+        wrapper.compile_cache = recorder
+        try:
+            call()
+        finally:
+            wrapper.compile_cache = cache
+    return _launch_of(recorder.calls, tensors)
