@@ -8,6 +8,7 @@ several sequence lengths: forward and forward+backward time of
 * ``sdpa``: ``F.scaled_dot_product_attention`` on ``[B, H, S, D]`` views of ``[B, S, H, D]``
   tensors (``enable_gqa=True``), the baseline measured in the same run;
 * ``functional``: ``ring_flash_attn_func`` (W = 1: one block, no communication);
+  ``functional:<backend>`` with that block kernel (``--contenders``);
 * ``dtensor``: SDPA on ``Shard(2)`` DTensors of a 1-rank mesh inside ``ring_sdpa()``, the
   scope entered per call; ``dtensor_open``: the same calls in one scope held open (as a
   training step's layers see it: the scope's cost is per step, not per call);
@@ -187,10 +188,11 @@ def _callables(name: str, q, k, v, mesh):
                 enable_gqa=True,
             )
 
-    elif name == "functional":
+    elif name.startswith("functional"):  # "functional:<backend>": that block kernel
+        backend = name.partition(":")[2] or None
 
         def fwd():
-            return dr.ring_flash_attn_func(q, k, v, causal=True)
+            return dr.ring_flash_attn_func(q, k, v, causal=True, backend=backend)
 
     elif name == "dtensor_fn":  # the scope-free DTensor function (what compiles)
         from torch.distributed.tensor import DTensor, Shard
@@ -390,6 +392,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny: checks the code paths")
     p.add_argument("--profile", action="store_true", help="cProfile the forwards at the first S")
+    p.add_argument(
+        "--contenders",
+        default=None,
+        help="comma list (default: all); functional:<backend> names the block kernel",
+    )
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -400,7 +407,7 @@ def main() -> None:
     rows = measure_overhead(
         seqs,
         a.reps,
-        CONTENDERS if cuda else CONTENDERS[:5],
+        a.contenders.split(",") if a.contenders else CONTENDERS if cuda else CONTENDERS[:5],
         device,
         dtype,
         (heads, kv_heads, dim),

@@ -1641,10 +1641,10 @@ def test_small_calls_prefer_a_kernel_of_little_host_time(flash_attn4, monkeypatc
     assert select_kernel(small, "flash_attn4").name == "flash_attn4"
     varlen = KernelCall("cuda", torch.bfloat16, 128, 32, 8, varlen=True, small=True)
     assert select_kernel(varlen).name == "flash_attn4"
-    # the measured crossover (H = 32, D = 128): 4096 tokens small, 8192 not
-    assert is_small(4096, 32, 128) and not is_small(8192, 32, 128)
-    assert not is_small(4096, 32 * 4, 128) and 6144**2 * 32 * 128 == SMALL_BLOCK_WORK
-    q_small, q_large = (torch.empty(1, s, 32, 128, device="meta") for s in (4096, 8192))
+    # the measured crossover (H = 32, D = 128): 2048 tokens small, 4096 not
+    assert is_small(2048, 32, 128) and not is_small(4096, 32, 128)
+    assert not is_small(2048, 32 * 4, 128) and 3072**2 * 32 * 128 == SMALL_BLOCK_WORK
+    q_small, q_large = (torch.empty(1, s, 32, 128, device="meta") for s in (2048, 4096))
     assert KernelCall.of(q_small, q_small).small and not KernelCall.of(q_large, q_large).small
 
 

@@ -25,13 +25,14 @@ from .math import MathKernel
 # cuDNN 9.19, flash-attn-4 4.0.0b36; bf16, H=32, H_kv=8, D=128) one forward + one backward block
 # took 21.1 ms against cuDNN's 22.6 over the ring's 12 block shapes (2048-8192 tokens, square
 # causal and not, zigzag halves): 8.5% less at 4096 tokens, 6.8% at 8192, 1.3% more at 2048,
-# where its forward is host-bound (0.11-0.13 ms a call whatever the block; forward alone 0.46
-# vs 0.37 ms); benchmarks/results/check_flash_attn4_h200_2026-12-03.json. A whole eager ring
-# rank pays that host time at every step: below base.SMALL_BLOCK_WORK (about 6144 tokens a
-# rank at H * D = 4096) cuDNN ran faster, and small calls go to it. cuDNN next: 570-680
-# TFLOP/s forward against ~350 for FlashAttention-2 (docs/performance.md); flash_attn then
-# serves what cuDNN cannot (varlen, windows, fp16 with head dim beyond cuDNN's limits) ahead of
-# PyTorch's vendored copy of the same kernels.
+# where its forward was host-bound (0.11-0.13 ms a call through its wrapper; forward alone
+# 0.46 vs 0.37 ms); benchmarks/results/check_flash_attn4_h200_2026-12-03.json. Its forward is
+# now replayed (33-36 us of host time a call, Note [flash-attn 4's forward, replayed]); a whole
+# eager ring rank still pays host time at every step, and below base.SMALL_BLOCK_WORK (about
+# 3072 tokens a rank at H * D = 4096) cuDNN ran as fast or faster: small calls go to it.
+# cuDNN next: 570-680 TFLOP/s forward against ~350 for FlashAttention-2 (docs/performance.md);
+# flash_attn then serves what cuDNN cannot (varlen, windows, fp16 with head dim beyond cuDNN's
+# limits) ahead of PyTorch's vendored copy of the same kernels.
 BACKENDS: tuple[BlockKernel, ...] = (
     FlashAttn4Kernel(),
     CudnnKernel(),

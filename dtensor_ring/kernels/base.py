@@ -93,13 +93,17 @@ class KernelCall:
 
 
 # Below this much work a call, S_local^2 * H * D, a rank's eager ring is host-bound where a
-# kernel's host time is long: on an H200 (2026-12-04, torch 2.11, cuDNN 9.19, flash-attn-4
-# 4.0.0b36; bf16, H = 32, H_kv = 8, D = 128, zigzag on 8 simulated ranks) cuDNN took 2.22 /
-# 8.96 ms forward / forward + backward at 4096 tokens a rank against flash-attn 4's 2.72 /
-# 9.66 (2048: 1.65 / 4.11 against 2.50 / 6.95), and flash-attn 4 7.18 / 28.6 at 8192
-# against 7.80 / 33.0 (benchmarks/results/bench_single_gpu_h200.json): its forward costs
-# 0.11-0.13 ms of host time a call, cuDNN's a fraction. The threshold sits between the two.
-SMALL_BLOCK_WORK = 6144 * 6144 * 32 * 128
+# kernel's host time is long. flash-attn 4's forward through its wrapper cost 0.11-0.13 ms of
+# host time a call, and cuDNN won up to 4096 tokens a rank (H200, 2026-12-04: zigzag on 8
+# simulated ranks, bf16, H = 32, H_kv = 8, D = 128). With its forward replayed (33-36 us a
+# call, Note [flash-attn 4's forward, replayed]) two H100 runs (2026-12-05, each with cuDNN
+# in the same run; docs/performance.md) put the crossover lower: at 4096 tokens a rank
+# flash-attn 4 won both runs, forward and forward + backward (zigzag 1.98 / 7.79 and 2.30 /
+# 8.36 ms against cuDNN's 2.17 / 8.96 and 2.67 / 9.65; W = 1: 0.43 / 1.35 and 0.40 / 1.56 ms
+# against 0.49 / 1.56 and 0.45 / 1.61); at 2048 cuDNN won forward + backward in one run by a
+# quarter and tied in the other (its backward's host time is the shorter). The threshold sits
+# between the two.
+SMALL_BLOCK_WORK = 3072 * 3072 * 32 * 128
 
 
 def is_small(tokens: int, heads: int, head_dim: int) -> bool:
