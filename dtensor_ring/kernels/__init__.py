@@ -27,7 +27,7 @@ from .math import MathKernel
 # causal and not, zigzag halves): 8.5% less at 4096 tokens, 6.8% at 8192, 1.3% more at 2048,
 # where its forward was host-bound (0.11-0.13 ms a call through its wrapper; forward alone
 # 0.46 vs 0.37 ms); benchmarks/results/check_flash_attn4_h200_2026-12-03.json. Its forward is
-# now replayed (33-36 us of host time a call, Note [flash-attn 4's forward, replayed]); a whole
+# now replayed (29-37 us of host time a call, Note [flash-attn 4's forward, replayed]); a whole
 # eager ring rank still pays host time at every step, and below base.SMALL_BLOCK_WORK (about
 # 3072 tokens a rank at H * D = 4096) cuDNN ran as fast or faster: small calls go to it.
 # cuDNN next: 570-680 TFLOP/s forward against ~350 for FlashAttention-2 (docs/performance.md);

@@ -95,7 +95,7 @@ class KernelCall:
 # Below this much work a call, S_local^2 * H * D, a rank's eager ring is host-bound where a
 # kernel's host time is long. flash-attn 4's forward through its wrapper cost 0.11-0.13 ms of
 # host time a call, and cuDNN won up to 4096 tokens a rank (H200, 2026-12-04: zigzag on 8
-# simulated ranks, bf16, H = 32, H_kv = 8, D = 128). With its forward replayed (33-36 us a
+# simulated ranks, bf16, H = 32, H_kv = 8, D = 128). With its forward replayed (29-37 us a
 # call, Note [flash-attn 4's forward, replayed]) two H100 runs (2026-12-05, each with cuDNN
 # in the same run; docs/performance.md) put the crossover lower: at 4096 tokens a rank
 # flash-attn 4 won both runs, forward and forward + backward (zigzag 1.98 / 7.79 and 2.30 /

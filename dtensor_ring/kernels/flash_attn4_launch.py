@@ -28,7 +28,9 @@ whichever of them it was. Anything the wrapper made for the call (a contiguous c
 partials, a scheduler's tensors for many documents) is a tensor we do not know: that signature
 then always runs the wrapper. What the wrapper computes on the host depends on the signature
 only (it reads no tensor values), so a replay launches what the wrapper would launch; the
-launch takes the current stream, as the wrapper's does. ``REPLAY = False`` runs the wrapper
+launch takes the current stream, as the wrapper's does. (The environment switches it reads on
+every call, its log level and scheduler defaults, are taken as they were at the recording:
+they choose among correct kernels.) ``REPLAY = False`` runs the wrapper
 every time (benchmarks compare the two).
 """
 
