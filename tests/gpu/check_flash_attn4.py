@@ -48,7 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
+
+from bench_single_gpu import FP32, INPUT_DTYPE, block_grads_mode, block_grads_modes  # noqa: E402
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import BlockKernel, get_kernel  # noqa: E402
@@ -483,35 +486,31 @@ def ring_part(keep: dict) -> None:
     for window, ref, names in cases:
         errs = {}
         for name in (*names, "flash_attn4 summed", "flash_attn4 rounded"):
-            backend, rounded = name.split()[0], name.endswith("rounded")
+            backend, _, how = name.partition(" ")
             row: dict[str, object] = dict(path="simulate zigzag W=4", backend=name, S=8192)
             row["window"] = window
-            kernel = get_kernel(backend)
-            if name.endswith(("summed", "rounded")):  # dq summed by the engine, not the kernel
-                kernel.dq_accumulator = lambda *args, **kwargs: None
-            if rounded:  # the plain backward: bf16 block gradients
-                kernel.unrounded_grads = False
+            # summed: fp32 block gradients, dq summed by the engine; rounded: the plain backward
+            own = block_grads_modes(backend, compare=False)[0]
+            mode = {"summed": FP32, "rounded": INPUT_DTYPE}.get(how, own)
             try:
-                got = simulate_ring(
-                    q,
-                    k,
-                    v,
-                    dout,
-                    layout="zigzag",
-                    world_size=4,
-                    causal=True,
-                    backend=backend,
-                    window_size=window or (-1, -1),
-                )
+                with block_grads_mode(backend, mode):
+                    got = simulate_ring(
+                        q,
+                        k,
+                        v,
+                        dout,
+                        layout="zigzag",
+                        world_size=4,
+                        causal=True,
+                        backend=backend,
+                        window_size=window or (-1, -1),
+                    )
                 errs[name] = errors(dict(zip(NAMES, got, strict=True)), ref)
                 row["errors"] = errs[name]
                 if window is None:  # the row: against the single-device kernel
                     row["ratio_vs_single_flash_attn4"] = ratios(errs[name], single)
             except Exception as e:
                 row["status"] = error_text(e)
-            finally:
-                kernel.__dict__.pop("unrounded_grads", None)
-                kernel.__dict__.pop("dq_accumulator", None)
             rows.append(row)
         base = "cudnn" if window is None else "cuda_flash"
         if "flash_attn4" in errs and base in errs:
