@@ -16,7 +16,7 @@ three kernels ourselves and replace the postprocess by a reorder in fp32:
 
 The accumulators are flat fp32 tiles, each ``rows x head_dim_rounded`` values in the order of
 the MMA fragments that wrote them, not row-major. That order is the postprocess's to know; we
-learn it from the postprocess itself (:func:`_tile_order`): run it on one tile whose values
+learn it from the postprocess itself (:func:`tile_order`): run it on one tile whose values
 are the bits of their own flat index (0 or 1, exact in bf16 and fp16), once per bit, and read
 each output element's index back; then check the order once on a tile of random integers
 (a configuration that fails runs the plain backward). Cached per configuration and dtype; the
@@ -202,7 +202,7 @@ def _plan(
 ) -> _BlockPlan | None:
     """The block's :class:`_BlockPlan` with its tile orders learnt (cached), compiled with the
     tile configuration of ``tiles = (causal, local)`` (default: the block's own mask). ``None``
-    where a postprocess is not a reorder (:func:`_tile_order`), or while a CUDA graph is
+    where a postprocess is not a reorder (:func:`tile_order`), or while a CUDA graph is
     being captured if the orders are not learnt yet (learning synchronises, which capture
     forbids; a warm-up call outside the capture learns them)."""
     device = q.device

@@ -13,6 +13,7 @@ from torch import Tensor
 
 
 def round_up(x: int, multiple: int) -> int:
+    """``x`` rounded up to a multiple of ``multiple`` (a tile's rows or head dims)."""
     return (x + multiple - 1) // multiple * multiple
 
 
