@@ -27,7 +27,10 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
   varlen module under its default balancer), per varlen kernel; ``--varlen-only`` skips the
   flex-kernel layouts of the document masks; "best" efficiencies are against the fastest
   one-GPU time of the mask (flex or varlen) / W; ``--graphs``: the varlen ranks also
-  replayed from a CUDA graph (what they cost without host time);
+  replayed from a CUDA graph (what they cost without host time); ``--compare-dq``: the
+  flash_attn4 varlen paths also with each block's dq summed by the engine ("per-block dq"),
+  the baseline of a rank's dq summed in flash-attn 4's kernel (Note [A varlen dq accumulated
+  inside flash-attn 4]);
 * for every mask, the host time ``dtensor_ring.flex_attention`` takes to read its
   ``BlockMask`` as documents (Note [Document masks on the varlen kernels]: a document mask,
   called without a ``score_mod`` or the lse, runs on the library's varlen path measured
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -51,7 +55,14 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_single_gpu import graph_timed, kernels_alone, timed  # noqa: E402  (CUDA-event medians)
+from bench_single_gpu import (  # noqa: E402  (CUDA-event medians; flash-attn 4's dq modes)
+    FP32,
+    IN_KERNEL,
+    block_grads_mode,
+    graph_timed,
+    kernels_alone,
+    timed,
+)
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.layouts.documents import documents_on_tokens  # noqa: E402
@@ -145,6 +156,11 @@ def main() -> None:
         action="store_true",
         help="document masks: skip the flex-kernel layouts (the route runs on the varlen ones)",
     )
+    parser.add_argument(
+        "--compare-dq",
+        action="store_true",
+        help="flash_attn4 varlen paths also with each block's dq summed by the engine",
+    )
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     dev, S, W = torch.device("cuda"), a.seq_len, a.world_size
@@ -223,44 +239,48 @@ def main() -> None:
             varlen_paths.append(
                 ("mask-aware row", rows_of(dr.flex_layout(bm, W), bounds, W, window))
             )
-            for label, layout in varlen_paths:
-                sims = [
-                    RankSimulator(
-                        q_T,
-                        k_T,
-                        v_T,
-                        layout=layout,
-                        world_size=W,
-                        rank=r,
-                        cu_seqlens=bounds,
-                        causal=True,
-                        window_size=window,
-                        backend=kernel,
-                    )  # fmt: skip
-                    for r in range(W)
-                ]
-                row = path_row(name, f"varlen {label} ({kernel})", sims, a.reps, ideal, best)
-                if a.graphs:  # the slowest rank replayed from a CUDA graph: no host time
-                    sim = sims[row["slowest_rank"]]
-                    dout_rank = torch.randn_like(sim.q)
+            modes = [None, FP32] if a.compare_dq and kernel == "flash_attn4" else [None]
+            for (label, layout), mode in itertools.product(varlen_paths, modes):
+                if mode is not None:  # the baseline of the in-kernel dq sum, in this run
+                    label = f"{label}, per-block dq"
+                with block_grads_mode(kernel, mode or IN_KERNEL, varlen_in_kernel=a.compare_dq):
+                    sims = [
+                        RankSimulator(
+                            q_T,
+                            k_T,
+                            v_T,
+                            layout=layout,
+                            world_size=W,
+                            rank=r,
+                            cu_seqlens=bounds,
+                            causal=True,
+                            window_size=window,
+                            backend=kernel,
+                        )  # fmt: skip
+                        for r in range(W)
+                    ]
+                    row = path_row(name, f"varlen {label} ({kernel})", sims, a.reps, ideal, best)
+                    if a.graphs:  # the slowest rank replayed from a CUDA graph: no host time
+                        sim = sims[row["slowest_rank"]]
+                        dout_rank = torch.randn_like(sim.q)
 
-                    def step(sim=sim, dout_rank=dout_rank):
-                        sim.forward()
-                        sim.backward(dout_rank)
+                        def step(sim=sim, dout_rank=dout_rank):
+                            sim.forward()
+                            sim.backward(dout_rank)
 
-                    g = (graph_timed(sim.forward, a.reps), graph_timed(step, a.reps))
-                    row["graph_fwd_s"], row["graph_fwd_bwd_s"] = g
-                    row["graph_eff_best_fwd"] = best[0] / g[0]
-                    row["graph_eff_best_fwd_bwd"] = best[1] / g[1]
-                    print(
-                        f"{'':<22}{'  from a CUDA graph':<36}{g[0] * 1e3:>9.3f}{'':>7}"
-                        f"{g[1] * 1e3:>9.3f}{'':>7}{best[0] / g[0]:>7.1%}{best[1] / g[1]:>7.1%}"
-                    )
-                row["kv_transfers"] = sims[0].plan.kv_transfers()
-                if layout is not varlen_paths[0][1]:
-                    row["imbalance"], row["cut_documents"] = layout.imbalance, len(layout.split)
-                rows.append(row)
-                del sims
+                        g = (graph_timed(sim.forward, a.reps), graph_timed(step, a.reps))
+                        row["graph_fwd_s"], row["graph_fwd_bwd_s"] = g
+                        row["graph_eff_best_fwd"] = best[0] / g[0]
+                        row["graph_eff_best_fwd_bwd"] = best[1] / g[1]
+                        print(
+                            f"{'':<22}{'  from a CUDA graph':<36}{g[0] * 1e3:>9.3f}{'':>7}"
+                            f"{g[1] * 1e3:>9.3f}{'':>7}{best[0] / g[0]:>7.1%}{best[1] / g[1]:>7.1%}"
+                        )
+                    row["kv_transfers"] = sims[0].plan.kv_transfers()
+                    if layout is not varlen_paths[0][1]:
+                        row["imbalance"], row["cut_documents"] = layout.imbalance, len(layout.split)
+                    rows.append(row)
+                    del sims
         for row in rows:
             if row["mask"] == name and "eff_fwd" in row:
                 print(

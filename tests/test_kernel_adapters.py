@@ -49,7 +49,7 @@ from dtensor_ring.kernels import (
 )
 from dtensor_ring.kernels import flash_attn4 as flash_attn4_module
 from dtensor_ring.kernels import flash_attn4_launch as fa4_launch
-from dtensor_ring.kernels.base import window_mask
+from dtensor_ring.kernels.base import in_window, window_mask
 from dtensor_ring.kernels.cuda_flash import (
     TorchFlashKernel,
     flash2_dense_needs_varlen,
@@ -1323,8 +1323,27 @@ def fa4_bwd_preprocess(
     out, dout, dpsum, lse, lse_log2, dq_accum, cu_seqlens_q, seqused_q, dlse, dtype,
     head_dim, head_dim_v, m_block_size, *, cu_total_m_blocks, fake_mode, hdim_multiple_of,
 ):  # fmt: skip
-    """``_bwd_preprocess``: dpsum = rowsum(out * dout), lse_log2 = lse * log2(e), dq_accum = 0."""
-    assert cu_seqlens_q is seqused_q is dlse is cu_total_m_blocks is None and not fake_mode
+    """``_bwd_preprocess``: dpsum = rowsum(out * dout), lse_log2 = lse * log2(e), dq_accum = 0.
+    Varlen (``cu_seqlens_q``): each document's rows from its padded offset on, whole tiles
+    (rows past its end: lse_log2 +inf, dpsum 0); every other row of the buffers NaN."""
+    assert seqused_q is dlse is cu_total_m_blocks is None and not fake_mode
+    if cu_seqlens_q is not None:
+        m, hd_r = m_block_size, _fa4_round_up(head_dim, hdim_multiple_of)
+        H, R = dpsum.shape
+        assert lse_log2.shape == (H, R) and dq_accum.shape == (H, R * hd_r)
+        assert R == (out.shape[0] + cu_seqlens_q.numel() * m - 1) // m * m
+        for t in (dpsum, lse_log2, dq_accum):
+            t.fill_(float("nan"))
+        tiles = dq_accum.view(H, R, hd_r)
+        for b, (start, length) in enumerate(_fa4_documents(cu_seqlens_q, None)):
+            pad, rows = (start + b * m) // m * m, _fa4_round_up(length, m)
+            dpsum[:, pad : pad + rows] = 0
+            lse_log2[:, pad : pad + rows] = float("inf")
+            tiles[:, pad : pad + rows] = 0
+            sl = slice(start, start + length)
+            dpsum[:, pad : pad + length] = (out[sl].float() * dout[sl].float()).sum(-1).T
+            lse_log2[:, pad : pad + length] = lse[:, sl] * FA4_LOG2E
+        return
     B, S, H, _ = out.shape
     assert dpsum.shape == lse_log2.shape == (B, H, _fa4_round_up(S, m_block_size))
     hd_r = _fa4_round_up(head_dim, hdim_multiple_of)
@@ -1332,6 +1351,32 @@ def fa4_bwd_preprocess(
     dpsum[..., :S] = (out.float() * dout.float()).sum(-1).transpose(1, 2)
     lse_log2[..., :S] = lse * FA4_LOG2E
     dq_accum.zero_()
+
+
+def _fa4_documents(cu_seqlens: Tensor, seqused: Tensor | None) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each document: ``cu_seqlens[b]`` and ``seqused[b]`` if given,
+    else up to ``cu_seqlens[b + 1]``."""
+    cu = cu_seqlens.tolist()
+    used = [b - a for a, b in itertools.pairwise(cu)] if seqused is None else seqused.tolist()
+    return list(zip(cu[:-1], used, strict=True))
+
+
+def _fa4_block_grads(q64, k64, v64, do64, lse_log2, dpsum, scale, visible, group):
+    """The main kernel's math on ``[B, S, H, D]`` fp64 inputs, ``lse_log2``/``dpsum`` ``[B, H,
+    S_q]`` and ``visible`` ``[S_q, S_k]``: dq and dk before the scale, dv."""
+    k64, v64 = (t.repeat_interleave(group, 2) for t in (k64, v64))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = torch.exp(scores - lse_log2[..., None].double() / FA4_LOG2E)
+    p = p.masked_fill(scores == float("-inf"), 0)  # rows without a visible key: 0
+    dp = torch.einsum("bqhd,bkhd->bhqk", do64, v64)
+    ds = p * (dp - dpsum[..., None].double())
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k64)
+    dk, dv = (
+        torch.einsum("bhqk,bqhd->bkhd", w, x).unflatten(2, (-1, group)).sum(3)
+        for w, x in ((ds, q64), (p, do64))
+    )
+    return dq, dk, dv
 
 
 class FA4BackwardSm90:
@@ -1353,8 +1398,15 @@ class FA4BackwardSm90:
         self, q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale, *rest
     ):  # the 22 arguments of the compiled kernel
         cu_q, cu_k, su_q, su_k, left, right, sem_q, sem_k, sem_v, aux, sparse, cu_blocks = rest
-        assert cu_q is cu_k is su_q is su_k is sparse is cu_blocks is None
+        assert su_k is sparse is cu_blocks is None and (cu_q is None) == (cu_k is None)
         assert aux == ("aux", None, None) and (sem_q is None) == (not self.kw["deterministic"])
+        window = (-1, 0) if self.causal else None
+        if self.local:
+            window = (-1 if left is None else left, -1 if right is None else right)
+        if cu_q is not None:
+            return self._varlen(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale,
+                                window, cu_q, cu_k, su_q, (sem_q, sem_k, sem_v))  # fmt: skip
+        assert su_q is None
         if self.kw["deterministic"]:  # zeroed int32 semaphores, separate for dK and dV
             B, H, H_kv = q.shape[0], q.shape[2], k.shape[2]
             n_blocks = _fa4_round_up(k.shape[1], self.kw["tile_n"]) // self.kw["tile_n"]
@@ -1368,24 +1420,13 @@ class FA4BackwardSm90:
                 for t in (sem_q, sem_k, sem_v)
                 if t is not None
             )
-        window = (-1, 0) if self.causal else None
-        if self.local:
-            window = (-1 if left is None else left, -1 if right is None else right)
         q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
         S_q, S_k, D = q.shape[1], k.shape[1], q.shape[-1]
-        k64, v64 = (t.repeat_interleave(self.group, 2) for t in (k64, v64))
-        scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
+        visible = torch.ones(S_q, S_k, dtype=torch.bool)
         if window is not None:
-            scores = scores.masked_fill(~window_mask(S_q, S_k, window, q.device), float("-inf"))
-        p = torch.exp(scores - lse_log2[..., :S_q, None].double() / FA4_LOG2E)
-        p = p.masked_fill(scores == float("-inf"), 0)  # rows without a visible key: 0
-        dp = torch.einsum("bqhd,bkhd->bhqk", do64, v64)
-        ds = p * (dp - dpsum[..., :S_q, None].double())
-        dq = torch.einsum("bhqk,bkhd->bqhd", ds, k64)  # dq and dk before the scale
-        dk, dv = (
-            torch.einsum("bhqk,bqhd->bkhd", w, x).unflatten(2, (-1, self.group)).sum(3)
-            for w, x in ((ds, q64), (p, do64))
-        )
+            visible = window_mask(S_q, S_k, window, q.device)
+        rows = (lse_log2[..., :S_q], dpsum[..., :S_q])
+        dq, dk, dv = _fa4_block_grads(q64, k64, v64, do64, *rows, scale, visible, self.group)
         kw, hd_r = self.kw, _fa4_round_up(D, 32)
         m, n = kw["tile_m"], kw["tile_n"]
         s_q_r = _fa4_round_up(S_q, m)  # the rows it reads and adds to: whole tiles
@@ -1400,6 +1441,57 @@ class FA4BackwardSm90:
         perm_kv = _fa4_tile_perm(n, hd_r, kw["AtomLayoutNdKV"], kw["dKV_swapAB"])
         dk_out.add_(_fa4_to_tiles(dk, n, hd_r, perm_kv))
         dv_out.add_(_fa4_to_tiles(dv, n, hd_r, perm_kv))
+
+    def _varlen(self, q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale, window,
+                cu_q, cu_k, su_q, semaphores):  # fmt: skip
+        """Each document ``b`` as the real kernel runs it: whole tiles of ``m`` query rows from
+        row ``cu_q[b]`` (rows past its ``seqused_q`` read too: the tensor's next rows, zero past
+        its end), lse_log2 and dpsum from its padded offset ``(cu_q[b] + b * m) // m * m`` (rows
+        past the document are masked by nothing but their +inf lse_log2); dq added into
+        ``dq_accum``'s tiles there; dK/dV of its keys ``cu_k[b]:cu_k[b + 1]``."""
+        kw, group = self.kw, self.group
+        m, n, D, H = kw["tile_m"], kw["tile_n"], q.shape[-1], q.shape[1]
+        hd_r = _fa4_round_up(D, 32)
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.shape == cu_k.shape
+        assert (su_q is None or su_q.shape[0] == cu_q.shape[0] - 1) and dpsum.dim() == 2
+        if kw["deterministic"]:
+            assert semaphores[0].shape[:2] == (cu_q.shape[0] - 1, H)
+        perm_q = _fa4_tile_perm(m, hd_r, kw["AtomLayoutMdQ"], kw["dQ_swapAB"])
+        perm_kv = _fa4_tile_perm(n, hd_r, kw["AtomLayoutNdKV"], kw["dKV_swapAB"])
+        q_docs, kv_docs = _fa4_documents(cu_q, su_q), _fa4_documents(cu_k, None)
+        for b, ((q0, s_q), (k0, s_k)) in enumerate(zip(q_docs, kv_docs, strict=True)):
+            if s_q == 0 or s_k == 0:
+                continue
+            rows = _fa4_round_up(s_q, m)
+            q_tile = torch.zeros(rows, *q.shape[1:], dtype=torch.float64)
+            do_tile = torch.zeros(rows, *dout.shape[1:], dtype=torch.float64)
+            got = q[q0 : q0 + rows].shape[0]
+            q_tile[:got], do_tile[:got] = q[q0 : q0 + rows], dout[q0 : q0 + rows]
+            pad = (q0 + b * m) // m * m
+            i = torch.arange(rows)[:, None]
+            j = torch.arange(s_k)[None, :]
+            visible = torch.ones(rows, s_k, dtype=torch.bool)
+            if window is not None:
+                visible = in_window(j - i - (s_k - s_q), window)
+            dq, dk, dv = _fa4_block_grads(
+                q_tile[None], k[k0 : k0 + s_k].double()[None], v[k0 : k0 + s_k].double()[None],
+                do_tile[None], lse_log2[None, :, pad : pad + rows],
+                dpsum[None, :, pad : pad + rows], scale, visible, group,
+            )  # fmt: skip
+            tiles = dq_accum.view(H, -1, m * hd_r)
+            tiles[:, pad // m : (pad + rows) // m] += _fa4_to_tiles(dq, m, hd_r, perm_q).view(
+                H, -1, m * hd_r
+            )
+            if group == 1:
+                dk_out[k0 : k0 + s_k] = (dk[0] * scale).to(dk_out.dtype)
+                dv_out[k0 : k0 + s_k] = dv[0].to(dv_out.dtype)
+                continue
+            pad_k = (k0 + b * n) // n * n
+            for acc, x in ((dk_out, dk), (dv_out, dv)):
+                kv_tiles = _fa4_to_tiles(x, n, hd_r, perm_kv).view(x.shape[2], -1, n * hd_r)
+                acc.view(x.shape[2], -1, n * hd_r)[:, pad_k // n :][:, : kv_tiles.shape[1]] += (
+                    kv_tiles
+                )
 
 
 def fa4_compile(kernel, *args, options):
@@ -1445,7 +1537,7 @@ def flash_attn4_pieces(flash_attn4, monkeypatch: pytest.MonkeyPatch) -> types.Mo
         _bwd_postprocess_convert=fa4_bwd_postprocess_convert,
         get_broadcast_dims=lambda t: tuple(s == 0 for s in t.stride()),
         FlashAttentionBackwardSm90=FA4BackwardSm90,
-        to_cute_tensor=lambda t: ("cute", tuple(t.shape)),
+        to_cute_tensor=lambda t, **kw: ("cute", tuple(t.shape)),
         AuxData=lambda tensors, scalars: ("aux", tensors, scalars),
         utils=types.SimpleNamespace(convert_from_dlpack_leading_static=lambda t, **kw: "sem"),
         cute=types.SimpleNamespace(
@@ -1624,6 +1716,95 @@ def test_ring_dq_accumulated_by_the_kernel(
             assert calls == [tokens] * world_size, calls
         else:
             assert len(calls) > world_size, calls  # a preprocess a block
+
+
+def _varlen_dq_cases():
+    """(world size, layout, K/V heads, window, aligned): GQA zigzag on the tiles, and the
+    windowed document layout at W = 3, in the fast tier; the rest (slow) in the whole suite."""
+    cases = itertools.product(
+        [
+            ("zigzag", 1, None),
+            ("zigzag", 2, None),
+            ("documents", 1, None),
+            ("documents", 1, (128, 0)),
+        ],
+        [True, False],
+        [1, 2, 3, 4],
+    )
+    for (layout, heads, window), aligned, world_size in cases:
+        zigzag = layout == "zigzag" and window is None
+        fast = aligned and heads == 1 and (zigzag or window is not None and world_size == 3)
+        yield pytest.param(
+            world_size, layout, heads, window, aligned, marks=() if fast else pytest.mark.slow
+        )
+
+
+@pytest.mark.parametrize("world_size,layout,num_kv_heads,window,aligned", _varlen_dq_cases())
+def test_ring_varlen_dq_accumulated_by_the_kernel(
+    flash_attn4_pieces, monkeypatch, world_size, layout, num_kv_heads, window, aligned
+):
+    """Packed documents: flash-attn 4's kernel sums a rank's dq blocks itself where every
+    block's queries of a document start on its 64-row tiles and end on one or at the
+    document's end (zigzag's halves of documents of 128 * W tokens; the document layout's
+    spans): one preprocess a rank, reading the local queries in place, and dq (with GQA dk
+    and dv too) the fp64 gradient rounded once, deterministic or not. With documents of other
+    lengths (``aligned=False``) the ranks with such blocks run flash-attn 4's varlen backward
+    a block (no preprocess of ours), as does a kernel without the accumulator."""
+    import dtensor_ring as dr
+
+    monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
+    monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", True)  # off by default
+    unit = 128 * world_size
+    lengths = [2 * unit, unit, 3 * unit]  # the document layout cuts these on the tiles
+    if layout == "zigzag":
+        lengths = [unit, 2 * unit] if aligned else [unit + 24, 2 * unit - 24]
+    bounds = [0, *itertools.accumulate(lengths)]
+    H, D, T = 2, 8, bounds[-1]
+    g = torch.Generator().manual_seed(7)
+    q, dout = torch.randn(2, T, H, D, generator=g).to(torch.bfloat16).unbind(0)
+    k, v = torch.randn(2, T, num_kv_heads, D, generator=g).to(torch.bfloat16).unbind(0)
+    window_size = window or (-1, 0)
+    whole = world_size == 1 and layout == "zigzag"  # one block: flash-attn 4's own backward
+    if layout == "documents":
+        layout = dr.document_layout(bounds, world_size, window_size=window_size)
+    kw = dict(layout=layout, world_size=world_size, backend="flash_attn4", scale=SCALE)
+    kw |= dict(cu_seqlens=bounds, window_size=window_size)
+    causal, mask_window = normalize_window(window_size, True, T)
+    preprocess, calls = flash_attn4_pieces._bwd_preprocess, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return preprocess(*args, **kwargs)
+
+    monkeypatch.setattr(flash_attn4_pieces, "_bwd_preprocess", counted)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(lengths)
+    for deterministic, accumulator in [(False, True), (True, True), (False, False)]:
+        monkeypatch.setattr(
+            torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d
+        )
+        if not accumulator:
+            monkeypatch.setattr(FlashAttn4Kernel, "dq_accumulator_varlen", lambda *a, **kw: None)
+        calls.clear()
+        try:
+            clear_selection_cache()
+            out, lse, *grads = simulate_ring(q, k, v, dout, **kw)
+        finally:
+            clear_selection_cache()
+        want = MATH.backward_varlen(
+            *(t.double() for t in (dout, q, k, v, out, lse)), cu, cu, longest, longest,
+            causal=causal, scale=SCALE, window=mask_window,
+        )  # fmt: skip
+        once = [_rounded_once(x, w) for x, w in zip(grads, want, strict=True)]
+        if accumulator and aligned and not whole:  # every rank's one preprocess, of all its queries
+            assert calls == [T // world_size] * world_size, calls
+            assert once[0] and (num_kv_heads == H or all(once)), once
+        else:  # a rank whose queries are all of its documents whole may accumulate (zigzag's last)
+            assert calls == [] if not accumulator or whole else len(calls) <= world_size, calls
+            if layout == "zigzag" and world_size > 1:  # rank 0's halves are off the tiles
+                assert len(calls) < world_size, calls
+            errors = [(x.double() - w).abs().max() for x, w in zip(grads, want, strict=True)]
+            assert max(errors) < 0.05, errors
 
 
 def test_small_calls_prefer_a_kernel_of_little_host_time(flash_attn4, monkeypatch):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import BlockKernel, DqAccumulator
+from ..kernels.base import VarlenQueryRows
 from ..kernels.flex import FlexMods
 from ..kernels.merge import add_rows_, finish_rows, merge_
 from ..parts import Block, DocSpans, Part
@@ -249,6 +250,8 @@ class _Rows:
     index: Tensor | None
     cu_seqlens: Tensor  # int32 [N + 1] on the tensors' device
     max_seqlen: int
+    first: Tensor  # int64 [N], host: each entry's first row (entries: documents or spans)
+    sizes: Tensor  # int64 [N], host: its rows
 
     def take(self, x: Tensor, dim: int) -> Tensor:
         if self.index is None:
@@ -262,11 +265,16 @@ class VarlenBlocks:
     Built by :func:`varlen_blocks` from a plan's parts: for every :class:`Part`, the rows of
     that part of each document's local piece, with its ``cu_seqlens`` and ``max_seqlen``; for
     every :class:`DocSpans` (windowed plans, llama3), the rows of its spans. ``lse`` is
-    ``[H, T]``.
+    ``[H, T]``. A kernel that sums a rank's dq itself reads the local queries in place
+    (:meth:`dq_accumulator`: each block's queries by local document, ``VarlenQueryRows``).
     """
 
-    def __init__(self, rows: dict[Part | DocSpans, _Rows]):
-        self.rows = rows
+    def __init__(
+        self, rows: dict[Part | DocSpans, _Rows], bounds: tuple[int, ...], device: torch.device
+    ):
+        self.rows, self.bounds, self.device = rows, bounds, device
+        self._whole: _Rows | None = None  # the local documents
+        self._query_rows: dict[Block, VarlenQueryRows | None] = {}  # (_query_rows)
 
     def new_lse(self, q_THD: Tensor, dtype: torch.dtype) -> Tensor:
         T, H, _ = q_THD.shape
@@ -340,7 +348,62 @@ class VarlenBlocks:
         )
 
     def dq_accumulator(self, kernel, dout, q, k, v, out, lse, blocks, scale):
+        if len(self.bounds) < 2:  # llama3's gathered buffers: no local documents
+            return None
+        new = [blk for blk in blocks if blk not in self._query_rows]
+        if (new or self._whole is None) and _capturing(self.device):
+            return None  # building them copies to the device; a warm-up call builds them
+        if self._whole is None:
+            self._whole = self.rows.get(Part.ALL) or _rows(self.bounds, Part.ALL, self.device)
+        for blk in new:
+            rows_q, rows_kv = self.rows[blk.q], self.rows[blk.kv]
+            self._query_rows[blk] = _query_rows(self.bounds, rows_q, rows_kv, self.device)
+        rows = {blk: self._query_rows[blk] for blk in blocks}
+        if None in rows.values():
+            return None
+        whole = self._whole
+        return kernel.dq_accumulator_varlen(
+            dout, q, k, v, out, lse, whole.cu_seqlens, whole.max_seqlen, rows, scale=scale
+        )
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _query_rows(
+    bounds: tuple[int, ...], rows_q: _Rows, rows_kv: _Rows, device: torch.device
+) -> VarlenQueryRows | None:
+    """``VarlenQueryRows`` of a block of entries ``rows_q`` against ``rows_kv`` (entry ``i``
+    of one attends to entry ``i`` of the other; K/V entries are rows of the sender's tensor,
+    whose documents may lie elsewhere). Each query entry goes to its local document's slot;
+    ``None`` where two entries holding queries are of one document, or out of order, or an
+    entry holds queries and no keys or the other way round."""
+    n, held = len(bounds) - 1, rows_q.sizes > 0
+    docs = torch.searchsorted(torch.tensor(bounds[1:]), rows_q.first[held], right=True)
+    if not (torch.equal(held, rows_kv.sizes > 0) and bool((docs.diff() > 0).all())):
         return None
+    first, used = rows_q.first[held], rows_q.sizes[held]
+    q_starts = torch.full((n + 1,), bounds[-1], dtype=torch.int32)
+    q_used = torch.zeros(n, dtype=torch.int32)
+    kv_sizes = torch.zeros(n, dtype=torch.int64)
+    q_starts[docs], q_used[docs] = first.to(torch.int32), used.to(torch.int32)
+    kv_sizes[docs] = rows_kv.sizes[held]
+    cu_k = torch.zeros(n + 1, dtype=torch.int32)
+    cu_k[1:] = torch.cumsum(kv_sizes, 0)
+    start = torch.tensor(bounds[:-1])[docs]
+    lengths = torch.tensor(bounds).diff()[docs]
+    spans = zip(
+        (first - start).tolist(), (first + used - start).tolist(), lengths.tolist(), strict=True
+    )
+    return VarlenQueryRows(
+        q_starts=q_starts.to(device),
+        q_used=q_used.to(device),
+        cu_seqlens_k=cu_k.to(device),
+        max_seqlen_q=rows_q.max_seqlen,
+        max_seqlen_k=rows_kv.max_seqlen,
+        q_spans=tuple(spans),
+    )
 
 
 def _rows(bounds: tuple[int, ...], part: Part | DocSpans, device: torch.device) -> _Rows:
@@ -369,6 +432,8 @@ def _rows_of(first: Tensor, sizes: Tensor, device: torch.device) -> _Rows:
         index=None if contiguous else index.to(device),
         cu_seqlens=cu.to(device),
         max_seqlen=int(sizes.max()),
+        first=first,
+        sizes=sizes,
     )
 
 
@@ -406,7 +471,7 @@ def varlen_blocks(
         else plan
     )
     parts = {p for b in blocks for p in (b.q, b.kv)}
-    result = VarlenBlocks({p: _rows(bounds, p, device) for p in parts})
+    result = VarlenBlocks({p: _rows(bounds, p, device) for p in parts}, bounds, device)
     if len(_BLOCKS_CACHE) >= _BLOCKS_CACHE_SIZE:
         _BLOCKS_CACHE.pop(next(iter(_BLOCKS_CACHE)))
     _BLOCKS_CACHE[key] = (plan, result)

@@ -16,9 +16,10 @@ for causal blocks with ``S_q == S_k``). Contract:
   attention are then exact (see Note [Ring backward] in ``engine/ring.py``). With
   ``unrounded=True`` (the caller sums block gradients) a backend that has them before rounding
   (``unrounded_grads``) may return any of the three in the accumulation dtype instead.
-* ``dq_accumulator(...)``: a kernel that can sum a ring's dq blocks itself returns a
-  :class:`DqAccumulator` (flash-attn 4 on sm90: Note [dq accumulated inside flash-attn 4]);
-  the others ``None``, and the engine sums their ``unrounded`` block gradients.
+* ``dq_accumulator(...)`` (``dq_accumulator_varlen(...)`` for packed documents): a kernel that
+  can sum a ring's dq blocks itself returns a :class:`DqAccumulator` (flash-attn 4 on sm90:
+  Note [dq accumulated inside flash-attn 4]); the others ``None``, and the engine sums their
+  ``unrounded`` block gradients.
 * ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA, ``H % H_kv == 0``); ``dk``/``dv`` have
   ``H_kv`` heads.
 * Inputs may be any strided views and ``scale`` any finite float: the public methods hand the
@@ -39,7 +40,7 @@ Varlen kernels (``supports_varlen``) take packed ``[T, H, D]`` tensors with int3
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -124,6 +125,27 @@ class DqAccumulator(Protocol):
     def result(self) -> Tensor:
         """dq ``[B, S, H, D]`` in the input dtype, once every block has run."""
         ...
+
+
+@dataclass(frozen=True)
+class VarlenQueryRows:
+    """A varlen block's queries as rows of the *whole* local ``[T, H, D]`` tensor, by local
+    document, and its K/V as taken: what a kernel that reads the local queries in place needs
+    (:meth:`BlockKernel.dq_accumulator_varlen`). ``N`` local documents.
+
+    Document ``d``'s queries of the block are rows ``[q_starts[d], q_starts[d] + q_used[d])``
+    of the local tensor (``q_used[d] == 0``: it has none), its keys rows
+    ``[cu_seqlens_k[d], cu_seqlens_k[d + 1])`` of the block's K/V; ``q_spans`` holds, on the
+    host, ``(start, stop, length)`` of each document's query rows relative to the document
+    (documents with queries only).
+    """
+
+    q_starts: Tensor  # int32 [N + 1] (the last entry: T)
+    q_used: Tensor  # int32 [N]
+    cu_seqlens_k: Tensor  # int32 [N + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    q_spans: tuple[tuple[int, int, int], ...]
 
 
 class BlockKernel:
@@ -248,6 +270,25 @@ class BlockKernel:
         """An accumulator that runs ``blocks`` (dense, of the local queries ``q`` against K/V
         shaped as the local ``k``/``v``, given the global out/lse) and sums their dq inside the
         kernel, or ``None`` (the default): the engine then sums the blocks' dq itself."""
+        return None
+
+    def dq_accumulator_varlen(
+        self,
+        dout_THD: Tensor,
+        q_THD: Tensor,
+        k_THD: Tensor,
+        v_THD: Tensor,
+        out_THD: Tensor,
+        lse_HT: Tensor,
+        cu_seqlens: Tensor,
+        max_seqlen: int,
+        rows: Mapping[Block, VarlenQueryRows],
+        *,
+        scale: float,
+    ) -> DqAccumulator | None:
+        """:meth:`dq_accumulator` for varlen blocks: the local documents are ``cu_seqlens``
+        (int32 ``[N + 1]``), ``rows[block]`` where each block's queries and K/V lie. ``dk``/``dv``
+        of ``DqAccumulator.backward`` are ``[T_k, H_kv, D]`` rows of the K/V it is given."""
         return None
 
     # --- varlen blocks, [T, H, D] with cu_seqlens ----------------------------------------

@@ -56,7 +56,8 @@ import torch
 from . import flash_attn4_launch as launch
 from .base import BlockKernel, KernelCall
 from .cuda_flash import deterministic_reason, head_dim_reason
-from .flash_attn4_grads import RingDq, unrounded_backward, unrounded_reason
+from .flash_attn4_grads import unrounded_backward, unrounded_reason
+from .flash_attn4_ring_dq import RingDq, RingDqVarlen
 
 _INTERFACE = "flash_attn.cute.interface"
 _NOT_INSTALLED = "the flash-attn-4 package is not installed (pip install flash-attn-4)"
@@ -132,6 +133,9 @@ class FlashAttn4Kernel(BlockKernel):
     supports_varlen: ClassVar[bool] = True
     supports_window: ClassVar[bool] = True
     unrounded_grads: ClassVar[bool] = True  # dense, sm90 (Note [Unrounded block gradients ...])
+    # Note [A varlen dq accumulated inside flash-attn 4]: off until checked against fp64 on a
+    # GPU (tests/gpu/check_flash_attn4.py, part ring_varlen, turns it on for its run).
+    varlen_dq_in_kernel: ClassVar[bool] = False
 
     def is_available(self) -> str | None:
         if _INTERFACE not in sys.modules:
@@ -195,12 +199,8 @@ class FlashAttn4Kernel(BlockKernel):
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, blocks, *, scale
     ) -> RingDq | None:
         tensors = (dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS)
-        if (
-            not self.unrounded_grads or not scale > 0 or any(t.stride(-1) != 1 for t in tensors)
-        ):  # Note [Kernel inputs]
-            return None
-        interface = _interface()
-        if unrounded_reason(interface) is not None:
+        interface = self._accumulating_interface(tensors, scale)
+        if interface is None:
             return None
         return RingDq.of(
             interface,
@@ -210,6 +210,32 @@ class FlashAttn4Kernel(BlockKernel):
             window_args=_window_args,
             deterministic=torch.are_deterministic_algorithms_enabled(),
         )
+
+    def dq_accumulator_varlen(
+        self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens, max_seqlen, rows, *, scale
+    ) -> RingDqVarlen | None:
+        tensors = (dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT)
+        interface = self._accumulating_interface(tensors, scale)
+        if interface is None or not self.varlen_dq_in_kernel:
+            return None
+        return RingDqVarlen.of(
+            interface,
+            *tensors,
+            cu_seqlens,
+            max_seqlen,
+            rows,
+            scale=scale,
+            window_args=_window_args,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        )
+
+    def _accumulating_interface(self, tensors, scale: float) -> ModuleType | None:
+        """flash-attn 4's interface where its kernel can sum a ring's dq (fp32 block gradients
+        on, a positive scale, unit last strides: Note [Kernel inputs]), else ``None``."""
+        if not self.unrounded_grads or not scale > 0 or any(t.stride(-1) != 1 for t in tensors):
+            return None
+        interface = _interface()
+        return interface if unrounded_reason(interface) is None else None
 
     def _forward_varlen(
         self,

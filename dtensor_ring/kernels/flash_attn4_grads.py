@@ -34,35 +34,13 @@ Whether a block takes this path (the installed version, the GPU, a graph capture
 one rank; it changes what the rank adds, never what it sends: the ring's dK/dV accumulators are
 fp32 either way.
 
-Note [dq accumulated inside flash-attn 4]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The main kernel does not write dq: it adds it into ``dq_accum`` (a bulk reduce-add into global
-memory), which the preprocess zeroed. A ring's backward runs every block of a rank's queries
-into one such accumulator (:class:`RingDq`), so the kernel itself sums the blocks, in fp32:
-
-    per block, summed by the engine              accumulated by the kernel (RingDq)
-    preprocess(out_b, dout_b): dq_b = 0          preprocess(out, dout) once: dq_acc = 0
-    main kernel: dq_b += ...                     main kernel on q[a:b]: dq_acc[a:b] += ...
-    reorder dq_b; dq[a:b] += dq_b (side stream)  -
-    dq = round(dq)                               dq = round(scale * dq_acc[perm]) once
-
-Rows ``[a, b)`` of the accumulator are the flat range ``[a * D_r, (a + rows_r) * D_r)`` of each
-head when ``a`` starts a tile (``rows_r`` = the block's rows rounded up to tiles), and
-``dpsum`` / ``lse_log2`` are the same rows of the one preprocess's (a block's rows of ``out``,
-``dout`` and ``lse`` are the rows of the whole). So the accumulator serves a plan whose blocks
-start their query rows on tiles (zigzag's halves and the ring's whole shards at 64-token
-multiples); any other plan sums per block as above. Every block is compiled with one tile
-configuration, a causal block's (``_TILES``): for head dims 97-128 flash-attn 4 picks 80-row
-tiles for unmasked blocks and 64 for causal ones, whose tile orders differ; 64 rows is what it
-itself runs unmasked blocks with under block sparsity. dq never leaves the rank, so this is a
-rank's own choice; dK/dV, which travel, are as in the note above.
-
 Which pieces we call, with which arguments, is copied from ``_flash_attn_bwd`` of
-``flash-attn-4==4.0.0b36`` (dense, sm90, no sinks, score_mod, block sparsity or dlse): private
-functions, so :func:`unrounded_reason` accepts only that version and sm90, and every other
-case runs the plain ``_flash_attn_bwd``. Checked on an H200 against fp64
-(``tests/gpu/check_flash_attn4.py``); on CPU against a stand-in of those pieces with a known
-tile order (``tests/test_kernel_adapters.py``).
+``flash-attn-4==4.0.0b36`` (sm90, dense and varlen; no sinks, score_mod, block sparsity or
+dlse): private functions, so :func:`unrounded_reason` accepts only that version and sm90, and
+every other case runs the plain ``_flash_attn_bwd``. Checked on an H200 against fp64
+(``tests/gpu/check_flash_attn4.py``; the varlen pieces not yet: Note [A varlen dq accumulated
+inside flash-attn 4]); on CPU against a stand-in of those pieces with a known tile order
+(``tests/test_kernel_adapters.py``).
 """
 
 from __future__ import annotations
@@ -70,15 +48,21 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from ..parts import Block
-from .flash_attn4_tiles import as_BSHD, learnt, postprocess_args, round_up, tile_order, untile_
+from .flash_attn4_tiles import (
+    as_BSHD,
+    learnt,
+    padded_total,
+    postprocess_args,
+    round_up,
+    tile_order,
+    untile_,
+)
 
 CHECKED_VERSION = "4.0.0b36"
 
@@ -116,7 +100,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 @dataclass
-class _BlockPlan:
+class BlockPlan:
     """What a block's shapes and options fix, worked out once per signature (host time)."""
 
     cfg: object
@@ -140,13 +124,14 @@ class _BlockPlan:
 
 
 def _block_plan(
-    iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic, tiles
+    iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic, tiles, seqlens
 ):
     causal, local, left, right = iface._resolve_causal_local_window(
         causal, window_size_left, window_size_right
     )
-    seqlen_q, num_head, head_dim = q.shape[1:]
-    seqlen_k, num_head_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    num_head, head_dim = q.shape[-2:]
+    num_head_kv, head_dim_v = k.shape[-2], v.shape[-1]
+    seqlen_q, seqlen_k = (q.shape[1], k.shape[1]) if seqlens is None else seqlens
     group = num_head // num_head_kv
     tiles = (causal, local) if tiles is None else tiles
     cfg, multiple = _config(iface, head_dim, head_dim_v, *tiles)
@@ -171,8 +156,9 @@ def _block_plan(
         *(iface.get_broadcast_dims(t) for t in (q, k, v, dout)),
         seq_q_r == m,  # _flash_attn_bwd's guard against TVM stride poisoning
         seq_k_r == n,
+        seqlens is not None,  # varlen: cu_seqlens_q, cu_seqlens_k and seqused_q given
     )
-    return _BlockPlan(
+    return BlockPlan(
         cfg,
         multiple,
         cute_dtype,
@@ -193,15 +179,16 @@ def _block_plan(
     )
 
 
-_PLANS: dict[tuple, _BlockPlan] = {}
+_PLANS: dict[tuple, BlockPlan] = {}
 _COMPILED: dict[tuple, object] = {}
 
 
-def _plan(
-    iface, q, k, v, dout, causal, left, right, deterministic, tiles=None
-) -> _BlockPlan | None:
-    """The block's :class:`_BlockPlan` with its tile orders learnt (cached), compiled with the
-    tile configuration of ``tiles = (causal, local)`` (default: the block's own mask). ``None``
+def plan_of(
+    iface, q, k, v, dout, causal, left, right, deterministic, tiles=None, seqlens=None
+) -> BlockPlan | None:
+    """The block's :class:`BlockPlan` with its tile orders learnt (cached), compiled with the
+    tile configuration of ``tiles = (causal, local)`` (default: the block's own mask);
+    ``seqlens``: ``(max_seqlen_q, max_seqlen_k)`` of a varlen block (``[T, H, D]``). ``None``
     where a postprocess is not a reorder (:func:`tile_order`), or while a CUDA graph is
     being captured if the orders are not learnt yet (learning synchronises, which capture
     forbids; a warm-up call outside the capture learns them)."""
@@ -217,12 +204,13 @@ def _plan(
         right,
         deterministic,
         tiles,
+        seqlens,
         *(0 in t.stride() and iface.get_broadcast_dims(t) for t in (q, k, v, dout)),
     )
     plan = _PLANS.get(signature)
     if plan is None:
         plan = _PLANS[signature] = _block_plan(
-            iface, q, k, v, dout, causal, left, right, deterministic, tiles
+            iface, q, k, v, dout, causal, left, right, deterministic, tiles, seqlens
         )
     if plan.perms is None:
         if _capturing(device) and not all(learnt(h, a, device) for h, a in plan.orders):
@@ -231,25 +219,31 @@ def _plan(
     return None if None in plan.perms else plan
 
 
-def _new_dkv(plan: _BlockPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def new_dkv(
+    plan: BlockPlan, k: Tensor, v: Tensor, cu_seqlens_k: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """The main kernel's dK/dV outputs: zeroed fp32 accumulators with GQA (it adds each query
-    head's share), else tensors of the input dtype (it writes them)."""
+    head's share; varlen: in padded rows, ``flash_attn4_tiles.padded_rows``), else tensors of
+    the input dtype (it writes them)."""
     if plan.group == 1:
         return torch.empty_like(k), torch.empty_like(v)
-    batch, f32, device = k.shape[0], torch.float32, k.device
-    size_k, size_v = plan.seq_k_r * plan.hd_r, plan.seq_k_r * plan.hdv_r
-    dk = torch.zeros(batch, k.shape[2], size_k, dtype=f32, device=device)
-    dv = torch.zeros(batch, v.shape[2], size_v, dtype=f32, device=device)
+    if cu_seqlens_k is None:
+        lead, rows = (k.shape[0], k.shape[2]), plan.seq_k_r
+    else:
+        lead, rows = (k.shape[1],), padded_total(k.shape[0], cu_seqlens_k, plan.cfg.n_block_size)
+    f32, device = torch.float32, k.device
+    dk = torch.zeros(*lead, rows * plan.hd_r, dtype=f32, device=device)
+    dv = torch.zeros(*lead, rows * plan.hdv_r, dtype=f32, device=device)
     return dk, dv
 
 
-def _preprocess(iface, plan: _BlockPlan, out, dout, lse, dq_accum) -> tuple[Tensor, Tensor]:
+def preprocess(
+    iface, plan: BlockPlan, out, dout, lse, dq_accum, cu_seqlens_q=None
+) -> tuple[Tensor, Tensor]:
     """flash-attn 4's preprocess: ``(dpsum, lse_log2)`` of the rows of ``out`` (the queries
-    ``plan`` was made for); zeroes ``dq_accum``."""
-    batch, _, num_head = out.shape[:3]
-    dpsum, lse_log2 = torch.empty(
-        2, batch, num_head, plan.seq_q_r, dtype=torch.float32, device=out.device
-    ).unbind(0)
+    ``plan`` was made for; varlen: documents ``cu_seqlens_q``); zeroes ``dq_accum``."""
+    shape = (*dq_accum.shape[:-1], dq_accum.shape[-1] // plan.hd_r)
+    dpsum, lse_log2 = torch.empty(2, *shape, dtype=torch.float32, device=out.device).unbind(0)
     iface._bwd_preprocess(
         out,
         dout,
@@ -257,7 +251,7 @@ def _preprocess(iface, plan: _BlockPlan, out, dout, lse, dq_accum) -> tuple[Tens
         lse,
         lse_log2,
         dq_accum,
-        None,
+        cu_seqlens_q,
         None,
         None,
         plan.cute_dtype,
@@ -271,10 +265,15 @@ def _preprocess(iface, plan: _BlockPlan, out, dout, lse, dq_accum) -> tuple[Tens
     return dpsum, lse_log2
 
 
-def _main(iface, plan: _BlockPlan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, scale):
+def main_kernel(
+    iface, plan: BlockPlan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, scale, varlen=None
+):
     """flash-attn 4's main backward kernel on one block: adds the block's dq into
-    ``dq_accum`` (and, with GQA, its dK/dV into ``dk``/``dv``; else writes them)."""
-    batch, num_head, num_head_kv = q.shape[0], q.shape[2], k.shape[2]
+    ``dq_accum`` (and, with GQA, its dK/dV into ``dk``/``dv``; else writes them). ``varlen``:
+    ``(cu_seqlens_q, cu_seqlens_k, seqused_q)`` of a varlen block."""
+    varlen = (None, None, None) if varlen is None else varlen
+    num_head, num_head_kv = q.shape[-2], k.shape[-2]
+    batch = q.shape[0] if varlen[1] is None else varlen[1].shape[0] - 1
     m, n = plan.cfg.m_block_size, plan.cfg.n_block_size
     semaphores = (None, None, None)
     if plan.deterministic:
@@ -289,11 +288,11 @@ def _main(iface, plan: _BlockPlan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk,
     tensors = [q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk, dv]
     compiled = _COMPILED.get(plan.key)
     if compiled is None:
-        compiled = _COMPILED[plan.key] = _compile(iface, plan, tensors, semaphores, scale)
-    compiled(*_kernel_args(tensors, scale, plan, semaphores, iface.AuxData(None, None)))
+        compiled = _COMPILED[plan.key] = _compile(iface, plan, tensors, semaphores, scale, varlen)
+    compiled(*_kernel_args(tensors, scale, plan, semaphores, iface.AuxData(None, None), varlen))
 
 
-def _contiguous(iface, *tensors: Tensor) -> list[Tensor]:
+def contiguous(iface, *tensors: Tensor) -> list[Tensor]:
     return [iface.maybe_contiguous(t) for t in tensors]
 
 
@@ -318,28 +317,28 @@ def unrounded_backward(
     gradients from flash-attn 4]). Call only where :func:`unrounded_reason` is None.
 
     ``None`` (before launching anything; the caller then runs the plain backward) where
-    :func:`_plan` finds none."""
+    :func:`plan_of` finds none."""
     iface = interface
-    q, k, v, out, dout, lse = _contiguous(
+    q, k, v, out, dout, lse = contiguous(
         iface, q_BSHD, k_BSHD, v_BSHD, out_BSHD, dout_BSHD, lse_BHS
     )
-    plan = _plan(iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic)
+    plan = plan_of(iface, q, k, v, dout, causal, window_size_left, window_size_right, deterministic)
     if plan is None:
         return None
     batch, seqlen_q, num_head, head_dim = q.shape
     dq_accum = torch.empty(
         batch, num_head, plan.seq_q_r * plan.hd_r, dtype=torch.float32, device=q.device
     )
-    dpsum, lse_log2 = _preprocess(iface, plan, out, dout, lse, dq_accum)
-    dk, dv = _new_dkv(plan, k, v)
-    _main(iface, plan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, scale)
+    dpsum, lse_log2 = preprocess(iface, plan, out, dout, lse, dq_accum)
+    dk, dv = new_dkv(plan, k, v)
+    main_kernel(iface, plan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, scale)
     accums, scales = [dq_accum, dk, dv][: len(plan.perms)], [scale, scale, 1.0]
     untile_(accums, plan.perms, scales[: len(accums)])
     dq = as_BSHD(dq_accum, plan.hd_r, seqlen_q, head_dim)
-    return (dq, *_dkv_BSHD(plan, k, dk, dv))
+    return (dq, *dkv_BSHD(plan, k, dk, dv))
 
 
-def _dkv_BSHD(plan: _BlockPlan, k: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+def dkv_BSHD(plan: BlockPlan, k: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
     """``(dk, dv)`` as ``[B, S, H_kv, D]``: views of untiled fp32 accumulators (GQA)."""
     if plan.group == 1:
         return dk, dv
@@ -350,100 +349,16 @@ def _dkv_BSHD(plan: _BlockPlan, k: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tens
     )
 
 
-class RingDq:
-    """The dq of a ring's backward, accumulated by flash-attn 4's own kernel (Note [dq
-    accumulated inside flash-attn 4]): a :class:`~dtensor_ring.kernels.DqAccumulator`. Build
-    with :meth:`of`."""
-
-    def __init__(self, iface, tensors, plan: _BlockPlan, scale, window_args, deterministic):
-        self._iface, self._plan = iface, plan
-        self._dout, self._q, self._out, lse = tensors
-        self._scale, self._window_args, self._deterministic = scale, window_args, deterministic
-        batch, _, num_head, _ = self._q.shape
-        self._dq_accum = torch.empty(
-            batch, num_head, plan.seq_q_r * plan.hd_r, dtype=torch.float32, device=lse.device
-        )
-        self._dpsum, self._lse_log2 = _preprocess(
-            iface, plan, self._out, self._dout, lse, self._dq_accum
-        )
-
-    @classmethod
-    def of(
-        cls,
-        interface: ModuleType,
-        dout_BSHD: Tensor,
-        q_BSHD: Tensor,
-        k_BSHD: Tensor,
-        v_BSHD: Tensor,
-        out_BSHD: Tensor,
-        lse_BHS: Tensor,
-        blocks: Sequence[Block],
-        *,
-        scale: float,
-        window_args: Callable[[tuple[int, int] | None], dict],
-        deterministic: bool,
-    ) -> RingDq | None:
-        """The accumulator for ``blocks`` of the local queries ``q`` against K/V shaped as the
-        local ``k``/``v``, with a positive ``scale``; ``window_args(window)``: flash-attn 4's
-        window keywords. ``None`` (nothing launched) where a block's query rows do not start
-        on a tile of the kernel's configuration, or :func:`_plan` finds none."""
-        iface = interface
-        tensors = _contiguous(iface, dout_BSHD, q_BSHD, out_BSHD, lse_BHS)
-        dout, q = tensors[:2]
-        k, v = _contiguous(iface, k_BSHD, v_BSHD)
-        plan = _plan(iface, q, k, v, dout, True, None, 0, deterministic, _TILES)
-        if plan is None:
-            return None
-        m, seqlen_q = plan.cfg.m_block_size, q.shape[1]
-        for blk in blocks:
-            a, b = blk.q.bounds(seqlen_q)
-            if a % m or (b % m and b != seqlen_q):
-                return None
-        return cls(iface, tensors, plan, scale, window_args, deterministic)
-
-    def backward(self, block: Block, k_BSHD: Tensor, v_BSHD: Tensor) -> tuple[Tensor, Tensor]:
-        """Add ``block``'s dq into the accumulator (its query rows of the local queries, against
-        ``k``/``v``); return its ``(dk, dv)`` as :func:`unrounded_backward` does."""
-        iface = self._iface
-        a, b = block.q.bounds(self._q.shape[1])
-        q, dout = self._q[:, a:b], self._dout[:, a:b]
-        k, v = _contiguous(iface, k_BSHD, v_BSHD)
-        window = self._window_args(block.window)
-        left, right = window["window_size_left"], window["window_size_right"]
-        plan = _plan(iface, q, k, v, dout, block.causal, left, right, self._deterministic, _TILES)
-        if plan is None:  # of() learnt every tile order of this configuration
-            raise RuntimeError("flash-attn 4's tile orders changed within a backward")
-        hd_r, rows = self._plan.hd_r, slice(a, a + plan.seq_q_r)
-        dq_accum = self._dq_accum[:, :, rows.start * hd_r : rows.stop * hd_r]
-        dpsum, lse_log2 = self._dpsum[:, :, rows], self._lse_log2[:, :, rows]
-        dk, dv = _new_dkv(plan, k, v)
-        _main(iface, plan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, self._scale)
-        if plan.group > 1:
-            untile_([dk, dv], plan.perms[1:], [self._scale, 1.0])
-        return _dkv_BSHD(plan, k, dk, dv)
-
-    def result(self) -> Tensor:
-        """dq ``[B, S, H, D]`` in the input dtype: the accumulator scaled and rounded once."""
-        plan, q = self._plan, self._q
-        untile_([self._dq_accum], plan.perms[:1], [self._scale])
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        return dq.copy_(as_BSHD(self._dq_accum, plan.hd_r, q.shape[1], q.shape[3]))
-
-
-# The tile configuration (causal, local) every block of a RingDq is compiled with: one tile
-# order for the whole accumulator (Note [dq accumulated inside flash-attn 4]).
-_TILES = (True, False)
-
-
-def _kernel_args(tensors, scale: float, plan: _BlockPlan, semaphores, aux) -> list:
+def _kernel_args(tensors, scale: float, plan: BlockPlan, semaphores, aux, varlen) -> list:
     """The main kernel's 22 arguments, as ``_flash_attn_bwd`` passes them to it and to its
-    compilation: the 9 tensors, the scale, no varlen, the window, the semaphores, ``aux`` (no
-    score_mod tensors), no block sparsity."""
-    return [*tensors, scale, None, None, None, None, plan.left, plan.right, *semaphores, aux,
+    compilation: the 9 tensors, the scale, ``varlen`` (cu_seqlens_q, cu_seqlens_k, seqused_q;
+    never seqused_k), the window, the semaphores, ``aux`` (no score_mod tensors), no block
+    sparsity."""
+    return [*tensors, scale, *varlen, None, plan.left, plan.right, *semaphores, aux,
             None, None]  # fmt: skip
 
 
-def _compile(iface, plan: _BlockPlan, tensors, semaphores, scale):
+def _compile(iface, plan: BlockPlan, tensors, semaphores, scale, varlen):
     """The sm90 main backward kernel, compiled as ``_flash_attn_bwd`` compiles it."""
     cfg, cute = plan.cfg, iface.cute
     kernel = iface.FlashAttentionBackwardSm90(
@@ -483,9 +398,11 @@ def _compile(iface, plan: _BlockPlan, tensors, semaphores, scale):
         for t in semaphores
     ]
     cute_tensors = [iface.to_cute_tensor(t) for t in tensors]
+    cute_varlen = [None if t is None else iface.to_cute_tensor(t, assumed_align=4) for t in varlen]
+    aux = iface.AuxData(None, None)
     return cute.compile(
         kernel,
-        *_kernel_args(cute_tensors, scale, plan, cute_semaphores, iface.AuxData(None, None)),
+        *_kernel_args(cute_tensors, scale, plan, cute_semaphores, aux, cute_varlen),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi",
     )

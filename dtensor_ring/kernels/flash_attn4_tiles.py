@@ -123,6 +123,29 @@ def as_BSHD(accum: Tensor, hdim_r: int, seq: int, hdim: int) -> Tensor:
     return accum.as_strided((B, seq, H, hdim), (H * n, hdim_r, n, 1))
 
 
+def padded_total(total: int, cu_seqlens: Tensor, tile: int) -> int:
+    """Rows of flash-attn 4's varlen accumulators of ``total`` packed rows in documents
+    ``cu_seqlens`` (``_flash_attn_bwd``'s ``total_*_rounded_padded``)."""
+    return (total + cu_seqlens.shape[0] * tile - 1) // tile * tile
+
+
+def padded_rows(cu_seqlens: Tensor, total: int, tile: int) -> Tensor:
+    """The row of each of ``total`` packed rows in flash-attn 4's varlen accumulators, whose
+    document ``b`` starts at row ``(cu_seqlens[b] + b * tile) // tile * tile``: int64 ``[total]``
+    (device ops only: no synchronisation, graph capture allowed)."""
+    cu = cu_seqlens.long()
+    rows = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(cu[1:], rows, right=True)
+    starts = (cu[:-1] + torch.arange(cu.numel() - 1, device=cu.device) * tile) // tile * tile
+    return rows + (starts - cu[:-1])[doc]
+
+
+def unpad(accum: Tensor, rows: Tensor, hdim_r: int, hdim: int) -> Tensor:
+    """``[T, H, D]`` fp32 of an untiled varlen accumulator ``[H, R * hdim_r]`` at ``rows``
+    (:func:`_padded_rows`)."""
+    return accum.view(accum.shape[0], -1, hdim_r).transpose(0, 1).index_select(0, rows)[..., :hdim]
+
+
 @functools.cache
 def _triton_untile():
     if importlib.util.find_spec("triton") is None:

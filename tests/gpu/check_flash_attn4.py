@@ -51,7 +51,13 @@ from torch import Tensor
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
 
-from bench_single_gpu import FP32, INPUT_DTYPE, block_grads_mode, block_grads_modes  # noqa: E402
+from bench_single_gpu import (  # noqa: E402
+    FP32,
+    IN_KERNEL,
+    INPUT_DTYPE,
+    block_grads_mode,
+    block_grads_modes,
+)
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import BlockKernel, get_kernel  # noqa: E402
@@ -531,6 +537,57 @@ def ring_part(keep: dict) -> None:
         dist.destroy_process_group()
 
 
+def ring_varlen_part() -> None:
+    """Packed documents on the simulated ring (W = 4, 8192 tokens): flash-attn 4 with a rank's
+    dq summed in its kernel (Note [A varlen dq accumulated inside flash-attn 4]) against its
+    per-block varlen backward and single-device flash-attn 4, errors against fp64; how many
+    ranks accumulated; one rank's fwd+bwd time in both modes."""
+    from dtensor_ring.kernels import flash_attn4_ring_dq
+    from dtensor_ring.simulate import RankSimulator
+
+    W, bounds = 4, (0, 2048, 3072, 8192)  # zigzag halves of 256, 128 and 640 tokens
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    q, k, v, dout = (t[0] for t in make_inputs(bounds[-1], bounds[-1], seed=3))
+    ref = reference(q, k, v, dout, causal=True, cu=cu)
+    single = errors(run(get_kernel("flash_attn4"), q, k, v, dout, causal=True, cu=cu), ref)
+    built, of = [], flash_attn4_ring_dq.RingDqVarlen.of
+
+    def counted(*args, **kwargs):
+        acc = of(*args, **kwargs)
+        built.append(acc is not None)
+        return acc
+
+    flash_attn4_ring_dq.RingDqVarlen.of = counted
+    get_kernel("flash_attn4").varlen_dq_in_kernel = True  # off by default until checked here
+    rows = []
+    try:
+        for label in ("zigzag", "documents"):
+            layout = label if label == "zigzag" else dr.document_layout(list(bounds), W)
+            kw = dict(layout=layout, world_size=W, causal=True, backend="flash_attn4")
+            for mode in (IN_KERNEL, FP32):
+                row: dict[str, object] = dict(path=f"simulate varlen {label} W={W}", mode=mode)
+                built.clear()
+                with block_grads_mode("flash_attn4", mode):
+                    got = simulate_ring(q, k, v, dout, cu_seqlens=list(bounds), **kw)
+                    sim = RankSimulator(q, k, v, rank=0, cu_seqlens=list(bounds), **kw)
+                    grad = torch.randn_like(sim.q)
+
+                    def step(sim=sim, grad=grad):
+                        sim.forward()
+                        sim.backward(grad)
+
+                    row["rank0_fwd_bwd_ms"] = median_ms(step)
+                row["errors"] = errors(dict(zip(NAMES, got, strict=True)), ref)
+                row["ratio_vs_single_flash_attn4"] = ratios(row["errors"], single)
+                row["ranks_accumulating"] = sum(built[:W])
+                rows.append(row)
+                RESULT["ring_varlen"] = rows
+                save()
+    finally:
+        flash_attn4_ring_dq.RingDqVarlen.of = of
+        get_kernel("flash_attn4").__dict__.pop("varlen_dq_in_kernel", None)
+
+
 def functional_row(name: str, q, k, v, dout, ref) -> dict[str, object]:
     """``zigzag_ring_flash_attn_func`` on the 1-rank group: errors and fwd / fwd+bwd ms."""
     row: dict[str, object] = dict(path="functional zigzag W=1 (NCCL)", backend=name, S=8192)
@@ -599,6 +656,7 @@ def main() -> None:
         varlen_part,
         deterministic_part,
         unrounded_part,
+        ring_varlen_part,
     ):
         if only and part.__name__.removesuffix("_part") not in only.split(","):
             continue
