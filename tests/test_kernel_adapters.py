@@ -1807,6 +1807,39 @@ def test_ring_varlen_dq_accumulated_by_the_kernel(
             assert max(errors) < 0.05, errors
 
 
+def test_ring_varlen_dq_accumulator_under_graph_capture(flash_attn4_pieces, monkeypatch):
+    """The per-block rows a varlen accumulator reads are built (copied to the device) at a
+    rank's first backward; while a CUDA graph is captured before that, the rank sums per block
+    (no preprocess of ours), and after a warm-up call outside the capture it accumulates."""
+    from dtensor_ring.engine import blocks as engine_blocks
+
+    monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
+    monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", True)
+    bounds, W = [0, 256, 768], 2
+    q = torch.randn(768, 2, 8).to(torch.bfloat16)
+    kv = torch.randn(768, 1, 8).to(torch.bfloat16)
+    preprocess, calls = flash_attn4_pieces._bwd_preprocess, []
+    monkeypatch.setattr(
+        flash_attn4_pieces,
+        "_bwd_preprocess",
+        lambda *a, **kw: calls.append(a[0].shape[0]) or preprocess(*a, **kw),
+    )
+    kw = dict(layout="zigzag", world_size=W, backend="flash_attn4", cu_seqlens=bounds)
+    try:
+        clear_selection_cache()
+        monkeypatch.setattr(engine_blocks, "_capturing", lambda device: True)
+        simulate_ring(q, kv, kv, q, **kw)
+        assert calls == [], calls
+        monkeypatch.setattr(engine_blocks, "_capturing", lambda device: False)
+        simulate_ring(q, kv, kv, q, **kw)  # the warm-up
+        monkeypatch.setattr(engine_blocks, "_capturing", lambda device: True)
+        calls.clear()
+        simulate_ring(q, kv, kv, q, **kw)
+        assert calls == [768 // W] * W, calls
+    finally:
+        clear_selection_cache()
+
+
 def test_small_calls_prefer_a_kernel_of_little_host_time(flash_attn4, monkeypatch):
     """The automatic choice passes over flash-attn 4 for small calls (its host time sets their
     pace: kernels/base.py SMALL_BLOCK_WORK) when cuDNN can run them; large calls, what cuDNN
