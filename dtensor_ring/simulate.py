@@ -61,14 +61,15 @@ class SimulatedExchanger:
     ):
         self.deliveries = deliveries
         self.direct = direct  # as DirectExchanger: dK/dV shares go back to their owner
-        self.sent: list[list[Tensor]] | None = [] if record else None
+        self.sent: list[list[Tensor] | None] | None = [] if record else None
         self._zero = zero
         self._count = 0
 
-    def start(self, tensors: Sequence[Tensor]) -> _Delivered:
-        """Pretend to send ``tensors``; the matching wait returns the next delivery."""
+    def start(self, tensors: Sequence[Tensor] | None, like=None) -> _Delivered:
+        """Pretend to send ``tensors`` (None: nothing, a step without blocks); the matching
+        wait returns the next delivery."""
         if self.sent is not None:
-            self.sent.append([t.clone() for t in tensors])
+            self.sent.append(None if tensors is None else [t.clone() for t in tensors])
         delivered = self.deliveries[self._count % len(self.deliveries)]
         self._count += 1
         return _Delivered(delivered, self._zero)
@@ -306,9 +307,10 @@ def simulate_ring(
         dk_parts[r] += dk  # zeros when the own accumulator travelled the whole ring
         dv_parts[r] += dv
         sent_steps = sim.steps[len(sim.steps) - len(sent) :]  # all, or all but step 0 (direct)
-        for step, (dk_s, dv_s) in zip(sent_steps, sent, strict=True):
-            dk_parts[step.src] += dk_s
-            dv_parts[step.src] += dv_s
+        for step, share in zip(sent_steps, sent, strict=True):
+            if share is not None:  # None: the rank ran no blocks there (Note [Direct exchange])
+                dk_parts[step.src] += share[0]
+                dv_parts[step.src] += share[1]
     dq = seq.unshard(dq_parts, seq.seq_dim)
     dk = seq.unshard([d.to(k.dtype) for d in dk_parts], seq.seq_dim)
     dv = seq.unshard([d.to(v.dtype) for d in dv_parts], seq.seq_dim)

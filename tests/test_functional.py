@@ -422,3 +422,52 @@ def check_autocast(group: dist.ProcessGroup, where: str) -> None:
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_autocast_leaves_the_op_in_its_dtype(dist_pool, world_size, where):
     dist_pool.run(check_autocast, world_size, where=where)
+
+
+# --- Note [Direct exchange]: only the pairs a sparse plan's rows need communicate -------------
+
+
+def check_direct_exchange_skips_unneeded_pairs(group: dist.ProcessGroup) -> None:
+    """Ring layout, causal window of 2 tokens (offsets 0, 1): rank 0 needs nothing of rank W-1
+    (its K/V come after rank 0's queries), so neither the K/V nor their dK/dV move between
+    them, forward or backward; every other neighbour pair does exchange. Out and gradients
+    equal the fp64 full-sequence reference."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    S = 6 * W
+    q, k, v = random_qkv(1, S, 4, 2, 8, torch.float64, seed=3)
+    dout = torch.randn(1, S, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_attention(*full, causal=True, window_size=(2, 0))
+    ref.backward(dout)
+    leaves = [shard(t, "ring", rank, W).requires_grad_() for t in (q, k, v)]
+    peers, original = [], dist.batch_isend_irecv
+
+    def recording(ops):
+        peers.extend((op.op.__name__, op.peer) for op in ops)
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        out = dtensor_ring.ring_flash_attn_func(
+            *leaves, causal=True, window_size=(2, 0), group=group
+        )
+        out.backward(shard(dout, "ring", rank, W))
+    finally:
+        dist.batch_isend_irecv = original
+    left, right = (rank - 1) % W, (rank + 1) % W
+    sends, receives = (
+        {p for op, p in peers if op == "isend"},
+        {p for op, p in peers if op == "irecv"},
+    )
+    # K/V to the right, dK/dV shares back to the left; none across the pair (W - 1, 0)
+    needed = ({right} if rank < W - 1 else set()) | ({left} if rank > 0 else set())
+    assert sends == needed and receives == needed, (rank, sends, receives)
+    for got, want in zip(
+        (out, *(t.grad for t in leaves)), (ref, *(t.grad for t in full)), strict=True
+    ):
+        torch.testing.assert_close(got, shard(want.detach(), "ring", rank, W))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_direct_exchange_skips_unneeded_pairs(dist_pool, world_size):
+    dist_pool.run(check_direct_exchange_skips_unneeded_pairs, world_size)

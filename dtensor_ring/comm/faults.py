@@ -39,7 +39,7 @@ class CommSite:
         op: str,
         group: dist.ProcessGroup,
         step: tuple[int, int] | None = None,
-        peers: tuple[int, int] | None = None,
+        peers: tuple[int | None, int | None] | None = None,
     ):
         self.op, self.group, self.step, self.peers = op, group, step, peers
 
@@ -73,4 +73,8 @@ class CommSite:
         send_to, recv_from = self.peers
         if send_to == recv_from:
             return f"exchanging with rank {send_to}"
+        if recv_from is None:
+            return f"sending to rank {send_to}"
+        if send_to is None:
+            return f"receiving from rank {recv_from}"
         return f"sending to rank {send_to}, receiving from rank {recv_from}"

@@ -22,6 +22,16 @@ Each step moves one K/V chunk per rank, as a ring hop does (the volume is the sa
 are farther apart). The owner sums the dK/dV shares it receives; full plans keep the ring and
 its travelling accumulators (Note [Ring backward] in ``engine/ring.py``).
 
+A step some ranks need and others do not (a window's edge: under a causal window rank 0 needs
+nothing of rank W - 1, whose K/V come after its queries) moves nothing between the pairs that
+do not need it: rank r receives K/V at step i only if its plan row has blocks there, sends its
+own to r + o only if that rank's row has, and the dK/dV go back only where blocks ran. Every
+rank reads this from the plan, which every rank holds whole, so sender and receiver agree
+without a word:
+
+    offsets (0, 1), causal window, W = 4:   step 1   rank 0 <- 3: no blocks: no transfer
+                                                     rank 1 <- 0, 2 <- 1, 3 <- 2: K/V, dK/dV
+
 Every launch and wait runs inside a :class:`~dtensor_ring.comm.faults.CommSite` (Note [Faults]
 in ``faults.py``): a rank that died or stopped calling makes the others raise an error naming
 the exchange, its step and the peers. Step ``k of n`` counts the plan's steps from 1 and names
@@ -40,15 +50,18 @@ from .faults import CommSite
 
 
 class PendingExchange:
-    """Transfers in flight; :meth:`wait` returns the received tensors."""
+    """Transfers in flight; :meth:`wait` returns the received tensors (None: nothing is
+    received at this step, Note [Direct exchange])."""
 
-    def __init__(self, works: list, sent: list[Tensor], received: list[Tensor], site: CommSite):
+    def __init__(
+        self, works: list, sent: list[Tensor], received: list[Tensor] | None, site: CommSite
+    ):
         self._works = works
         self._sent = sent  # keeps contiguous copies alive until the sends complete
         self._received = received
         self._site = site
 
-    def wait(self) -> list[Tensor]:
+    def wait(self) -> list[Tensor] | None:
         """Block until the transfers are done; return the received tensors.
 
         Raises:
@@ -105,21 +118,24 @@ class _PeerExchanger:
         self._turn ^= 1
         return self._buffers[self._turn]
 
-    def _transfer(self, tensors: Sequence[Tensor], send_to: int, recv_from: int):
-        """Send ``tensors`` to global rank ``send_to``, receive their like from ``recv_from``.
+    def _transfer(
+        self, tensors: Sequence[Tensor], send_to: int | None, recv_from: int | None, like=None
+    ):
+        """Send ``tensors`` to global rank ``send_to``, receive their like (shaped as ``like``
+        where nothing is sent) from ``recv_from``; None: no send, no receive.
 
         Non-contiguous tensors (e.g. the k/v views of a packed kv) are sent as contiguous
         copies; the received tensors are always contiguous.
         """
-        tensors = [t.contiguous() for t in tensors]
-        received = self._receive_buffers(tensors)
+        tensors = [] if send_to is None else [t.contiguous() for t in tensors]
+        received = None if recv_from is None else self._receive_buffers(tensors or like)
         ops = [dist.P2POp(dist.isend, t, send_to, self.group, self.tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, recv_from, self.group, self.tag) for t in received]
+        ops += [dist.P2POp(dist.irecv, t, recv_from, self.group, self.tag) for t in received or ()]
         step = (self.first_step + self._count + 1, self.steps)
         site = CommSite(self.op, self.group, step, (send_to, recv_from))
         self._count += 1
         with site:  # gloo raises here at once when a peer's connection is closed
-            works = dist.batch_isend_irecv(ops)
+            works = dist.batch_isend_irecv(ops) if ops else []
         return PendingExchange(works, tensors, received, site)
 
 
@@ -153,7 +169,10 @@ class DirectExchanger(_PeerExchanger):
     (this rank's own K/V) to rank ``r + offsets[i + 1]`` and receives those of rank
     ``r - offsets[i + 1]``. dK/dV (``to_source=True``): the i-th ``start`` sends the given
     tensors (the gradient for the K/V of step i + 1) back to their owner ``r - offsets[i + 1]``
-    and receives this rank's share from rank ``r + offsets[i + 1]``.
+    and receives this rank's share from rank ``r + offsets[i + 1]``. Only where the receiving
+    side's row of ``plan`` has blocks at that step (K/V), or the sending side's (dK/dV): the
+    others send or receive nothing (the received tensors are then None), and dK/dV ``start``
+    may be given None where this rank's row has none.
     """
 
     direct = True
@@ -161,26 +180,42 @@ class DirectExchanger(_PeerExchanger):
     def __init__(
         self,
         group: dist.ProcessGroup,
-        offsets: Sequence[int],
+        plan: Plan,
         tag: int,
         op: str,
         *,
         to_source: bool = False,
     ):
-        super().__init__(group, tag, op, len(offsets))
-        sign = -1 if to_source else 1
-        self._peers = [(self._global(sign * o), self._global(-sign * o)) for o in offsets[1:]]
+        super().__init__(group, tag, op, len(plan.offsets))
+        r, W = self.rank, self.world_size
+
+        def runs(rank: int, i: int) -> bool:  # rank's row of the plan has blocks at step i
+            return bool(plan.steps[rank % W][i].blocks)
+
+        self._peers = []
+        for i, o in enumerate(plan.offsets[1:], start=1):
+            if to_source:  # where the K/V of step i came from, and who used ours
+                peers = (-o, o) if runs(r, i) else (None, o)
+                peers = (peers[0], o if runs(r + o, i) else None)
+            else:  # who needs our K/V at step i, and whether we need the visiting ones
+                peers = (o if runs(r + o, i) else None, -o if runs(r, i) else None)
+            self._peers.append(tuple(None if h is None else self._global(h) for h in peers))
         self._to_source = to_source
         self._own: list[Tensor] | None = None
 
-    def start(self, tensors: Sequence[Tensor]) -> PendingExchange:
-        """Start the exchange of the next step (see the class doc)."""
+    def start(
+        self, tensors: Sequence[Tensor] | None, like: Sequence[Tensor] | None = None
+    ) -> PendingExchange:
+        """Start the exchange of the next step (see the class doc); ``like`` shapes what is
+        received where ``tensors`` is None (dK/dV)."""
         if not self._to_source:
             if self._own is None:
                 self._own = [t.contiguous() for t in tensors]
-            tensors = self._own
+            tensors = like = self._own
         send_to, recv_from = self._peers[self._count]
-        return self._transfer(tensors, send_to, recv_from)
+        if send_to is not None and tensors is None:
+            raise RuntimeError(f"{self.op}: no tensors to send at a step the plan runs")
+        return self._transfer(tensors, send_to, recv_from, like=like or tensors)
 
 
 KV_TAG, DKV_TAG = 0, 1  # K/V and dK/dV transfers are in flight together in the backward
@@ -190,7 +225,7 @@ def forward_exchanger(group: dist.ProcessGroup, plan: Plan) -> RingExchanger | D
     """The forward's K/V exchanger for ``plan`` (ring hops, or direct for a sparse plan)."""
     if plan.full_ring:
         return RingExchanger(group, KV_TAG, _op("forward", "ring", "K/V"), len(plan.offsets))
-    return DirectExchanger(group, plan.offsets, KV_TAG, _op("forward", "direct", "K/V"))
+    return DirectExchanger(group, plan, KV_TAG, _op("forward", "direct", "K/V"))
 
 
 def backward_exchangers(group: dist.ProcessGroup, plan: Plan):
@@ -215,10 +250,8 @@ def backward_exchangers(group: dist.ProcessGroup, plan: Plan):
             ),
         )
     return (
-        DirectExchanger(group, plan.offsets, KV_TAG, _op("backward", "direct", "K/V")),
-        DirectExchanger(
-            group, plan.offsets, DKV_TAG, _op("backward", "direct", "dK/dV"), to_source=True
-        ),
+        DirectExchanger(group, plan, KV_TAG, _op("backward", "direct", "K/V")),
+        DirectExchanger(group, plan, DKV_TAG, _op("backward", "direct", "dK/dV"), to_source=True),
     )
 
 

@@ -68,12 +68,16 @@ class Exchanger(Protocol):
     """What the engine needs of a communicator (see :mod:`dtensor_ring.comm`).
 
     ``direct``: the exchanger returns each step's dK/dV to its owner (Note [Direct exchange])
-    rather than passing an accumulator along the ring.
+    rather than passing an accumulator along the ring; it then sends and receives only where
+    the plan's rows have blocks (``wait()`` gives None where nothing arrives; ``tensors`` may be
+    None where this rank's row has none, ``like`` then shapes what it receives).
     """
 
     direct: bool
 
-    def start(self, tensors: Sequence[Tensor]): ...  # -> object with .wait() -> list[Tensor]
+    def start(self, tensors: Sequence[Tensor] | None, like: Sequence[Tensor] | None = None):
+        """Start sending ``tensors``; returns an object whose ``wait()`` gives the received
+        tensors (a list, or None)."""
 
 
 class _SideStream:
@@ -252,17 +256,17 @@ def ring_backward(
             grads.append((blk.kv, *dq.backward(blk, k_b, v_b)))
         if s == 0:
             dkv = dkv_own
-        elif direct:  # a fresh share for the visiting K/V; ours may have arrived meanwhile
-            dkv = _zeros_like(kv, acc)
+        elif direct:  # a fresh share for the visiting K/V, where the plan's row runs blocks
+            dkv = _zeros_like(dkv_own, acc) if steps[s].blocks else None
         else:  # the accumulator of the visiting K/V, with the shares of the ranks before us
             dkv = pending_dkv.wait()
         for part, dk_b, dv_b in grads:
             blocks.add_(dkv[0], part, dk_b)
             blocks.add_(dkv[1], part, dv_b)
-        if direct and s > 0:
+        if direct and s > 0:  # ours may have arrived meanwhile
             if pending_dkv is not None:
                 _add_all_(dkv_own, pending_dkv.wait())
-            pending_dkv = dkv_exchanger.start(dkv)
+            pending_dkv = dkv_exchanger.start(dkv, like=dkv_own)
         elif not direct and len(steps) > 1:
             pending_dkv = dkv_exchanger.start(dkv)
         if pending_kv is not None:
@@ -313,7 +317,9 @@ class _SummedDq:
         return self.acc.to(self.dtype)
 
 
-def _add_all_(acc: list[Tensor], shares: Sequence[Tensor]) -> list[Tensor]:
-    for a, x in zip(acc, shares, strict=True):
+def _add_all_(acc: list[Tensor], shares: Sequence[Tensor] | None) -> list[Tensor]:
+    """``acc += shares`` elementwise, in place (None: nothing arrived, Note [Direct
+    exchange])."""
+    for a, x in zip(acc, shares or (), strict=shares is not None):
         a.add_(x)
     return acc
