@@ -114,7 +114,7 @@ class RingDq:
         """The accumulator for ``blocks`` of the local queries ``q`` against K/V shaped as the
         local ``k``/``v``, with a positive ``scale``; ``window_args(window)``: flash-attn 4's
         window keywords. ``None`` (nothing launched) where a block's query rows do not start
-        on a tile of the kernel's configuration, or :func:`_plan` finds none."""
+        on a tile of the kernel's configuration, or where ``plan_of`` finds none."""
         iface = interface
         tensors = contiguous(iface, dout_BSHD, q_BSHD, out_BSHD, lse_BHS)
         dout, q = tensors[:2]
@@ -162,8 +162,9 @@ class RingDqVarlen:
     """:class:`RingDq` for varlen blocks (Note [A varlen dq accumulated inside flash-attn 4]).
     Build with :meth:`of`."""
 
-    def __init__(self, iface, tensors, plan: BlockPlan, cu_seqlens, rows, scale, window_args,
-                 deterministic):  # fmt: skip
+    def __init__(
+        self, iface, tensors, plan: BlockPlan, cu_seqlens, rows, scale, window_args, deterministic
+    ):
         self._iface, self._plan, self._cu_seqlens, self._rows = iface, plan, cu_seqlens, rows
         self._dout, self._q, self._out, lse = tensors
         self._scale, self._window_args, self._deterministic = scale, window_args, deterministic
@@ -198,7 +199,7 @@ class RingDqVarlen:
         with a positive ``scale``; ``window_args`` as for :meth:`RingDq.of`. ``None`` (nothing
         launched) where a block's query rows in a document do not start on a tile of the kernel
         and end on one or at the document's end, past ``_MAX_DOCUMENTS`` documents, or where
-        :func:`_plan` finds none."""
+        ``plan_of`` finds none."""
         iface = interface
         if cu_seqlens.shape[0] - 1 > _MAX_DOCUMENTS:
             return None
@@ -231,8 +232,8 @@ class RingDqVarlen:
             raise RuntimeError("flash-attn 4's tile orders changed within a backward")
         dk, dv = new_dkv(plan, k, v, r.cu_seqlens_k)
         varlen = (r.q_starts, r.cu_seqlens_k, r.q_used)
-        main_kernel(iface, plan, q, k, v, dout, self._lse_log2, self._dpsum, self._dq_accum, dk, dv,
-              self._scale, varlen)  # fmt: skip
+        accums = (self._lse_log2, self._dpsum, self._dq_accum)
+        main_kernel(iface, plan, q, k, v, dout, *accums, dk, dv, self._scale, varlen)
         if plan.group == 1:
             return dk, dv
         untile_([dk, dv], plan.perms[1:], [self._scale, 1.0])
