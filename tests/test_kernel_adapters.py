@@ -1658,6 +1658,39 @@ def test_ring_sums_unrounded_block_grads(flash_attn4_pieces, monkeypatch, world_
         clear_selection_cache()
 
 
+def _counting_preprocess(pieces, monkeypatch) -> list[int]:
+    """The rows (dense: its sequence length; varlen: its packed tokens) of every later call of
+    flash-attn 4's preprocess, as a list filled in place."""
+    preprocess, calls = pieces._bwd_preprocess, []
+
+    def counted(out, *args, **kwargs):
+        calls.append(out.shape[0 if args[5] is not None else 1])  # args[5]: cu_seqlens_q
+        return preprocess(out, *args, **kwargs)
+
+    monkeypatch.setattr(pieces, "_bwd_preprocess", counted)
+    return calls
+
+
+def _ring_in_modes(pieces, monkeypatch, accumulator: str, tensors, kw: dict):
+    """``simulate_ring(*tensors, **kw)`` through flash-attn 4's pieces, nondeterministic and
+    deterministic with the kernel's ``accumulator`` method, then without it: yields
+    ``(accumulator on, the preprocess calls' rows, simulate_ring's results)``."""
+    calls = _counting_preprocess(pieces, monkeypatch)
+    for deterministic, on in [(False, True), (True, True), (False, False)]:
+        monkeypatch.setattr(
+            torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d
+        )
+        if not on:
+            monkeypatch.setattr(FlashAttn4Kernel, accumulator, lambda *a, **kw: None)
+        calls.clear()
+        try:
+            clear_selection_cache()
+            results = simulate_ring(*tensors, **kw)
+        finally:
+            clear_selection_cache()
+        yield on, list(calls), results
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize(
     "layout,num_kv_heads,window",
@@ -1682,26 +1715,9 @@ def test_ring_dq_accumulated_by_the_kernel(
     kw = dict(layout=layout, world_size=world_size, backend="flash_attn4", scale=SCALE)
     kw["window_size"] = window or (-1, -1)
     causal, mask_window = normalize_window(kw["window_size"], True, S)
-    preprocess, calls = flash_attn4_pieces._bwd_preprocess, []
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[1])
-        return preprocess(*args, **kwargs)
-
-    monkeypatch.setattr(flash_attn4_pieces, "_bwd_preprocess", counted)
     accumulates = tokens % 128 == 0 or layout == "ring"  # ring: each rank's queries whole
-    for deterministic, accumulator in [(False, True), (True, True), (False, False)]:
-        monkeypatch.setattr(
-            torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d
-        )
-        if not accumulator:
-            monkeypatch.setattr(FlashAttn4Kernel, "dq_accumulator", lambda *a, **kw: None)
-        calls.clear()
-        try:
-            clear_selection_cache()
-            out, lse, *grads = simulate_ring(q, k, v, dout, **kw)
-        finally:
-            clear_selection_cache()
+    runs = _ring_in_modes(flash_attn4_pieces, monkeypatch, "dq_accumulator", (q, k, v, dout), kw)
+    for accumulator, calls, (out, lse, *grads) in runs:
         want = MATH.backward(
             *(t.double() for t in (dout, q, k, v, out, lse)),
             causal=causal,
@@ -1770,27 +1786,11 @@ def test_ring_varlen_dq_accumulated_by_the_kernel(
     kw = dict(layout=layout, world_size=world_size, backend="flash_attn4", scale=SCALE)
     kw |= dict(cu_seqlens=bounds, window_size=window_size)
     causal, mask_window = normalize_window(window_size, True, T)
-    preprocess, calls = flash_attn4_pieces._bwd_preprocess, []
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return preprocess(*args, **kwargs)
-
-    monkeypatch.setattr(flash_attn4_pieces, "_bwd_preprocess", counted)
     cu = torch.tensor(bounds, dtype=torch.int32)
     longest = max(lengths)
-    for deterministic, accumulator in [(False, True), (True, True), (False, False)]:
-        monkeypatch.setattr(
-            torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d
-        )
-        if not accumulator:
-            monkeypatch.setattr(FlashAttn4Kernel, "dq_accumulator_varlen", lambda *a, **kw: None)
-        calls.clear()
-        try:
-            clear_selection_cache()
-            out, lse, *grads = simulate_ring(q, k, v, dout, **kw)
-        finally:
-            clear_selection_cache()
+    name = "dq_accumulator_varlen"
+    runs = _ring_in_modes(flash_attn4_pieces, monkeypatch, name, (q, k, v, dout), kw)
+    for accumulator, calls, (out, lse, *grads) in runs:
         want = MATH.backward_varlen(
             *(t.double() for t in (dout, q, k, v, out, lse)), cu, cu, longest, longest,
             causal=causal, scale=SCALE, window=mask_window,
@@ -1815,15 +1815,11 @@ def test_ring_varlen_dq_accumulator_under_graph_capture(flash_attn4_pieces, monk
 
     monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
     monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", True)
+    monkeypatch.setattr(engine_blocks, "_BLOCKS_CACHE", {})  # no rows built by other tests
     bounds, W = [0, 256, 768], 2
     q = torch.randn(768, 2, 8).to(torch.bfloat16)
     kv = torch.randn(768, 1, 8).to(torch.bfloat16)
-    preprocess, calls = flash_attn4_pieces._bwd_preprocess, []
-    monkeypatch.setattr(
-        flash_attn4_pieces,
-        "_bwd_preprocess",
-        lambda *a, **kw: calls.append(a[0].shape[0]) or preprocess(*a, **kw),
-    )
+    calls = _counting_preprocess(flash_attn4_pieces, monkeypatch)
     kw = dict(layout="zigzag", world_size=W, backend="flash_attn4", cu_seqlens=bounds)
     try:
         clear_selection_cache()
