@@ -1735,24 +1735,17 @@ def test_ring_dq_accumulated_by_the_kernel(
 
 
 def _varlen_dq_cases():
-    """(world size, layout, K/V heads, window, aligned): GQA zigzag on the tiles, and the
-    windowed document layout at W = 3, in the fast tier; the rest (slow) in the whole suite."""
-    cases = itertools.product(
-        [
-            ("zigzag", 1, None),
-            ("zigzag", 2, None),
-            ("documents", 1, None),
-            ("documents", 1, (128, 0)),
-        ],
-        [True, False],
-        [1, 2, 3, 4],
-    )
-    for (layout, heads, window), aligned, world_size in cases:
-        zigzag = layout == "zigzag" and window is None
-        fast = aligned and heads == 1 and (zigzag or window is not None and world_size == 3)
-        yield pytest.param(
-            world_size, layout, heads, window, aligned, marks=() if fast else pytest.mark.slow
-        )
+    """(world size, layout, K/V heads, window, aligned): GQA zigzag on the tiles at W 1-4 and
+    the windowed document layout at W = 3 in the fast tier; MHA, documents off the tiles (a
+    rank sums per block) and the document layout at other sizes in the whole suite."""
+    window = (128, 0)
+    fast = [(w, "zigzag", 1, None, True) for w in (1, 2, 3, 4)]
+    fast.append((3, "documents", 1, window, True))
+    slow = [(w, "zigzag", 2, None, True) for w in (2, 3)]
+    slow += [(w, "zigzag", 1, None, False) for w in (2, 3, 4)]
+    slow += [(w, "documents", 1, None, True) for w in (2, 4)]
+    slow.append((4, "documents", 1, window, True))
+    return fast + [pytest.param(*case, marks=pytest.mark.slow) for case in slow]
 
 
 @pytest.mark.parametrize("world_size,layout,num_kv_heads,window,aligned", _varlen_dq_cases())
