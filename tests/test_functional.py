@@ -468,9 +468,6 @@ def check_direct_exchange_skips_unneeded_pairs(group: dist.ProcessGroup) -> None
         torch.testing.assert_close(got, shard(want.detach(), "ring", rank, W))
 
 
-@pytest.mark.parametrize(
-    "world_size",
-    [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)],
-)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_direct_exchange_skips_unneeded_pairs(dist_pool, world_size):
     dist_pool.run(check_direct_exchange_skips_unneeded_pairs, world_size)
