@@ -1831,6 +1831,29 @@ def test_ring_varlen_dq_accumulator_under_graph_capture(flash_attn4_pieces, monk
         clear_selection_cache()
 
 
+@pytest.mark.slow  # the fast tier's time
+def test_varlen_rows_built_only_for_a_kernel_that_sums_dq(flash_attn4_pieces, monkeypatch):
+    """The per-block rows of the varlen accumulator (host work, copies to the device) are built
+    only where the kernel may sum a rank's dq: not for flash-attn 4 with the switch off, nor
+    for the math kernel."""
+    from dtensor_ring.engine import blocks as engine_blocks
+
+    monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
+    bounds, q = [0, 256, 768], torch.randn(768, 2, 8).to(torch.bfloat16)
+    for backend, on in [("math", True), ("flash_attn4", False), ("flash_attn4", True)]:
+        monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", on)
+        monkeypatch.setattr(engine_blocks, "_BLOCKS_CACHE", {})
+        kw = dict(layout="zigzag", world_size=2, backend=backend, cu_seqlens=bounds)
+        try:
+            clear_selection_cache()
+            simulate_ring(q, q[:, :1], q[:, :1], q, **kw)
+        finally:
+            clear_selection_cache()
+        built = [bool(b._query_rows) for _, b in engine_blocks._BLOCKS_CACHE.values()]
+        want = backend == "flash_attn4" and on
+        assert built and built == [want] * len(built), (backend, on, built)
+
+
 def test_small_calls_prefer_a_kernel_of_little_host_time(flash_attn4, monkeypatch):
     """The automatic choice passes over flash-attn 4 for small calls (its host time sets their
     pace: kernels/base.py SMALL_BLOCK_WORK) when cuDNN can run them; large calls, what cuDNN

@@ -348,7 +348,7 @@ class VarlenBlocks:
         )
 
     def dq_accumulator(self, kernel, dout, q, k, v, out, lse, blocks, scale):
-        if len(self.bounds) < 2:  # llama3's gathered buffers: no local documents
+        if len(self.bounds) < 2 or not kernel.sums_varlen_dq():  # llama3: no local documents
             return None
         new = [blk for blk in blocks if blk not in self._query_rows]
         if (new or self._whole is None) and _capturing(self.device):

@@ -272,6 +272,11 @@ class BlockKernel:
         kernel, or ``None`` (the default): the engine then sums the blocks' dq itself."""
         return None
 
+    def sums_varlen_dq(self) -> bool:
+        """Whether :meth:`dq_accumulator_varlen` may return an accumulator (the engine builds
+        the rows it takes only then)."""
+        return False
+
     def dq_accumulator_varlen(
         self,
         dout_THD: Tensor,

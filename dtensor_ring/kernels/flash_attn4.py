@@ -211,12 +211,15 @@ class FlashAttn4Kernel(BlockKernel):
             deterministic=torch.are_deterministic_algorithms_enabled(),
         )
 
+    def sums_varlen_dq(self) -> bool:
+        return self.varlen_dq_in_kernel and self.unrounded_grads
+
     def dq_accumulator_varlen(
         self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens, max_seqlen, rows, *, scale
     ) -> RingDqVarlen | None:
         tensors = (dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT)
         interface = self._accumulating_interface(tensors, scale)
-        if interface is None or not self.varlen_dq_in_kernel:
+        if interface is None or not self.sums_varlen_dq():
             return None
         return RingDqVarlen.of(
             interface,
