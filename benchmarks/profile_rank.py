@@ -31,6 +31,7 @@ from dtensor_ring import (
     shard_varlen,
     varlen_balance,
 )
+from dtensor_ring.kernels import get_kernel
 from dtensor_ring.simulate import RankSimulator
 
 FAMILIES = [  # (family, regex on the kernel name), first match wins
@@ -117,9 +118,18 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--documents", type=int, default=0)
     p.add_argument(
-        "--python", action="store_true", help="also cProfile the host side of 20 forwards"
+        "--python",
+        action="store_true",
+        help="also cProfile the host side of 20 forwards and 20 forwards + backwards",
+    )
+    p.add_argument(
+        "--varlen-dq-in-kernel",
+        action="store_true",
+        help="flash_attn4: a varlen rank's dq summed in its kernel (off by default)",
     )
     a = p.parse_args()
+    if a.varlen_dq_in_kernel:
+        get_kernel("flash_attn4").varlen_dq_in_kernel = True
     device = torch.device("cuda")
     a.dtype = torch.bfloat16
     W = a.world_size
@@ -148,6 +158,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     if a.python:
         python_profile(sim.forward, os.path.join(a.out, "python_forward.txt"))
+        python_profile(fwd_bwd, os.path.join(a.out, "python_forward_backward.txt"))
     results = []
     for label, fn in (("forward", sim.forward), ("forward+backward", fwd_bwd)):
         for _ in range(3):

@@ -541,15 +541,24 @@ def ring_varlen_part() -> None:
     """Packed documents on the simulated ring (W = 4, 8192 tokens): flash-attn 4 with a rank's
     dq summed in its kernel (Note [A varlen dq accumulated inside flash-attn 4]) against its
     per-block varlen backward and single-device flash-attn 4, errors against fp64; how many
-    ranks accumulated; one rank's fwd+bwd time in both modes."""
+    ranks accumulated; one rank's fwd+bwd time in both modes (the first two cases). Cases:
+    zigzag and the document layout (GQA 32:8), zigzag with MHA, with a window of 512, and
+    deterministic."""
     from dtensor_ring.kernels import flash_attn4_ring_dq
     from dtensor_ring.simulate import RankSimulator
 
     W, bounds = 4, (0, 2048, 3072, 8192)  # zigzag halves of 256, 128 and 640 tokens
     cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-    q, k, v, dout = (t[0] for t in make_inputs(bounds[-1], bounds[-1], seed=3))
-    ref = reference(q, k, v, dout, causal=True, cu=cu)
-    single = errors(run(get_kernel("flash_attn4"), q, k, v, dout, causal=True, cu=cu), ref)
+    gqa = tuple(t[0] for t in make_inputs(bounds[-1], bounds[-1], seed=3))
+    q, k, v, dout = gqa
+    mha = (q, k.repeat_interleave(H // H_KV, 1), v.repeat_interleave(H // H_KV, 1), dout)
+    cases = [  # (label, layout, tensors, window, deterministic, timed)
+        ("zigzag", "zigzag", gqa, None, False, True),
+        ("documents", dr.document_layout(list(bounds), W), gqa, None, False, True),
+        ("zigzag MHA", "zigzag", mha, None, False, False),
+        ("zigzag window 512", "zigzag", gqa, (512, 0), False, False),
+        ("zigzag deterministic", "zigzag", gqa, None, True, False),
+    ]
     cls = flash_attn4_ring_dq.RingDqVarlen
     built, original = [], cls.__dict__["of"]  # the classmethod itself, restored below
 
@@ -561,23 +570,30 @@ def ring_varlen_part() -> None:
     cls.of = staticmethod(counted)
     rows = []
     try:
-        for label in ("zigzag", "documents"):
-            layout = label if label == "zigzag" else dr.document_layout(list(bounds), W)
+        for label, layout, tensors, window, deterministic, timed in cases:
+            if late(f"ring varlen {label}"):
+                continue
+            mask = dict(causal=window is None, window=window, cu=cu)  # a window: causal in it
+            ref = reference(*tensors, **mask)
+            single = errors(run(get_kernel("flash_attn4"), *tensors, **mask), ref)
             kw = dict(layout=layout, world_size=W, causal=True, backend="flash_attn4")
+            kw |= dict(cu_seqlens=list(bounds), window_size=window or (-1, -1))
+            torch.use_deterministic_algorithms(deterministic, warn_only=True)
             for mode in (IN_KERNEL, FP32):
                 row: dict[str, object] = dict(path=f"simulate varlen {label} W={W}", mode=mode)
                 built.clear()
                 # the in-kernel varlen sum is off by default until this part has checked it
                 with block_grads_mode("flash_attn4", mode, varlen_in_kernel=True):
-                    got = simulate_ring(q, k, v, dout, cu_seqlens=list(bounds), **kw)
-                    sim = RankSimulator(q, k, v, rank=0, cu_seqlens=list(bounds), **kw)
-                    grad = torch.randn_like(sim.q)
+                    got = simulate_ring(*tensors, **kw)
+                    if timed:
+                        sim = RankSimulator(*tensors[:3], rank=0, **kw)
+                        grad = torch.randn_like(sim.q)
 
-                    def step(sim=sim, grad=grad):
-                        sim.forward()
-                        sim.backward(grad)
+                        def step(sim=sim, grad=grad):
+                            sim.forward()
+                            sim.backward(grad)
 
-                    row["rank0_fwd_bwd_ms"] = median_ms(step)
+                        row["rank0_fwd_bwd_ms"] = median_ms(step)
                 row["errors"] = errors(dict(zip(NAMES, got, strict=True)), ref)
                 row["ratio_vs_single_flash_attn4"] = ratios(row["errors"], single)
                 row["ranks_accumulating"] = sum(built[:W])
@@ -586,6 +602,7 @@ def ring_varlen_part() -> None:
                 save()
     finally:
         cls.of = original
+        torch.use_deterministic_algorithms(False)
 
 
 def functional_row(name: str, q, k, v, dout, ref) -> dict[str, object]:
