@@ -53,8 +53,10 @@ are not so (or with more than ``_MAX_DOCUMENTS`` documents, where ``_flash_attn_
 batch-lookup table) sums per block. The block's K/V are taken by the engine as before; with GQA
 its dK/dV come back fp32, gathered from their padded rows (``padded_rows``); dq is gathered once
 at the end. Checked on CPU against a stand-in that reads whole tiles like the kernel
-(``tests/test_kernel_adapters.py``); off (``FlashAttn4Kernel.varlen_dq_in_kernel``) until the
-``ring_varlen`` part of ``tests/gpu/check_flash_attn4.py`` has checked it on a GPU.
+(``tests/test_kernel_adapters.py``), and on an H100 (2026-12-05, the ``ring_varlen`` part of
+``tests/gpu/check_flash_attn4.py``: zigzag and the document layout with GQA, dq as the per-block
+path's, dk and dv as single-device flash-attn 4's); off (``FlashAttn4Kernel.varlen_dq_in_kernel``)
+until MHA, windows and the deterministic backward have run there too (docs/performance.md).
 """
 
 from __future__ import annotations
