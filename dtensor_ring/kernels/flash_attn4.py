@@ -133,8 +133,8 @@ class FlashAttn4Kernel(BlockKernel):
     supports_varlen: ClassVar[bool] = True
     supports_window: ClassVar[bool] = True
     unrounded_grads: ClassVar[bool] = True  # dense, sm90 (Note [Unrounded block gradients ...])
-    # Note [A varlen dq accumulated inside flash-attn 4]: off until every case has been checked
-    # against fp64 on a GPU (tests/gpu/check_flash_attn4.py, part ring_varlen, turns it on).
+    # Note [A varlen dq accumulated inside flash-attn 4]: exact on an H100, off while it is
+    # slower at small sizes (docs/performance.md); the GPU check and benchmarks turn it on.
     varlen_dq_in_kernel: ClassVar[bool] = False
 
     def is_available(self) -> str | None:
