@@ -41,7 +41,7 @@ Varlen kernels (``supports_varlen``) take packed ``[T, H, D]`` tensors with int3
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -146,6 +146,9 @@ class VarlenQueryRows:
     max_seqlen_q: int
     max_seqlen_k: int
     q_spans: tuple[tuple[int, int, int], ...]
+    # what a kernel derives from these once and keeps for the next backward (never during a
+    # CUDA graph capture: the capture's memory is the graph's)
+    kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class BlockKernel:

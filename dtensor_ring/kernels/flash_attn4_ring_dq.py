@@ -241,7 +241,7 @@ class RingDqVarlen:
         if plan.group == 1:
             return dk, dv
         untile_([dk, dv], plan.perms[1:], [self._scale, 1.0])
-        rows = padded_rows(r.cu_seqlens_k, k.shape[0], plan.cfg.n_block_size)
+        rows = _kv_rows(r, k.shape[0], plan.cfg.n_block_size)
         dk = unpad(dk, rows, plan.hd_r, plan.head_dim)
         return dk, unpad(dv, rows, plan.hdv_r, plan.head_dim_v)
 
@@ -251,6 +251,18 @@ class RingDqVarlen:
         untile_([self._dq_accum], plan.perms[:1], [self._scale])
         rows = padded_rows(self._cu_seqlens, q.shape[0], plan.cfg.m_block_size)
         return unpad(self._dq_accum, rows, plan.hd_r, q.shape[2]).to(q.dtype)
+
+
+def _kv_rows(rows: VarlenQueryRows, total: int, tile: int) -> Tensor:
+    """:func:`padded_rows` of a block's K/V (``total`` rows), kept in ``rows.kernel_cache``
+    for the block's next backward (small ops: host time a block)."""
+    key = ("padded K/V rows", total, tile)
+    index = rows.kernel_cache.get(key)
+    if index is None:
+        index = padded_rows(rows.cu_seqlens_k, total, tile)
+        if not (index.is_cuda and torch.cuda.is_current_stream_capturing()):
+            rows.kernel_cache[key] = index
+    return index
 
 
 # The tile configuration (causal, local) every block of a RingDq is compiled with: one tile
