@@ -1595,11 +1595,11 @@ def test_flash_attn4_unrounded_grads_under_graph_capture(flash_attn4_pieces, mon
     k = torch.randn(1, 40, 2, 8).to(torch.bfloat16)
     out, lse = FLASH4.forward(q, k, k, causal=True, scale=SCALE)
     kw = dict(causal=True, scale=SCALE, unrounded=True)
-    monkeypatch.setattr(flash_attn4_grads, "_capturing", lambda device: True)
+    monkeypatch.setattr(flash_attn4_grads, "capturing", lambda device: True)
     assert [g.dtype for g in FLASH4.backward(q, q, k, k, out, lse, **kw)] == [torch.bfloat16] * 3
-    monkeypatch.setattr(flash_attn4_grads, "_capturing", lambda device: False)
+    monkeypatch.setattr(flash_attn4_grads, "capturing", lambda device: False)
     FLASH4.backward(q, q, k, k, out, lse, **kw)  # a warm-up call outside the capture
-    monkeypatch.setattr(flash_attn4_grads, "_capturing", lambda device: True)
+    monkeypatch.setattr(flash_attn4_grads, "capturing", lambda device: True)
     assert [g.dtype for g in FLASH4.backward(q, q, k, k, out, lse, **kw)] == [torch.float32] * 3
 
 
@@ -1818,12 +1818,12 @@ def test_ring_varlen_dq_accumulator_under_graph_capture(flash_attn4_pieces, monk
     kw = dict(layout="zigzag", world_size=W, backend="flash_attn4", cu_seqlens=bounds)
     try:
         clear_selection_cache()
-        monkeypatch.setattr(engine_blocks, "_capturing", lambda device: True)
+        monkeypatch.setattr(engine_blocks, "capturing", lambda device: True)
         simulate_ring(q, kv, kv, q, **kw)
         assert calls == [], calls
-        monkeypatch.setattr(engine_blocks, "_capturing", lambda device: False)
+        monkeypatch.setattr(engine_blocks, "capturing", lambda device: False)
         simulate_ring(q, kv, kv, q, **kw)  # the warm-up
-        monkeypatch.setattr(engine_blocks, "_capturing", lambda device: True)
+        monkeypatch.setattr(engine_blocks, "capturing", lambda device: True)
         calls.clear()
         simulate_ring(q, kv, kv, q, **kw)
         assert calls == [768 // W] * W, calls

@@ -194,11 +194,11 @@ class DirectExchanger(_PeerExchanger):
 
         self._peers = []
         for i, o in enumerate(plan.offsets[1:], start=1):
-            if to_source:  # where the K/V of step i came from, and who used ours
-                peers = (-o, o) if runs(r, i) else (None, o)
-                peers = (peers[0], o if runs(r + o, i) else None)
-            else:  # who needs our K/V at step i, and whether we need the visiting ones
-                peers = (o if runs(r + o, i) else None, -o if runs(r, i) else None)
+            ours, theirs = runs(r, i), runs(r + o, i)  # we use r - o's K/V; r + o uses ours
+            if to_source:  # our share back to r - o; r + o's share of our K/V to us
+                peers = (-o if ours else None, o if theirs else None)
+            else:  # our K/V to r + o; r - o's K/V to us
+                peers = (o if theirs else None, -o if ours else None)
             self._peers.append(tuple(None if h is None else self._global(h) for h in peers))
         self._to_source = to_source
         self._own: list[Tensor] | None = None

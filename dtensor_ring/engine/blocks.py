@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import BlockKernel, DqAccumulator
-from ..kernels.base import VarlenQueryRows
+from ..kernels.base import VarlenQueryRows, capturing
 from ..kernels.flex import FlexMods
 from ..kernels.merge import add_rows_, finish_rows, merge_
 from ..parts import Block, DocSpans, Part
@@ -351,7 +351,7 @@ class VarlenBlocks:
         if len(self.bounds) < 2 or not kernel.sums_varlen_dq():  # llama3: no local documents
             return None
         new = [blk for blk in blocks if blk not in self._query_rows]
-        if (new or self._whole is None) and _capturing(self.device):
+        if (new or self._whole is None) and capturing(self.device):
             return None  # building them copies to the device; a warm-up call builds them
         if self._whole is None:
             self._whole = self.rows.get(Part.ALL) or _rows(self.bounds, Part.ALL, self.device)
@@ -365,10 +365,6 @@ class VarlenBlocks:
         return kernel.dq_accumulator_varlen(
             dout, q, k, v, out, lse, whole.cu_seqlens, whole.max_seqlen, rows, scale=scale
         )
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _query_rows(

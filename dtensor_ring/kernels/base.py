@@ -107,6 +107,12 @@ class KernelCall:
 SMALL_BLOCK_WORK = 3072 * 3072 * 32 * 128
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (what must not
+    synchronise, copy from the host or be kept past the capture)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def is_small(tokens: int, heads: int, head_dim: int) -> bool:
     """Whether a call of ``tokens`` local tokens (the sequence a kernel sees), ``heads`` query
     heads of ``head_dim`` is a small one (:data:`SMALL_BLOCK_WORK`)."""

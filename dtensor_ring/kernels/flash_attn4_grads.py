@@ -37,10 +37,10 @@ fp32 either way.
 Which pieces we call, with which arguments, is copied from ``_flash_attn_bwd`` of
 ``flash-attn-4==4.0.0b36`` (sm90, dense and varlen; no sinks, score_mod, block sparsity or
 dlse): private functions, so :func:`unrounded_reason` accepts only that version and sm90, and
-every other case runs the plain ``_flash_attn_bwd``. Checked on an H200 against fp64
-(``tests/gpu/check_flash_attn4.py``; the varlen pieces not yet: Note [A varlen dq accumulated
-inside flash-attn 4]); on CPU against a stand-in of those pieces with a known tile order
-(``tests/test_kernel_adapters.py``).
+every other case runs the plain ``_flash_attn_bwd``. Checked against fp64 by
+``tests/gpu/check_flash_attn4.py`` (dense on an H200; varlen on an H100, Note [A varlen dq
+accumulated inside flash-attn 4]); on CPU against a stand-in of those pieces with a known tile
+order (``tests/test_kernel_adapters.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from .base import capturing
 from .flash_attn4_tiles import (
     as_BSHD,
     learnt,
@@ -92,11 +93,6 @@ def _config(interface: ModuleType, head_dim: int, head_dim_v: int, causal: bool,
     rounding of its accumulators."""
     cfg = interface._tile_size_bwd_sm90(head_dim, head_dim_v, causal, local)
     return cfg, (64 if cfg.dKV_swapAB else 32)
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on ``device``'s current stream."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass
@@ -213,7 +209,7 @@ def plan_of(
             iface, q, k, v, dout, causal, left, right, deterministic, tiles, seqlens
         )
     if plan.perms is None:
-        if _capturing(device) and not all(learnt(h, a, device) for h, a in plan.orders):
+        if capturing(device) and not all(learnt(h, a, device) for h, a in plan.orders):
             return None
         plan.perms = [tile_order(iface, h, a, device) for h, a in plan.orders]
     return None if None in plan.perms else plan

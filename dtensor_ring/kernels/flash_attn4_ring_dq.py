@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from ..parts import Block
-from .base import VarlenQueryRows
+from .base import VarlenQueryRows, capturing
 from .flash_attn4_grads import (
     BlockPlan,
     contiguous,
@@ -82,22 +82,50 @@ from .flash_attn4_grads import (
 from .flash_attn4_tiles import as_BSHD, padded_rows, padded_total, unpad, untile_
 
 
-class RingDq:
+class _KernelDq:
+    """What :class:`RingDq` and :class:`RingDqVarlen` share: the one preprocess of all local
+    queries (``tensors``: dout, q, out, lse) into an fp32 accumulator ``accum_shape``
+    (``cu_seqlens``: varlen), and each block's plan."""
+
+    def __init__(
+        self,
+        iface,
+        tensors,
+        plan: BlockPlan,
+        scale,
+        window_args,
+        deterministic,
+        accum_shape: tuple[int, ...],
+        cu_seqlens=None,
+    ):
+        self._iface, self._plan = iface, plan
+        self._dout, self._q, self._out, lse = tensors
+        self._scale, self._window_args, self._deterministic = scale, window_args, deterministic
+        self._dq_accum = torch.empty(accum_shape, dtype=torch.float32, device=lse.device)
+        self._dpsum, self._lse_log2 = preprocess(
+            iface, plan, self._out, self._dout, lse, self._dq_accum, cu_seqlens
+        )
+
+    def _block_plan(self, block: Block, q, k, v, dout, seqlens=None) -> BlockPlan:
+        """``block``'s plan in the accumulator's tile configuration (``_TILES``)."""
+        window = self._window_args(block.window)
+        left, right = window["window_size_left"], window["window_size_right"]
+        mask = (block.causal, left, right, self._deterministic, _TILES, seqlens)
+        plan = plan_of(self._iface, q, k, v, dout, *mask)
+        if plan is None:  # of() learnt every tile order of this configuration
+            raise RuntimeError("flash-attn 4's tile orders changed within a backward")
+        return plan
+
+
+class RingDq(_KernelDq):
     """The dq of a ring's backward, accumulated by flash-attn 4's own kernel (Note [dq
     accumulated inside flash-attn 4]): a :class:`~dtensor_ring.kernels.DqAccumulator`. Build
     with :meth:`of`."""
 
     def __init__(self, iface, tensors, plan: BlockPlan, scale, window_args, deterministic):
-        self._iface, self._plan = iface, plan
-        self._dout, self._q, self._out, lse = tensors
-        self._scale, self._window_args, self._deterministic = scale, window_args, deterministic
-        batch, _, num_head, _ = self._q.shape
-        self._dq_accum = torch.empty(
-            batch, num_head, plan.seq_q_r * plan.hd_r, dtype=torch.float32, device=lse.device
-        )
-        self._dpsum, self._lse_log2 = preprocess(
-            iface, plan, self._out, self._dout, lse, self._dq_accum
-        )
+        batch, _, num_head, _ = tensors[1].shape
+        shape = (batch, num_head, plan.seq_q_r * plan.hd_r)
+        super().__init__(iface, tensors, plan, scale, window_args, deterministic, shape)
 
     @classmethod
     def of(
@@ -140,11 +168,7 @@ class RingDq:
         a, b = block.q.bounds(self._q.shape[1])
         q, dout = self._q[:, a:b], self._dout[:, a:b]
         k, v = contiguous(iface, k_BSHD, v_BSHD)
-        window = self._window_args(block.window)
-        left, right = window["window_size_left"], window["window_size_right"]
-        plan = plan_of(iface, q, k, v, dout, block.causal, left, right, self._deterministic, _TILES)
-        if plan is None:  # of() learnt every tile order of this configuration
-            raise RuntimeError("flash-attn 4's tile orders changed within a backward")
+        plan = self._block_plan(block, q, k, v, dout)
         hd_r, rows = self._plan.hd_r, slice(a, a + plan.seq_q_r)
         dq_accum = self._dq_accum[:, :, rows.start * hd_r : rows.stop * hd_r]
         dpsum, lse_log2 = self._dpsum[:, :, rows], self._lse_log2[:, :, rows]
@@ -162,24 +186,17 @@ class RingDq:
         return dq.copy_(as_BSHD(self._dq_accum, plan.hd_r, q.shape[1], q.shape[3]))
 
 
-class RingDqVarlen:
+class RingDqVarlen(_KernelDq):
     """:class:`RingDq` for varlen blocks (Note [A varlen dq accumulated inside flash-attn 4]).
     Build with :meth:`of`."""
 
     def __init__(
         self, iface, tensors, plan: BlockPlan, cu_seqlens, rows, scale, window_args, deterministic
     ):
-        self._iface, self._plan, self._cu_seqlens, self._rows = iface, plan, cu_seqlens, rows
-        self._dout, self._q, self._out, lse = tensors
-        self._scale, self._window_args, self._deterministic = scale, window_args, deterministic
-        total, num_head = self._q.shape[:2]
-        padded = padded_total(total, cu_seqlens, plan.cfg.m_block_size)
-        self._dq_accum = torch.empty(
-            num_head, padded * plan.hd_r, dtype=torch.float32, device=lse.device
-        )
-        self._dpsum, self._lse_log2 = preprocess(
-            iface, plan, self._out, self._dout, lse, self._dq_accum, cu_seqlens
-        )
+        self._cu_seqlens, self._rows = cu_seqlens, rows
+        total, num_head = tensors[1].shape[:2]
+        shape = (num_head, padded_total(total, cu_seqlens, plan.cfg.m_block_size) * plan.hd_r)
+        super().__init__(iface, tensors, plan, scale, window_args, deterministic, shape, cu_seqlens)
 
     @classmethod
     def of(
@@ -226,14 +243,7 @@ class RingDqVarlen:
         ``[T_k, H_kv, D]``, fp32 with GQA."""
         iface, q, dout = self._iface, self._q, self._dout
         r, k, v = self._rows[block], *contiguous(iface, k_THD, v_THD)
-        window = self._window_args(block.window)
-        left, right = window["window_size_left"], window["window_size_right"]
-        seqlens = (r.max_seqlen_q, r.max_seqlen_k)
-        plan = plan_of(
-            iface, q, k, v, dout, block.causal, left, right, self._deterministic, _TILES, seqlens
-        )
-        if plan is None:  # of() learnt every tile order of this configuration
-            raise RuntimeError("flash-attn 4's tile orders changed within a backward")
+        plan = self._block_plan(block, q, k, v, dout, (r.max_seqlen_q, r.max_seqlen_k))
         dk, dv = new_dkv(plan, k, v, r.cu_seqlens_k)
         varlen = (r.q_starts, r.cu_seqlens_k, r.q_used)
         accums = (self._lse_log2, self._dpsum, self._dq_accum)
@@ -260,7 +270,7 @@ def _kv_rows(rows: VarlenQueryRows, total: int, tile: int) -> Tensor:
     index = rows.kernel_cache.get(key)
     if index is None:
         index = padded_rows(rows.cu_seqlens_k, total, tile)
-        if not (index.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not capturing(index.device):
             rows.kernel_cache[key] = index
     return index
 

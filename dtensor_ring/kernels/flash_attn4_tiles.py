@@ -142,7 +142,7 @@ def padded_rows(cu_seqlens: Tensor, total: int, tile: int) -> Tensor:
 
 def unpad(accum: Tensor, rows: Tensor, hdim_r: int, hdim: int) -> Tensor:
     """``[T, H, D]`` fp32 of an untiled varlen accumulator ``[H, R * hdim_r]`` at ``rows``
-    (:func:`_padded_rows`)."""
+    (:func:`padded_rows`)."""
     return accum.view(accum.shape[0], -1, hdim_r).transpose(0, 1).index_select(0, rows)[..., :hdim]
 
 
