@@ -275,6 +275,7 @@ class VarlenBlocks:
         self.rows, self.bounds, self.device = rows, bounds, device
         self._whole: _Rows | None = None  # the local documents
         self._query_rows: dict[Block, VarlenQueryRows | None] = {}  # (_query_rows)
+        self._kernel_cache: dict = {}  # the dq accumulator's, for the next backward
 
     def new_lse(self, q_THD: Tensor, dtype: torch.dtype) -> Tensor:
         T, H, _ = q_THD.shape
@@ -363,7 +364,17 @@ class VarlenBlocks:
             return None
         whole = self._whole
         return kernel.dq_accumulator_varlen(
-            dout, q, k, v, out, lse, whole.cu_seqlens, whole.max_seqlen, rows, scale=scale
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            whole.cu_seqlens,
+            whole.max_seqlen,
+            rows,
+            scale=scale,
+            cache=self._kernel_cache,
         )
 
 

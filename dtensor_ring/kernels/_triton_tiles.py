@@ -1,10 +1,15 @@
-"""An in-place Triton kernel for Note [Unrounded block gradients from flash-attn 4] (CUDA only;
-imported lazily).
+"""Triton kernels for Note [Unrounded block gradients from flash-attn 4] (CUDA only; imported
+lazily).
 
-One launch per block backward for its (up to three) accumulators, one program per tile: it
-loads the tile in the postprocess's order, waits for every thread's loads (a barrier), and
-stores it back row-major and scaled. One pass over each accumulator and no second fp32 copy of
-it (the eager gather makes one: +128 MiB for dq at 8192 tokens, 32 heads of 128).
+``triton_untile_``: one launch per block backward for its (up to three) accumulators, one
+program per tile: it loads the tile in the postprocess's order, waits for every thread's loads
+(a barrier), and stores it back row-major and scaled, in place. One pass over each accumulator
+and no second fp32 copy of it (the eager gather makes one: +128 MiB for dq at 8192 tokens, 32
+heads of 128).
+
+``triton_untile_rows``: a varlen accumulator's packed rows read straight from its padded tiles
+(Note [A varlen dq accumulated inside flash-attn 4]), scaled and cast: what ``untile_``, a
+gather of the rows and a cast do, in one launch for up to two accumulators (dK and dV).
 """
 
 from __future__ import annotations
@@ -56,3 +61,57 @@ def triton_untile_(accums: Sequence[Tensor], perms: Sequence[Tensor], scales: Se
     _untile_kernel[(total,)](
         a0, p0, s0, t0, n0, a1, p1, s1, t1, n1, a2, p2, s2, t2, BLOCK=block, num_warps=8
     )
+
+
+@triton.jit
+def _untile_rows_kernel(
+    rows, total,
+    acc0, perm0, scale0, out0, hdim0, hdim_r0, head_len0,
+    acc1, perm1, scale1, out1, hdim1, hdim_r1, head_len1,
+    TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    head, heads = tl.program_id(1).to(tl.int64), tl.num_programs(1)
+    if tl.program_id(2) == 0:
+        acc, perm, scale, out = acc0, perm0, scale0, out0
+        hdim, hdim_r, head_len = hdim0, hdim_r0, head_len0
+    else:
+        acc, perm, scale, out = acc1, perm1, scale1, out1
+        hdim, hdim_r, head_len = hdim1, hdim_r1, head_len1
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    inside = (t < total)[:, None] & (d < hdim)[None, :]
+    padded = tl.load(rows + t, mask=t < total, other=0)  # int64: each packed row's padded row
+    tile, row = padded // TILE, padded % TILE
+    source = tl.load(perm + row[:, None] * hdim_r + d[None, :], mask=inside, other=0)
+    tile_start = head * head_len + tile * (TILE * hdim_r)
+    x = tl.load(acc + tile_start[:, None] + source, mask=inside, other=0.0)
+    target = (t.to(tl.int64) * heads + head) * hdim
+    tl.store(out + target[:, None] + d[None, :], (x * scale).to(out.dtype.element_ty), mask=inside)
+
+
+def triton_untile_rows(
+    accums: Sequence[Tensor],
+    perms: Sequence[Tensor],
+    scales: Sequence[float],
+    rows: Tensor,
+    tile: int,
+    outs: Sequence[Tensor],
+) -> None:
+    """For each (up to two) contiguous fp32 varlen ``accum`` ``[H, R * hdim_r]`` of whole
+    tiles of ``tile`` rows (``perm.numel() = tile * hdim_r``): ``out[t, h] = scale *`` row
+    ``rows[t]`` (int64) of head ``h`` in row-major order, into its contiguous ``out``
+    ``[T, H, hdim]`` of any float dtype; one launch."""
+    segments = [
+        (a, p, float(s), o, o.shape[2], p.numel() // tile, a.shape[1])
+        for a, p, s, o in zip(accums, perms, scales, outs, strict=True)
+    ]
+    block_d = triton.next_power_of_2(max(seg[4] for seg in segments))
+    grid = (triton.cdiv(rows.numel(), _ROWS), accums[0].shape[0], len(segments))
+    if len(segments) == 1:
+        segments.append(segments[0])
+    _untile_rows_kernel[grid](
+        rows, rows.numel(), *segments[0], *segments[1], TILE=tile, ROWS=_ROWS, BLOCK_D=block_d
+    )
+
+
+_ROWS = 16  # packed rows a program

@@ -41,7 +41,7 @@ Varlen kernels (``supports_varlen``) take packed ``[T, H, D]`` tensors with int3
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
@@ -152,9 +152,6 @@ class VarlenQueryRows:
     max_seqlen_q: int
     max_seqlen_k: int
     q_spans: tuple[tuple[int, int, int], ...]
-    # what a kernel derives from these once and keeps for the next backward (never during a
-    # CUDA graph capture: the capture's memory is the graph's)
-    kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class BlockKernel:
@@ -299,10 +296,14 @@ class BlockKernel:
         rows: Mapping[Block, VarlenQueryRows],
         *,
         scale: float,
+        cache: dict,
     ) -> DqAccumulator | None:
         """:meth:`dq_accumulator` for varlen blocks: the local documents are ``cu_seqlens``
         (int32 ``[N + 1]``), ``rows[block]`` where each block's queries and K/V lie. ``dk``/``dv``
-        of ``DqAccumulator.backward`` are ``[T_k, H_kv, D]`` rows of the K/V it is given."""
+        of ``DqAccumulator.backward`` are ``[T_k, H_kv, D]`` rows of the K/V it is given.
+        ``cache``: kept by the engine with these documents and rows, for what a kernel derives
+        from them once (filled only outside a CUDA graph capture: the capture's memory is the
+        graph's)."""
         return None
 
     # --- varlen blocks, [T, H, D] with cu_seqlens ----------------------------------------

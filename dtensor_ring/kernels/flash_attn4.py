@@ -215,7 +215,19 @@ class FlashAttn4Kernel(BlockKernel):
         return self.varlen_dq_in_kernel and self.unrounded_grads
 
     def dq_accumulator_varlen(
-        self, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, cu_seqlens, max_seqlen, rows, *, scale
+        self,
+        dout_THD,
+        q_THD,
+        k_THD,
+        v_THD,
+        out_THD,
+        lse_HT,
+        cu_seqlens,
+        max_seqlen,
+        rows,
+        *,
+        scale,
+        cache,
     ) -> RingDqVarlen | None:
         tensors = (dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT)
         interface = self._accumulating_interface(tensors, scale)
@@ -228,6 +240,7 @@ class FlashAttn4Kernel(BlockKernel):
             max_seqlen,
             rows,
             scale=scale,
+            cache=cache,
             window_args=_window_args,
             deterministic=torch.are_deterministic_algorithms_enabled(),
         )

@@ -228,6 +228,8 @@ def new_dkv(
     else:
         lead, rows = (k.shape[1],), padded_total(k.shape[0], cu_seqlens_k, plan.cfg.n_block_size)
     f32, device = torch.float32, k.device
+    if plan.hd_r == plan.hdv_r:  # one launch
+        return torch.zeros(2, *lead, rows * plan.hd_r, dtype=f32, device=device).unbind(0)
     dk = torch.zeros(*lead, rows * plan.hd_r, dtype=f32, device=device)
     dv = torch.zeros(*lead, rows * plan.hdv_r, dtype=f32, device=device)
     return dk, dv

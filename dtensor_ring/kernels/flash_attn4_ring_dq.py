@@ -79,7 +79,7 @@ from .flash_attn4_grads import (
     plan_of,
     preprocess,
 )
-from .flash_attn4_tiles import as_BSHD, padded_rows, padded_total, unpad, untile_
+from .flash_attn4_tiles import as_BSHD, padded_rows, padded_total, untile_, untile_rows
 
 
 class _KernelDq:
@@ -191,9 +191,18 @@ class RingDqVarlen(_KernelDq):
     Build with :meth:`of`."""
 
     def __init__(
-        self, iface, tensors, plan: BlockPlan, cu_seqlens, rows, scale, window_args, deterministic
+        self,
+        iface,
+        tensors,
+        plan: BlockPlan,
+        cu_seqlens,
+        rows,
+        cache,
+        scale,
+        window_args,
+        deterministic,
     ):
-        self._cu_seqlens, self._rows = cu_seqlens, rows
+        self._cu_seqlens, self._rows, self._cache = cu_seqlens, rows, cache
         total, num_head = tensors[1].shape[:2]
         shape = (num_head, padded_total(total, cu_seqlens, plan.cfg.m_block_size) * plan.hd_r)
         super().__init__(iface, tensors, plan, scale, window_args, deterministic, shape, cu_seqlens)
@@ -213,14 +222,16 @@ class RingDqVarlen(_KernelDq):
         rows: Mapping[Block, VarlenQueryRows],
         *,
         scale: float,
+        cache: dict,
         window_args: Callable[[tuple[int, int] | None], dict],
         deterministic: bool,
     ) -> RingDqVarlen | None:
         """The accumulator for the blocks of ``rows`` of the local documents ``cu_seqlens``,
-        with a positive ``scale``; ``window_args`` as for :meth:`RingDq.of`. ``None`` (nothing
-        launched) where a block's query rows in a document do not start on a tile of the kernel
-        and end on one or at the document's end, past ``_MAX_DOCUMENTS`` documents, or where
-        ``plan_of`` finds none."""
+        with a positive ``scale``; ``cache``: kept with these documents and rows for the next
+        backward (the padded rows of dq, dK and dV); ``window_args`` as for
+        :meth:`RingDq.of`. ``None`` (nothing launched) where a block's query rows in a
+        document do not start on a tile of the kernel and end on one or at the document's end,
+        past ``_MAX_DOCUMENTS`` documents, or where ``plan_of`` finds none."""
         iface = interface
         if cu_seqlens.shape[0] - 1 > _MAX_DOCUMENTS:
             return None
@@ -235,7 +246,8 @@ class RingDqVarlen(_KernelDq):
         for r in rows.values():
             if any(a % m or (b % m and b != n) for a, b, n in r.q_spans):
                 return None
-        return cls(iface, tensors, plan, cu_seqlens, rows, scale, window_args, deterministic)
+        args = (cu_seqlens, rows, cache, scale, window_args, deterministic)
+        return cls(iface, tensors, plan, *args)
 
     def backward(self, block: Block, k_THD: Tensor, v_THD: Tensor) -> tuple[Tensor, Tensor]:
         """Add ``block``'s dq into the accumulator (its rows of the local queries, read in
@@ -250,29 +262,31 @@ class RingDqVarlen(_KernelDq):
         main_kernel(iface, plan, q, k, v, dout, *accums, dk, dv, self._scale, varlen)
         if plan.group == 1:
             return dk, dv
-        untile_([dk, dv], plan.perms[1:], [self._scale, 1.0])
-        rows = _kv_rows(r, k.shape[0], plan.cfg.n_block_size)
-        dk = unpad(dk, rows, plan.hd_r, plan.head_dim)
-        return dk, unpad(dv, rows, plan.hdv_r, plan.head_dim_v)
+        tile = plan.cfg.n_block_size
+        rows = self._padded_rows(block, r.cu_seqlens_k, k.shape[0], tile)
+        dims = [plan.head_dim, plan.head_dim_v]
+        dk, dv = untile_rows(
+            [dk, dv], plan.perms[1:], [self._scale, 1.0], rows, tile, dims, dk.dtype
+        )
+        return dk, dv
 
     def result(self) -> Tensor:
         """dq ``[T, H, D]`` in the input dtype: the accumulator scaled and rounded once."""
-        plan, q = self._plan, self._q
-        untile_([self._dq_accum], plan.perms[:1], [self._scale])
-        rows = padded_rows(self._cu_seqlens, q.shape[0], plan.cfg.m_block_size)
-        return unpad(self._dq_accum, rows, plan.hd_r, q.shape[2]).to(q.dtype)
+        plan, q, tile = self._plan, self._q, self._plan.cfg.m_block_size
+        rows = self._padded_rows(None, self._cu_seqlens, q.shape[0], tile)
+        scale, dims = [self._scale], [q.shape[2]]
+        return untile_rows([self._dq_accum], plan.perms[:1], scale, rows, tile, dims, q.dtype)[0]
 
-
-def _kv_rows(rows: VarlenQueryRows, total: int, tile: int) -> Tensor:
-    """:func:`padded_rows` of a block's K/V (``total`` rows), kept in ``rows.kernel_cache``
-    for the block's next backward (small ops: host time a block)."""
-    key = ("padded K/V rows", total, tile)
-    index = rows.kernel_cache.get(key)
-    if index is None:
-        index = padded_rows(rows.cu_seqlens_k, total, tile)
-        if not capturing(index.device):
-            rows.kernel_cache[key] = index
-    return index
+    def _padded_rows(self, block: Block | None, cu_seqlens: Tensor, total: int, tile: int):
+        """:func:`padded_rows` of ``block``'s K/V (None: of the local queries), kept in the
+        cache for the next backward (about ten small ops: host time)."""
+        key = ("padded rows", block, total, tile)
+        index = self._cache.get(key)
+        if index is None:
+            index = padded_rows(cu_seqlens, total, tile)
+            if not capturing(index.device):
+                self._cache[key] = index
+        return index
 
 
 # The tile configuration (causal, local) every block of a RingDq is compiled with: one tile

@@ -107,7 +107,7 @@ def tile_order(interface, hdim: int, args: dict, device: torch.device) -> Tensor
 def untile_(accums: list[Tensor], perms: list[Tensor], scales: list[float]) -> None:
     """Each ``accum`` (``[B, H, n_tiles * tile]``) scaled and in row-major tile order, in place:
     one Triton launch on CUDA (Note [Unrounded block gradients from flash-attn 4])."""
-    untile = _triton_untile() if accums[0].is_cuda else None
+    untile = _triton("triton_untile_") if accums[0].is_cuda else None
     if untile is not None:
         untile(accums, perms, scales)
         return
@@ -140,16 +140,40 @@ def padded_rows(cu_seqlens: Tensor, total: int, tile: int) -> Tensor:
     return rows + (starts - cu[:-1])[doc]
 
 
-def unpad(accum: Tensor, rows: Tensor, hdim_r: int, hdim: int) -> Tensor:
-    """``[T, H, D]`` fp32 of an untiled varlen accumulator ``[H, R * hdim_r]`` at ``rows``
-    (:func:`padded_rows`)."""
-    return accum.view(accum.shape[0], -1, hdim_r).transpose(0, 1).index_select(0, rows)[..., :hdim]
+def untile_rows(
+    accums: list[Tensor],
+    perms: list[Tensor],
+    scales: list[float],
+    rows: Tensor,
+    tile: int,
+    hdims: list[int],
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """Each varlen ``accum`` ``[H, R * hdim_r]`` (tiles of ``tile`` rows in ``perm``'s
+    order) as ``[T, H, hdim]`` of ``dtype``: its rows ``rows`` (:func:`padded_rows`), scaled.
+    One Triton launch on CUDA for up to two; else :func:`untile_` (in place), a gather and a
+    cast."""
+    T = rows.numel()
+    outs = [
+        torch.empty(T, a.shape[0], h, dtype=dtype, device=a.device)
+        for a, h in zip(accums, hdims, strict=True)
+    ]
+    untile = _triton("triton_untile_rows") if accums[0].is_cuda else None
+    if untile is not None:
+        untile(accums, perms, scales, rows, tile, outs)
+        return outs
+    untile_(accums, perms, scales)
+    for accum, perm, out in zip(accums, perms, outs, strict=True):
+        by_row = accum.view(accum.shape[0], -1, perm.numel() // tile).transpose(0, 1)
+        out.copy_(by_row.index_select(0, rows)[..., : out.shape[2]])
+    return outs
 
 
 @functools.cache
-def _triton_untile():
+def _triton(name: str):
+    """``_triton_tiles``'s ``name`` (imported on first use), or None without Triton."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from ._triton_tiles import triton_untile_
+    from . import _triton_tiles
 
-    return triton_untile_
+    return getattr(_triton_tiles, name)

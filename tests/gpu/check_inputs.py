@@ -7,7 +7,10 @@
   backend on contiguous inputs with the positive scale, + 1e-3 (a wrong stride gives garbage);
 * the Triton merge (``kernels/_triton_merge.py``) against the eager merge on fp32 rows with
   Inf outputs and -inf / +inf / NaN lse: the same NaN/Inf positions, finite values within
-  1e-6.
+  1e-6;
+* the Triton reorder of varlen accumulators into rows (``untile_rows``, Note [A varlen dq
+  accumulated inside flash-attn 4]) against its eager path on the CPU, fp32 and bf16, head
+  dims rounded up or not, one and two accumulators: equal.
 
     python tests/gpu/check_inputs.py     # one GPU, seconds; JSON to $OUT/check_inputs.json
 """
@@ -141,17 +144,51 @@ def check_merge() -> dict:
     return result
 
 
+def check_untile_rows() -> list[dict]:
+    from dtensor_ring.kernels.flash_attn4_tiles import padded_rows, padded_total, untile_rows
+
+    gen = torch.Generator().manual_seed(2)
+    cu = torch.tensor([0, 5, 130, 131, 400, 512], dtype=torch.int32)
+    total, heads, rows = 512, 4, []
+    for tile, dims, dims_r, dtype in (
+        (64, [128, 128], [128, 128], torch.float32),
+        (64, [96, 80], [128, 96], torch.bfloat16),
+        (128, [128], [128], torch.bfloat16),
+    ):
+        padded = padded_total(total, cu, tile)
+        accums = [torch.randn(heads, padded * r, generator=gen) for r in dims_r]
+        perms = [torch.randperm(tile * r, generator=gen) for r in dims_r]
+        scales = [0.125, 1.0][: len(dims)]
+        index = padded_rows(cu, total, tile)
+        want = untile_rows([a.clone() for a in accums], perms, scales, index, tile, dims, dtype)
+        got = untile_rows(
+            [a.cuda() for a in accums],
+            [p.cuda() for p in perms],
+            scales,
+            index.cuda(),
+            tile,
+            dims,
+            dtype,
+        )
+        ok = all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+        rows.append(dict(tile=tile, dims=dims, dims_r=dims_r, dtype=str(dtype), ok=ok))
+    return rows
+
+
 def main() -> None:
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     kernels = check_kernels()
     merge = check_merge()
-    for r in kernels:
+    untile = check_untile_rows()
+    for r in kernels + untile:
         print(r)
     print("merge:", merge)
     with open(os.path.join(out_dir, "check_inputs.json"), "w") as f:
-        json.dump(dict(torch=torch.__version__, kernels=kernels, merge=merge), f, indent=1)
-    bad = [r for r in kernels if r.get("ok") is False] + ([merge] if not merge["ok"] else [])
+        result = dict(torch=torch.__version__, kernels=kernels, merge=merge, untile_rows=untile)
+        json.dump(result, f, indent=1)
+    bad = [r for r in kernels + untile if r.get("ok") is False]
+    bad += [merge] if not merge["ok"] else []
     print("check_inputs:", "OK" if not bad else f"{len(bad)} FAILED")
 
 
