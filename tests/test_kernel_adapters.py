@@ -883,8 +883,11 @@ def fa4_flash_attn_fwd(
     FA4_CALLS.append(args)
     used = {"q", "k", "v", "softmax_scale", "causal", "window_size_left", "window_size_right"}
     used |= {"return_lse", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
-    used |= {"out", "lse"}
+    used |= {"out", "lse", "pack_gqa"}
     _fa4_unused_at_defaults(fa4_flash_attn_fwd, args, used)
+    # the sm90 forward class it would compile now: the ring's fp32 one only with pack-GQA off
+    fp32_out = sys.modules["flash_attn.cute.interface"].FlashAttentionForwardSm90 is FA4Fp32Out
+    assert pack_gqa is (False if fp32_out else None)
     q, k, v = (_fa4_maybe_contiguous(x) for x in (q, k, v))
     _fa4_check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
@@ -901,7 +904,7 @@ def fa4_flash_attn_fwd(
     key = (q.dtype, q.shape[-1], causal, local, varlen, lse is None)
     cache = fa4_flash_attn_fwd.compile_cache
     if key not in cache:
-        cache[key] = functools.partial(_fa4_compiled_fwd, causal)
+        cache[key] = functools.partial(_fa4_compiled_fwd, causal, fp32_out)
     aux = (None, None)  # AuxData(None, None)
     cache[key](
         q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, None, None, None, left,
@@ -911,13 +914,22 @@ def fa4_flash_attn_fwd(
 
 
 def _fa4_compiled_fwd(
-    causal, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-    page_table, left, right, sink, sparse, aux, cu_total_m_blocks, cu_total_splits_m_blocks,
+    causal, fp32_out, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
+    seqused_k, page_table, left, right, sink, sparse, aux, cu_total_m_blocks,
+    cu_total_splits_m_blocks,
 ):  # fmt: skip
     """The stand-in's compiled forward: writes ``out`` and ``lse`` (the mask: FA4's own causal
-    flag and window sides, resolved)."""
+    flag and window sides, resolved); compiled from the ring's fp32 class, ``out`` in fp32 into
+    the buffer whose rows' first ``D`` values of the input dtype ``out`` views, as its epilogue
+    does (Note [fp32 block outputs from flash-attn 4])."""
     kw = dict(causal=False, scale=scale, window=_fa4_window(causal, left, right))
     o, lse_ = _fa4_math("forward", cu_seqlens_q, cu_seqlens_k, q, k, v, **kw)
+    if fp32_out:
+        assert out.dtype in (torch.bfloat16, torch.float16)
+        strides = [s // 2 for s in out.stride()[:-1]] + [1]
+        out = torch.empty(0).set_(
+            out.untyped_storage(), out.storage_offset() // 2, out.shape, strides
+        )
     out.copy_(o)
     if lse is not None:
         lse.copy_(lse_)
@@ -990,6 +1002,14 @@ def fa4_flash_attn_bwd(
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
 
 
+class FA4ForwardSm90:
+    """Stands in for flash-attn 4's sm90 forward class (what the interface compiles)."""
+
+
+class FA4Fp32Out(FA4ForwardSm90):
+    """Stands in for ``_flash_attn4_fp32_out``'s class: the forward writes ``out`` in fp32."""
+
+
 @pytest.fixture
 def flash_attn4(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Stand-in ``flash_attn.cute.interface`` on an sm90 device; returns the recorded calls."""
@@ -1001,12 +1021,17 @@ def flash_attn4(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     interface = types.ModuleType("flash_attn.cute.interface")
     interface._flash_attn_fwd = fa4_flash_attn_fwd
     interface._flash_attn_bwd = fa4_flash_attn_bwd
+    interface.FlashAttentionForwardSm90 = FA4ForwardSm90
+    fp32_out = types.ModuleType("dtensor_ring.kernels._flash_attn4_fp32_out")
+    fp32_out.FlashAttentionForwardSm90Fp32Out = FA4Fp32Out
+    monkeypatch.setitem(sys.modules, fp32_out.__name__, fp32_out)
     packages["flash_attn"].cute = packages["flash_attn.cute"]
     packages["flash_attn.cute"].interface = interface
     for name, module in (*packages.items(), ("flash_attn.cute.interface", interface)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(flash_attn4_module, "_capability", lambda: (9, 0))
     monkeypatch.setattr(fa4_launch, "_LAUNCHES", {})  # each test records its own launches
+    monkeypatch.setattr(fa4_launch, "_FP32_OUT_CACHE", {})
     monkeypatch.setattr(fa4_flash_attn_fwd, "compile_cache", {})
     FA4_CALLS.clear()
     return FA4_CALLS
@@ -1634,9 +1659,11 @@ def _rounded_once(x: Tensor, ref: Tensor) -> bool:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ring_sums_unrounded_block_grads(flash_attn4_pieces, monkeypatch, world_size):
-    """The ring through flash-attn 4's pieces: each gradient is the fp64 one rounded once to
-    bf16 (its blocks summed in fp32); with bf16 block gradients it is not (W >= 2)."""
+    """The ring through flash-attn 4's pieces: out and each gradient are the fp64 ones rounded
+    once to bf16 (block outputs merged and block gradients summed in fp32); with bf16 block
+    outputs or gradients they are not (W >= 2)."""
     monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
+    monkeypatch.setattr(FlashAttn4Kernel, "unrounded_outputs", True)
     B, H, H_kv, D, S = 1, 4, 2, 8, 24 * world_size
     g = torch.Generator().manual_seed(5)
     q, dout = torch.randn(2, B, S, H, D, generator=g).to(torch.bfloat16).unbind(0)
@@ -1645,15 +1672,22 @@ def test_ring_sums_unrounded_block_grads(flash_attn4_pieces, monkeypatch, world_
     try:
         clear_selection_cache()
         out, lse, *grads = simulate_ring(q, k, v, dout, **kw)
+        want_out = MATH.forward(*(t.double() for t in (q, k, v)), causal=True, scale=SCALE)[0]
+        assert _rounded_once(out, want_out)
         # one device's gradients, given the same (bf16) out: only the sum's rounding differs
         want = MATH.backward(
             *(t.double() for t in (dout, q, k, v, out, lse)), causal=True, scale=SCALE
         )
         assert all(_rounded_once(x, w) for x, w in zip(grads, want, strict=True))
+        monkeypatch.setattr(FlashAttn4Kernel, "unrounded_outputs", False)
         monkeypatch.setattr(FlashAttn4Kernel, "unrounded_grads", False)
-        rounded = simulate_ring(q, k, v, dout, **kw)[2:]
-        once = [_rounded_once(x, w) for x, w in zip(rounded, want, strict=True)]
-        assert all(once) if world_size == 1 else not all(once), once
+        out, lse, *rounded = simulate_ring(q, k, v, dout, **kw)
+        want = MATH.backward(
+            *(t.double() for t in (dout, q, k, v, out, lse)), causal=True, scale=SCALE
+        )
+        pairs = zip([out, *rounded], [want_out, *want], strict=True)
+        once = [_rounded_once(x, w) for x, w in pairs]
+        assert all(once) if world_size == 1 else not any(once), once
     finally:
         clear_selection_cache()
 

@@ -72,9 +72,18 @@ class Blocks(Protocol):
         ...
 
     def forward(
-        self, kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, block: Block, scale: float
+        self,
+        kernel: BlockKernel,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        block: Block,
+        scale: float,
+        unrounded: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` of ``block`` on parts already taken with :meth:`take`."""
+        """``(out, lse)`` of ``block`` on parts already taken with :meth:`take`;
+        ``unrounded``: the caller merges it, ``out`` may come in the accumulation dtype
+        (``BlockKernel.forward``)."""
         ...
 
     def finish(self, out: Tensor, lse: Tensor, whole: bool, dtype: torch.dtype) -> Tensor:
@@ -171,8 +180,10 @@ class DenseBlocks:
     def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         merge_(_part(out_acc, part, 1), _part(lse_acc, part, 2), out_b, lse_b)
 
-    def forward(self, kernel, q, k, v, block, scale):
-        return kernel.forward(q, k, v, causal=block.causal, scale=scale, window=block.window)
+    def forward(self, kernel, q, k, v, block, scale, unrounded=False):
+        return kernel.forward(
+            q, k, v, causal=block.causal, scale=scale, window=block.window, unrounded=unrounded
+        )
 
     def finish(self, out, lse, whole, dtype):
         return softmax_empty_rows(out, lse, whole, dtype)
@@ -216,8 +227,8 @@ class FlexBlocks(DenseBlocks):
         super().__init__(seq_local)
         self.mods, self.dlse_BHS = mods, dlse_BHS
 
-    def forward(self, kernel, q, k, v, block, scale):
-        return kernel.forward(q, k, v, block.origin, scale, self.mods)
+    def forward(self, kernel, q, k, v, block, scale, unrounded=False):
+        return kernel.forward(q, k, v, block.origin, scale, self.mods)  # flex rounds its out
 
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         dlse = None if self.dlse_BHS is None else self.take_lse(self.dlse_BHS, block.q)
@@ -315,7 +326,7 @@ class VarlenBlocks:
     def finish(self, out, lse, whole, dtype):
         return softmax_empty_rows(out, lse, whole, dtype)
 
-    def forward(self, kernel: BlockKernel, q, k, v, block, scale):
+    def forward(self, kernel: BlockKernel, q, k, v, block, scale, unrounded=False):
         rq, rk = self.rows[block.q], self.rows[block.kv]
         return kernel.forward_varlen(
             q,
@@ -328,6 +339,7 @@ class VarlenBlocks:
             causal=block.causal,
             scale=scale,
             window=block.window,
+            unrounded=unrounded,
         )
 
     def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale, unrounded=False):

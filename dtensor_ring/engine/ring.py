@@ -172,6 +172,7 @@ def ring_forward(
                 blocks.take(kv[1], blk.kv),
                 blk,
                 scale,
+                unrounded=True,
             )
             if blk.init:
                 blocks.init_(out_acc, lse_acc, blk.q, out_b, lse_b)

@@ -10,7 +10,9 @@ for causal blocks with ``S_q == S_k``). Contract:
 
 * ``forward(q_BSHD, k_BSHD, v_BSHD)`` -> ``(out_BSHD, lse_BHS)``: ``out`` in the input dtype,
   ``lse`` the natural-log log-sum-exp of the scaled scores in the accumulation dtype
-  (fp32, or fp64 for fp64 inputs).
+  (fp32, or fp64 for fp64 inputs). With ``unrounded=True`` (the caller merges block outputs)
+  a backend that has ``out`` before rounding (``unrounded_outputs``) may return it in the
+  accumulation dtype instead.
 * ``backward(dout, q, k, v, out, lse)`` -> ``(dq, dk, dv)`` in the input dtype, with ``out`` and
   ``lse`` the *global* (fully merged) values of these query rows: the block gradients of ring
   attention are then exact (see Note [Ring backward] in ``engine/ring.py``). With
@@ -174,6 +176,8 @@ class BlockKernel:
     supports_window: ClassVar[bool] = False
     deterministic_backward: ClassVar[bool] = True
     unrounded_grads: ClassVar[bool] = False
+    # its _forward / _forward_varlen take ``unrounded=True``: out in the accumulation dtype
+    unrounded_outputs: ClassVar[bool] = False
     relative_speed: ClassVar[float] = 1.0
     # for small calls (KernelCall.small) the automatic choice takes the first of these that
     # can run the call instead: measured faster there, where this one's host time sets the pace
@@ -221,11 +225,14 @@ class BlockKernel:
         causal: bool,
         scale: float,
         window: tuple[int, int] | None = None,
+        unrounded: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """Return ``(out_BSHD, lse_BHS)`` of one block."""
+        """Return ``(out_BSHD, lse_BHS)`` of one block (``unrounded``: see the module
+        docstring)."""
         q_BSHD, k_BSHD, v_BSHD = unit_last_stride(q_BSHD, k_BSHD, v_BSHD)
         q_BSHD, scale, _ = fold_scale_sign(q_BSHD, scale)
-        return self._forward(q_BSHD, k_BSHD, v_BSHD, causal=causal, scale=scale, window=window)
+        options = self._forward_options(causal, scale, window, unrounded)
+        return self._forward(q_BSHD, k_BSHD, v_BSHD, **options)
 
     def backward(
         self,
@@ -320,9 +327,11 @@ class BlockKernel:
         causal: bool,
         scale: float,
         window: tuple[int, int] | None = None,
+        unrounded: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Return ``(out_THD, lse_HT)``; documents are attended to independently (``window``
-        per document, bottom-right aligned as for dense blocks)."""
+        per document, bottom-right aligned as for dense blocks; ``unrounded`` as for
+        :meth:`forward`)."""
         q_THD, k_THD, v_THD = unit_last_stride(q_THD, k_THD, v_THD)
         q_THD, scale, _ = fold_scale_sign(q_THD, scale)
         return self._forward_varlen(
@@ -333,10 +342,14 @@ class BlockKernel:
             cu_seqlens_k,
             max_seqlen_q,
             max_seqlen_k,
-            causal=causal,
-            scale=scale,
-            window=window,
+            **self._forward_options(causal, scale, window, unrounded),
         )
+
+    def _forward_options(self, causal, scale, window, unrounded) -> dict:
+        """The keywords of ``_forward`` / ``_forward_varlen``: ``unrounded`` only for a
+        backend with ``unrounded_outputs``."""
+        options = dict(causal=causal, scale=scale, window=window)
+        return dict(options, unrounded=True) if unrounded and self.unrounded_outputs else options
 
     def backward_varlen(
         self,

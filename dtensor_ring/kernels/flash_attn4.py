@@ -136,6 +136,9 @@ class FlashAttn4Kernel(BlockKernel):
     # Note [A varlen dq accumulated inside flash-attn 4]: exact on an H100, off while it is
     # slower at small sizes (docs/performance.md); the GPU check and benchmarks turn it on.
     varlen_dq_in_kernel: ClassVar[bool] = False
+    # Note [fp32 block outputs from flash-attn 4] (flash_attn4_launch.py; sm90, the checked
+    # release): off until tests/gpu/check_flash_attn4.py's fp32_out part has passed on a GPU
+    unrounded_outputs: ClassVar[bool] = False
 
     def is_available(self) -> str | None:
         if _INTERFACE not in sys.modules:
@@ -156,9 +159,10 @@ class FlashAttn4Kernel(BlockKernel):
             return f"head dim {call.head_dim}: flash-attn 4 takes <= 128 or 256 on sm{major}{minor}"
         return None
 
-    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window):
-        options = _options(causal=causal, scale=scale, window=window)
-        return launch.forward(_interface(), q_BSHD, k_BSHD, v_BSHD, **options)
+    def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window, unrounded=False):
+        interface, options = _interface(), _options(causal=causal, scale=scale, window=window)
+        fp32_out = unrounded and unrounded_reason(interface) is None
+        return launch.forward(interface, q_BSHD, k_BSHD, v_BSHD, fp32_out=fp32_out, **options)
 
     def _backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
@@ -266,9 +270,11 @@ class FlashAttn4Kernel(BlockKernel):
         causal,
         scale,
         window,
+        unrounded=False,
     ):
+        interface = _interface()
         return launch.forward(
-            _interface(),
+            interface,
             q_THD,
             k_THD,
             v_THD,
@@ -276,6 +282,7 @@ class FlashAttn4Kernel(BlockKernel):
             cu_seqlens_k,
             max_seqlen_q,
             max_seqlen_k,
+            fp32_out=unrounded and unrounded_reason(interface) is None,
             **_options(causal=causal, scale=scale, window=window),
         )
 

@@ -32,13 +32,38 @@ launch takes the current stream, as the wrapper's does. (The environment switche
 every call, its log level and scheduler defaults, are taken as they were at the recording:
 they choose among correct kernels.) ``REPLAY = False`` runs the wrapper
 every time (benchmarks compare the two).
+
+Note [fp32 block outputs from flash-attn 4]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ring merges W or more block outputs per query row. Rounded to bf16 before the merge, each
+carries its own rounding error into the result, whose error is then ~1.15-1.2x a single
+kernel's on the mean (docs/performance.md); merged in fp32 and rounded once, it is the single
+kernel's. flash-attn 4 has ``acc_O`` in fp32 registers until its epilogue; on sm90 it has no
+split-KV path that would keep fp32 partials (``_flash_attn_fwd`` asserts so), so the ring asks
+for its own epilogue (``_flash_attn4_fp32_out.py``): ``acc_O`` stored from registers, no
+rounding, no shared-memory staging, no TMA. The wrapper still works out everything else (tile
+sizes, scheduler, compile key) and is handed, as ``out``, a view of the input dtype onto an
+fp32 buffer, the first ``D`` of each row's ``2 D`` values, which passes its checks and which
+the epilogue reads back as the buffer:
+
+    fp32 buffer   row r:  | o_0 | o_1 | ... | o_{D-1} |            (D x 4 bytes)
+    bf16 view     row r:  |o_0lo|o_0hi| ... (first D of 2 D)        (strides x 2 of bf16)
+    wrapper     : checks shape, dtype, strides of the view; compiles with the fp32 class
+    epilogue    : mO's strides / 2 over a recast pointer = the buffer
+
+While it runs, the wrapper's sm90 forward class is the fp32 one and its compile cache one of
+fp32 kernels (its key does not tell the classes apart), under the same lock as a recording;
+later calls of the signature replay as any other. pack-GQA is off (the epilogue stores rows of
+one head). Used for ring blocks that are merged (``BlockKernel.forward(..., unrounded=True)``),
+never for a whole call's one block, whose output is the answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
 import torch
@@ -49,7 +74,7 @@ REPLAY = True  # False: every forward through _flash_attn_fwd (Note [flash-attn 
 _NOT_REPLAYED = object()  # a signature whose call the wrapper makes every time
 _LAUNCHES: dict[tuple, object] = {}  # (wrapper, signature) -> _Launch or _NOT_REPLAYED
 _MAX_LAUNCHES = 1024  # signatures of a run are few; past this the table starts afresh
-_RECORDING = threading.Lock()  # the wrapper's cache is swapped while one call is recorded
+_RECORDING = threading.Lock()  # held while the wrapper's cache (or class) is swapped
 
 
 class _Launch:
@@ -146,23 +171,35 @@ def forward(
     cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    fp32_out: bool = False,
     **options: object,
 ) -> tuple[Tensor, Tensor]:
     """``_flash_attn_fwd(q, k, v, ..., return_lse=True, **options)``'s ``(out, lse)``:
     ``q [B, S, H, D]``, ``k, v [B, S_k, H_kv, D]`` (varlen ``[T, H, D]``, ``[T_k, H_kv, D]``)
     -> ``out`` contiguous like ``q``, ``lse`` fp32 ``[B, H, S]`` (``[H, T]``); replayed where
-    the signature was seen (Note [flash-attn 4's forward, replayed])."""
-    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    the signature was seen (Note [flash-attn 4's forward, replayed]). ``fp32_out``: ``out`` in
+    fp32, unrounded (Note [fp32 block outputs from flash-attn 4]; sm90 only)."""
+    shape = (*q.shape[:-1], v.shape[-1])
+    if fp32_out and min(q.shape[:-2].numel(), k.shape[:-2].numel()) == 0:
+        out, lse = forward(interface, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, **options)  # fmt: skip
+        return out.float(), lse  # zeros, -inf: written by the wrapper itself
+    if fp32_out:  # the wrapper is handed the first D of 2 D values of each fp32 row
+        out_fp32 = torch.empty(shape, dtype=torch.float32, device=q.device)
+        out = out_fp32.view(q.dtype)[..., : shape[-1]]
+        options = dict(options, pack_gqa=False)
+    else:
+        out = out_fp32 = torch.empty(shape, dtype=q.dtype, device=q.device)
     varlen = cu_seqlens_q is not None
     lse_shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     tensors = (q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens_q, cu_seqlens_k)
     wrapper = interface._flash_attn_fwd
     signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, *sorted(options.items())))
-    launch = _LAUNCHES.get((wrapper, signature)) if REPLAY else _NOT_REPLAYED
+    launch = _LAUNCHES.get((wrapper, signature, fp32_out)) if REPLAY else _NOT_REPLAYED
     if isinstance(launch, _Launch):
         launch(tensors)
-        return out, lse
+        return out_fp32, lse
     call = functools.partial(
         wrapper,
         *tensors[:3],
@@ -175,27 +212,52 @@ def forward(
         return_lse=True,
         **options,
     )
-    if launch is None:  # a new signature
-        if len(_LAUNCHES) >= _MAX_LAUNCHES:
-            _LAUNCHES.clear()
-        _LAUNCHES[wrapper, signature] = _record(wrapper, call, tensors)
-    else:
+    if launch is not None and not fp32_out:
         call()
-    return out, lse
+        return out_fp32, lse
+    with _RECORDING, _kernel_class(interface, fp32_out) as cache:
+        if launch is None:  # a new signature
+            if len(_LAUNCHES) >= _MAX_LAUNCHES:
+                _LAUNCHES.clear()
+            _LAUNCHES[wrapper, signature, fp32_out] = _record(wrapper, cache, call, tensors)
+        else:
+            call()
+    return out_fp32, lse
 
 
-def _record(wrapper: Callable, call: Callable[[], object], tensors) -> object:
-    """Run ``call`` (the wrapper's) with its compile cache recorded: what
+_FP32_OUT_CACHE: dict = {}  # the wrapper's compile cache while it compiles the fp32 kernel
+
+
+@contextlib.contextmanager
+def _kernel_class(interface: ModuleType, fp32_out: bool) -> Iterator[object]:
+    """The wrapper's compile cache, to record from; with ``fp32_out``, while the wrapper runs,
+    its sm90 forward class is the fp32 one and its compile cache one of fp32 kernels (the
+    wrapper's cache key does not tell the two classes apart). Hold ``_RECORDING``."""
+    wrapper = interface._flash_attn_fwd
+    if not fp32_out:
+        yield getattr(wrapper, "compile_cache", None)
+        return
+    from ._flash_attn4_fp32_out import FlashAttentionForwardSm90Fp32Out
+
+    kernel_class, cache = interface.FlashAttentionForwardSm90, wrapper.compile_cache
+    interface.FlashAttentionForwardSm90 = FlashAttentionForwardSm90Fp32Out
+    wrapper.compile_cache = _FP32_OUT_CACHE
+    try:
+        yield _FP32_OUT_CACHE
+    finally:
+        interface.FlashAttentionForwardSm90, wrapper.compile_cache = kernel_class, cache
+
+
+def _record(wrapper: Callable, cache: object, call: Callable[[], object], tensors) -> object:
+    """Run ``call`` (the wrapper's) with its compile cache ``cache`` recorded: what
     :func:`_launch_of` makes of it."""
-    cache = getattr(wrapper, "compile_cache", None)
     if cache is None:
         call()
         return _NOT_REPLAYED
-    with _RECORDING:
-        recorder = _Recorder(cache)
-        wrapper.compile_cache = recorder
-        try:
-            call()
-        finally:
-            wrapper.compile_cache = cache
+    recorder = _Recorder(cache)
+    wrapper.compile_cache = recorder
+    try:
+        call()
+    finally:
+        wrapper.compile_cache = cache
     return _launch_of(recorder.calls, tensors)

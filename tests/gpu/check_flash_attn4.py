@@ -24,6 +24,11 @@ local shard, as the engine passes them.
   against the same fp64 reference, and against single-device flash-attn 4.
 * the forward launched from a recording (Note [flash-attn 4's forward, replayed]): bitwise the
   wrapper's output and lse, dense and varlen, and the host time of both.
+* fp32 block outputs (``unrounded=True``, Note [fp32 block outputs from flash-attn 4]): lse
+  and the output rounded bitwise the plain forward's, dense (GQA, MHA, causal or not, a
+  window, 8192 and 1000 tokens) and varlen; errors of both against fp64; the time of both;
+  the simulated ring (zigzag W = 4, 8192 tokens) with fp32 and with rounded block outputs
+  against fp64 and single-device flash-attn 4.
 
 ``FA4_CHECK_PARTS=replay,dense`` runs those parts alone (the ring part follows the dense one).
 Each part runs under ``try``; results are written to ``$OUT/flash_attn4.json`` after each part
@@ -479,6 +484,96 @@ def replay_part() -> None:
         save()
 
 
+FP32_OUT = [  # (S_q, S_k, H_kv, causal, window, cu_seqlens)
+    (8192, 8192, H_KV, True, None, None),
+    (4096, 8192, H_KV, False, None, None),
+    (8192, 8192, H, True, None, None),
+    (1000, 1000, H_KV, True, None, None),
+    (4096, 4096, H_KV, False, (512, 0), None),
+    (8192, 8192, H_KV, True, None, (0, 256, 3000, 8192)),
+]
+
+
+def fp32_out_part() -> None:
+    """fp32 block outputs (Note [fp32 block outputs from flash-attn 4]) against the plain
+    forward and fp64, then the simulated ring with and without them (on for this part)."""
+    from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
+
+    kernel, rows, default = get_kernel("flash_attn4"), [], FlashAttn4Kernel.unrounded_outputs
+    FlashAttn4Kernel.unrounded_outputs = True
+    try:
+        _fp32_out_rows(kernel, rows)
+    finally:
+        FlashAttn4Kernel.unrounded_outputs = default
+
+
+def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
+    for s_q, s_k, h_kv, causal, window, bounds in FP32_OUT:
+        if late(f"fp32 out {s_q} {s_k}"):
+            continue
+        row: dict[str, object] = dict(S_q=s_q, S_k=s_k, H_kv=h_kv, causal=causal)
+        row |= dict(window=window, cu_seqlens=bounds)
+        try:
+            q, k, v, _ = make_inputs(s_q, s_k, seed=7)
+            if h_kv > H_KV:
+                k, v = (t.repeat_interleave(h_kv // H_KV, 2) for t in (k, v))
+            kw = dict(causal=causal, scale=SCALE, window=window)
+            if bounds is None:
+                ref_in = (q, k, v)
+                call = functools.partial(kernel.forward, q, k, v, **kw)
+            else:
+                q, k, v = (t[0] for t in (q, k, v))
+                cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+                n = int(cu.diff().max())
+                ref_in = (q, k, v)
+                call = functools.partial(kernel.forward_varlen, q, k, v, cu, cu, n, n, **kw)
+            plain, fp32 = call(), call(unrounded=True)
+            row["out_dtype"] = str(fp32[0].dtype)
+            row["lse_bitwise"] = torch.equal(plain[1], fp32[1])
+            row["rounded_bitwise"] = torch.equal(plain[0], fp32[0].to(plain[0].dtype))
+            mask = dict(causal=causal, window=window, cu=None if bounds is None else cu)
+            dout = torch.zeros_like(q)
+            ref = reference(*ref_in, dout, **mask)
+            row["err_plain"] = float((plain[0].double() - ref["out"]).abs().max())
+            row["err_fp32"] = float((fp32[0].double() - ref["out"]).abs().max())
+            row["ms_plain"], row["ms_fp32"] = (
+                median_ms(call),
+                median_ms(functools.partial(call, unrounded=True)),
+            )
+            row["ok"] = row["lse_bitwise"] and row["rounded_bitwise"]
+        except Exception as e:
+            row["status"] = error_text(e)
+        rows.append(row)
+        RESULT["fp32_out"] = rows
+        save()
+    if late("fp32 out ring"):
+        return
+    from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
+
+    q, k, v, dout = make_inputs(8192, 8192)
+    ref = reference(q, k, v, dout, causal=True)
+    single = errors(run(kernel, q, k, v, dout, causal=True), ref)
+    ring = []
+    for on in (True, False):
+        FlashAttn4Kernel.unrounded_outputs = on
+        try:
+            got = simulate_ring(q, k, v, dout, layout="zigzag", world_size=4, causal=True,
+                                backend="flash_attn4")  # fmt: skip
+            errs = errors(dict(zip(NAMES, got, strict=True)), ref)
+            mean = float((got[0].double() - ref["out"]).abs().mean())
+            ring.append(dict(fp32_block_outputs=on, errors=errs, out_mean_err=mean,
+                             ratio_vs_single_flash_attn4=ratios(errs, single)))  # fmt: skip
+        except Exception as e:
+            ring.append(dict(fp32_block_outputs=on, status=error_text(e)))
+        finally:
+            FlashAttn4Kernel.unrounded_outputs = True
+        RESULT["fp32_out_ring"] = ring
+        save()
+    out_single = run(kernel, q, k, v, dout, causal=True)["out"]
+    RESULT["fp32_out_single_mean_err"] = float((out_single.double() - ref["out"]).abs().mean())
+    save()
+
+
 def ring_part(keep: dict) -> None:
     """zigzag W=4 on one device (simulated), and the functional API on a real 1-rank group."""
     rows = []
@@ -674,6 +769,7 @@ def main() -> None:
         deterministic_part,
         unrounded_part,
         ring_varlen_part,
+        fp32_out_part,
     ):
         if only and part.__name__.removesuffix("_part") not in only.split(","):
             continue
