@@ -10,7 +10,7 @@ checks it so): a view of the first ``D`` of ``2 D`` values a row of an fp32 buff
 epilogue reads back as that buffer.
 """
 
-from __future__ import annotations
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -36,7 +36,7 @@ class FlashAttentionForwardSm90Fp32Out(FlashAttentionForwardSm90):
         acc_O: cute.Tensor,
         lse: cute.Tensor,
         mO: cute.Tensor,
-        mLSE: cute.Tensor | None,
+        mLSE: Optional[cute.Tensor],  # noqa: UP045 (as the parent's: the DSL reads them)
         sO: cute.Tensor,
         seqlen,
         gmem_tiled_copy_O: cute.TiledCopy,
@@ -66,7 +66,7 @@ class FlashAttentionForwardSm90Fp32Out(FlashAttentionForwardSm90):
                     if t0accOcO[m, 0][0] < rows_left - taccOcO_mn[0][0]:
                         taccOgLSE[m, 0] = lse[m]
         # mO: (seqlen, d, h[, b]) of the input dtype over rows of 2 d; as fp32: rows of d
-        stride32 = tuple(s if const_expr(i == 1) else s // 2 for i, s in enumerate(mO.stride))
+        stride32 = tuple(s if i == 1 else s // 2 for i, s in enumerate(mO.stride))
         mO32 = cute.make_tensor(
             cute.recast_ptr(mO.iterator, dtype=Float32), cute.make_layout(mO.shape, stride=stride32)
         )
