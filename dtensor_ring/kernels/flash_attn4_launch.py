@@ -52,10 +52,14 @@ the epilogue reads back as the buffer:
     epilogue    : mO's strides / 2 over a recast pointer = the buffer
 
 While it runs, the wrapper's sm90 forward class is the fp32 one and its compile cache one of
-fp32 kernels (its key does not tell the classes apart), under the same lock as a recording;
-later calls of the signature replay as any other. pack-GQA is off (the epilogue stores rows of
-one head). Used for ring blocks that are merged (``BlockKernel.forward(..., unrounded=True)``),
-never for a whole call's one block, whose output is the answer.
+fp32 kernels (its key does not tell the classes apart). That happens once per signature, to
+record it: later calls replay the recording, and a signature that cannot be replayed runs the
+plain forward (its ``out`` rounded, as before) instead. Every wrapper call of ours holds the
+recording's lock, so none of our own sees the swapped class (another library's call of the
+wrapper from another thread at that moment would: flash-attn 4 has no hook for a kernel class
+of its caller's). pack-GQA is off (the epilogue stores rows of one head). Used for ring blocks
+that are merged (``BlockKernel.forward(..., unrounded=True)``), never for a whole call's one
+block, whose output is the answer.
 """
 
 from __future__ import annotations
@@ -181,25 +185,28 @@ def forward(
     fp32, unrounded (Note [fp32 block outputs from flash-attn 4]; sm90 only)."""
     shape = (*q.shape[:-1], v.shape[-1])
     if fp32_out and min(q.shape[:-2].numel(), k.shape[:-2].numel()) == 0:
-        out, lse = forward(interface, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, **options)  # fmt: skip
-        return out.float(), lse  # zeros, -inf: written by the wrapper itself
+        fp32_out = False  # the wrapper writes zeros and -inf itself, launching nothing
     if fp32_out:  # the wrapper is handed the first D of 2 D values of each fp32 row
         out_fp32 = torch.empty(shape, dtype=torch.float32, device=q.device)
         out = out_fp32.view(q.dtype)[..., : shape[-1]]
-        options = dict(options, pack_gqa=False)
+        kernel_options = dict(options, pack_gqa=False)
     else:
         out = out_fp32 = torch.empty(shape, dtype=q.dtype, device=q.device)
+        kernel_options = options
     varlen = cu_seqlens_q is not None
     lse_shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     tensors = (q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens_q, cu_seqlens_k)
     wrapper = interface._flash_attn_fwd
-    signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, *sorted(options.items())))
+    signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, *sorted(kernel_options.items())))
     launch = _LAUNCHES.get((wrapper, signature, fp32_out)) if REPLAY else _NOT_REPLAYED
     if isinstance(launch, _Launch):
         launch(tensors)
         return out_fp32, lse
+    if fp32_out and launch is _NOT_REPLAYED:  # its class is swapped in only to record
+        out, lse = forward(interface, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, **options)  # fmt: skip
+        return out.float(), lse
     call = functools.partial(
         wrapper,
         *tensors[:3],
@@ -210,17 +217,14 @@ def forward(
         out=out,
         lse=lse,
         return_lse=True,
-        **options,
+        **kernel_options,
     )
-    if launch is not None and not fp32_out:
-        call()
-        return out_fp32, lse
     with _RECORDING, _kernel_class(interface, fp32_out) as cache:
         if launch is None:  # a new signature
             if len(_LAUNCHES) >= _MAX_LAUNCHES:
                 _LAUNCHES.clear()
             _LAUNCHES[wrapper, signature, fp32_out] = _record(wrapper, cache, call, tensors)
-        else:
+        else:  # a signature the wrapper runs every time; never with fp32_out
             call()
     return out_fp32, lse
 
