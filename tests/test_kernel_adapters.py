@@ -1166,6 +1166,48 @@ def test_flash_attn4_forward_replayed(flash_attn4, monkeypatch):
     check(False, q, q, q, (1, 1), wrapper_calls=1)
 
 
+def test_flash_attn4_fp32_outputs(flash_attn4_pieces, monkeypatch):
+    """``unrounded=True`` (Note [fp32 block outputs from flash-attn 4]): out in fp32, the fp64
+    result rounded to fp32 only, dense and varlen; compiled from the fp32 class with pack-GQA
+    off on a signature's first call, replayed after, the wrapper's own class and cache back
+    in place; a signature the wrapper must run every time (a misaligned q) after its first
+    call, and ``REPLAY = False``, give the plain forward's rounded out in fp32."""
+    monkeypatch.setattr(FlashAttn4Kernel, "unrounded_outputs", True)
+    calls, interface = FA4_CALLS, flash_attn4_pieces
+    g, cu = torch.Generator().manual_seed(6), torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+
+    def check(varlen: bool, misaligned: bool, fp32: bool, wrapper_calls: int) -> None:
+        shape = (20, 4, 16) if varlen else (2, 20, 4, 16)
+        q = torch.randn(shape, generator=g).to(torch.bfloat16)
+        q = q.flatten()[1:].as_strided(q[..., :8].shape, q.stride()) if misaligned else q
+        q = q[..., :8]
+        k, v = torch.randn(2, *q.shape[:-2], 2, 8, generator=g).to(torch.bfloat16).unbind(0)
+        kw, before = dict(causal=True, scale=SCALE), len(calls)
+        args = (cu, cu, 8, 8) if varlen else ()
+        forward = FLASH4.forward_varlen if varlen else FLASH4.forward
+        out, lse = forward(q, k, v, *args, **kw, unrounded=True)
+        want = getattr(MATH, "forward_varlen" if varlen else "forward")(
+            *(t.double() for t in (q, k, v)), *args, **kw
+        )
+        assert out.dtype == torch.float32 and torch.equal(lse, want[1].float())
+        rounded = want[0].float() if fp32 else want[0].to(q.dtype).float()
+        assert torch.equal(out, rounded)
+        assert len(calls) - before == wrapper_calls
+        if wrapper_calls:
+            assert calls[-1]["pack_gqa"] is (False if fp32 else None)
+        assert interface.FlashAttentionForwardSm90 is FA4ForwardSm90
+        assert interface._flash_attn_fwd.compile_cache is not fa4_launch._FP32_OUT_CACHE
+
+    for varlen in (False, True):
+        check(varlen, False, True, wrapper_calls=1)  # recorded with the fp32 class
+        check(varlen, False, True, wrapper_calls=0)  # replayed
+        check(varlen, True, True, wrapper_calls=1)  # recorded: not replayable
+        for _ in range(2):
+            check(varlen, True, False, wrapper_calls=1)
+    monkeypatch.setattr(fa4_launch, "REPLAY", False)
+    check(False, False, False, wrapper_calls=1)
+
+
 def test_flash_attn4_deterministic_follows_torch(flash_attn4, monkeypatch):
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     q = torch.randn(1, 8, 2, 8).to(torch.bfloat16)
