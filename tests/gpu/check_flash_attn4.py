@@ -572,6 +572,29 @@ def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
     out_single = run(kernel, q, k, v, dout, causal=True)["out"]
     RESULT["fp32_out_single_mean_err"] = float((out_single.double() - ref["out"]).abs().mean())
     save()
+    if late("fp32 out ring time"):
+        return
+    from dtensor_ring.simulate import RankSimulator
+
+    times = {}  # rank 0 of zigzag W = 8, 8192 tokens a rank: forward, and forward + backward
+    for tokens in (8192, 4096):
+        q, k, v, _ = make_inputs(8 * tokens, 8 * tokens, seed=9)
+        for on in (True, False):
+            FlashAttn4Kernel.unrounded_outputs = on
+            try:
+                sim = RankSimulator(q, k, v, rank=0, layout="zigzag", world_size=8, causal=True,
+                                    backend="flash_attn4")  # fmt: skip
+                grad = torch.randn_like(sim.q)
+
+                def step(sim=sim, grad=grad):
+                    sim.forward()
+                    sim.backward(grad)
+
+                times[f"{tokens} fp32 outputs {on}"] = (median_ms(sim.forward), median_ms(step))
+            finally:
+                FlashAttn4Kernel.unrounded_outputs = True
+            RESULT["fp32_out_rank_ms"] = times
+            save()
 
 
 def ring_part(keep: dict) -> None:
