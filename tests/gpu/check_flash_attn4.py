@@ -791,8 +791,8 @@ def main() -> None:
         varlen_part,
         deterministic_part,
         unrounded_part,
-        ring_varlen_part,
         fp32_out_part,
+        ring_varlen_part,
     ):
         if only and part.__name__.removesuffix("_part") not in only.split(","):
             continue
