@@ -243,7 +243,7 @@ def main() -> None:
             for (label, layout), mode in itertools.product(varlen_paths, modes):
                 if mode is not None:  # the baseline of the in-kernel dq sum, in this run
                     label = f"{label}, per-block dq"
-                with block_grads_mode(kernel, mode or IN_KERNEL, varlen_in_kernel=a.compare_dq):
+                with block_grads_mode(kernel, mode or IN_KERNEL):
                     sims = [
                         RankSimulator(
                             q_T,

@@ -313,17 +313,15 @@ WRAPPER_FORWARD = "fp32, dq summed in the kernel; forward by the wrapper"
 
 
 @contextlib.contextmanager
-def block_grads_mode(backend: str, mode: str, varlen_in_kernel: bool = False):
+def block_grads_mode(backend: str, mode: str):
     """The backend's block gradients (and flash-attn 4's forward launch) as ``mode`` for the
     duration (instance attributes over the class's): the baselines of the fp32 and in-kernel
     sums and of the replayed forward (Note [flash-attn 4's forward, replayed]), in one run.
-    ``varlen_in_kernel``: flash-attn 4's varlen dq summed in its kernel too (off by default:
-    Note [A varlen dq accumulated inside flash-attn 4])."""
+    In ``IN_KERNEL`` flash-attn 4 sums a varlen rank's dq in its kernel too (Note [A varlen
+    dq accumulated inside flash-attn 4])."""
     from dtensor_ring.kernels import flash_attn4_launch
 
     kernel = get_kernel(backend)
-    if varlen_in_kernel and mode == IN_KERNEL:
-        kernel.varlen_dq_in_kernel = True
     if mode in (FP32, INPUT_DTYPE):
         kernel.dq_accumulator = lambda *args, **kwargs: None
         kernel.dq_accumulator_varlen = lambda *args, **kwargs: None
@@ -337,7 +335,6 @@ def block_grads_mode(backend: str, mode: str, varlen_in_kernel: bool = False):
             "unrounded_grads",
             "dq_accumulator",
             "dq_accumulator_varlen",
-            "varlen_dq_in_kernel",
         ):
             kernel.__dict__.pop(name, None)
         flash_attn4_launch.REPLAY = True

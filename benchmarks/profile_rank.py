@@ -123,13 +123,13 @@ def main() -> None:
         help="also cProfile the host side of 20 forwards and 20 forwards + backwards",
     )
     p.add_argument(
-        "--varlen-dq-in-kernel",
+        "--varlen-dq-per-block",
         action="store_true",
-        help="flash_attn4: a varlen rank's dq summed in its kernel (off by default)",
+        help="flash_attn4: a varlen rank's dq summed by the engine, not in its kernel",
     )
     a = p.parse_args()
-    if a.varlen_dq_in_kernel:
-        get_kernel("flash_attn4").varlen_dq_in_kernel = True
+    if a.varlen_dq_per_block:
+        get_kernel("flash_attn4").varlen_dq_in_kernel = False
     device = torch.device("cuda")
     a.dtype = torch.bfloat16
     W = a.world_size

@@ -1839,7 +1839,7 @@ def test_ring_varlen_dq_accumulated_by_the_kernel(
     import dtensor_ring as dr
 
     monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
-    monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", True)  # off by default
+    monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", True)
     unit = 128 * world_size
     lengths = [2 * unit, unit, 3 * unit]  # the document layout cuts these on the tiles
     if layout == "zigzag":

@@ -74,24 +74,6 @@ class FlashAttentionForwardSm90Fp32Out(FlashAttentionForwardSm90):
         gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
         taccOgO = thr_mma.partition_C(gO)
         taccOcO = thr_mma.partition_C(cO)
-        if const_expr(self.check_hdim_v_oob):
-            self._store_rows(acc_O, taccOgO, taccOcO, rows_left, mO.shape[1])
-        else:
-            if rows_left >= self.tile_m:  # a whole tile: vector stores
-                cute.autovec_copy(acc_O, taccOgO)
-            else:
-                self._store_rows(acc_O, taccOgO, taccOcO, rows_left, mO.shape[1])
-
-    @cute.jit
-    def _store_rows(
-        self,
-        acc_O: cute.Tensor,
-        taccOgO: cute.Tensor,
-        taccOcO: cute.Tensor,
-        rows_left: Int32,
-        hdim_v: Int32,
-    ):
-        """``acc_O``'s values of rows ``< rows_left`` and columns ``< hdim_v``, one by one."""
         for i in cutlass.range_constexpr(cute.size(acc_O)):
-            if taccOcO[i][0] < rows_left and taccOcO[i][1] < hdim_v:
+            if taccOcO[i][0] < rows_left and taccOcO[i][1] < mO.shape[1]:
                 taccOgO[i] = acc_O[i]

@@ -133,11 +133,10 @@ class FlashAttn4Kernel(BlockKernel):
     supports_varlen: ClassVar[bool] = True
     supports_window: ClassVar[bool] = True
     unrounded_grads: ClassVar[bool] = True  # dense, sm90 (Note [Unrounded block gradients ...])
-    # Note [A varlen dq accumulated inside flash-attn 4]: exact on an H100, off while it is
-    # slower at small sizes (docs/performance.md); the GPU check and benchmarks turn it on.
-    varlen_dq_in_kernel: ClassVar[bool] = False
+    # Note [A varlen dq accumulated inside flash-attn 4] (exact on an H100; docs/performance.md)
+    varlen_dq_in_kernel: ClassVar[bool] = True
     # Note [fp32 block outputs from flash-attn 4] (flash_attn4_launch.py; sm90, the checked
-    # release): off until tests/gpu/check_flash_attn4.py's fp32_out part has passed on a GPU
+    # release): exact on an H100, off for its cost, 9-32% of a block forward (backends.md)
     unrounded_outputs: ClassVar[bool] = False
 
     def is_available(self) -> str | None:

@@ -55,9 +55,10 @@ its dK/dV come back fp32, gathered from their padded rows (``padded_rows``); dq 
 at the end. Checked on CPU against a stand-in that reads whole tiles like the kernel
 (``tests/test_kernel_adapters.py``), and on an H100 (2026-12-05, the ``ring_varlen`` part of
 ``tests/gpu/check_flash_attn4.py``: zigzag and the document layout with GQA, dq as the per-block
-path's, dk and dv as single-device flash-attn 4's; MHA, a window, deterministic); off
-(``FlashAttn4Kernel.varlen_dq_in_kernel``) until its per-block host work is cut: at 2048
-tokens a rank it is slower than the per-block path (docs/performance.md).
+path's, dk and dv as single-device flash-attn 4's; MHA, a window, deterministic). Its host
+work a block (the padded rows kept per block, one Triton launch reading dK/dV and dq from
+their tiles: ``untile_rows``) is that of the per-block path or less (docs/performance.md);
+``FlashAttn4Kernel.varlen_dq_in_kernel = False`` turns it off.
 """
 
 from __future__ import annotations

@@ -700,8 +700,7 @@ def ring_varlen_part() -> None:
             for mode in (IN_KERNEL, FP32):
                 row: dict[str, object] = dict(path=f"simulate varlen {label} W={W}", mode=mode)
                 built.clear()
-                # the in-kernel varlen sum is off by default until this part has checked it
-                with block_grads_mode("flash_attn4", mode, varlen_in_kernel=True):
+                with block_grads_mode("flash_attn4", mode):
                     got = simulate_ring(*tensors, **kw)
                     if timed:
                         sim = RankSimulator(*tensors[:3], rank=0, **kw)
