@@ -122,6 +122,14 @@ def _options(*, causal: bool, scale: float, window: tuple[int, int] | None) -> d
     return dict(softmax_scale=scale, causal=causal, **_window_args(window))
 
 
+def _forward_options(interface: ModuleType, unrounded: bool, **mask) -> dict[str, Any]:
+    """``launch.forward``'s keywords: :func:`_options` of ``mask`` and ``fp32_out`` where
+    ``unrounded`` asks for it and this flash-attn 4 on this device has it (Note [fp32 block
+    outputs from flash-attn 4] in ``flash_attn4_launch.py``)."""
+    fp32_out = unrounded and unrounded_reason(interface) is None
+    return dict(_options(**mask), fp32_out=fp32_out)
+
+
 class FlashAttn4Kernel(BlockKernel):
     """flash-attn 4 (CuTe DSL) from the ``flash-attn-4`` package (dense and varlen, GQA native)."""
 
@@ -159,9 +167,9 @@ class FlashAttn4Kernel(BlockKernel):
         return None
 
     def _forward(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, window, unrounded=False):
-        interface, options = _interface(), _options(causal=causal, scale=scale, window=window)
-        fp32_out = unrounded and unrounded_reason(interface) is None
-        return launch.forward(interface, q_BSHD, k_BSHD, v_BSHD, fp32_out=fp32_out, **options)
+        interface = _interface()
+        options = _forward_options(interface, unrounded, causal=causal, scale=scale, window=window)
+        return launch.forward(interface, q_BSHD, k_BSHD, v_BSHD, **options)
 
     def _backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window
@@ -281,8 +289,7 @@ class FlashAttn4Kernel(BlockKernel):
             cu_seqlens_k,
             max_seqlen_q,
             max_seqlen_k,
-            fp32_out=unrounded and unrounded_reason(interface) is None,
-            **_options(causal=causal, scale=scale, window=window),
+            **_forward_options(interface, unrounded, causal=causal, scale=scale, window=window),
         )
 
     def _backward_varlen(

@@ -66,7 +66,8 @@ from bench_single_gpu import (  # noqa: E402
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import BlockKernel, get_kernel  # noqa: E402
-from dtensor_ring.simulate import simulate_ring  # noqa: E402
+from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel  # noqa: E402
+from dtensor_ring.simulate import RankSimulator, simulate_ring  # noqa: E402
 
 B, H, H_KV, D = 1, 32, 8, 128
 DTYPE = torch.bfloat16
@@ -160,6 +161,17 @@ def median_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> floa
         events.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def rank_ms(sim) -> float:
+    """:func:`median_ms` of a simulated rank's forward + backward (``RankSimulator``)."""
+    grad = torch.randn_like(sim.q)
+
+    def step():
+        sim.forward()
+        sim.backward(grad)
+
+    return median_ms(step)
 
 
 def host_us(fn: Callable[[], object], calls: int = 50) -> float:
@@ -497,8 +509,6 @@ FP32_OUT = [  # (S_q, S_k, H_kv, causal, window, cu_seqlens)
 def fp32_out_part() -> None:
     """fp32 block outputs (Note [fp32 block outputs from flash-attn 4]) against the plain
     forward and fp64, then the simulated ring with and without them (on for this part)."""
-    from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
-
     kernel, rows, default = get_kernel("flash_attn4"), [], FlashAttn4Kernel.unrounded_outputs
     FlashAttn4Kernel.unrounded_outputs = True
     try:
@@ -519,13 +529,11 @@ def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
                 k, v = (t.repeat_interleave(h_kv // H_KV, 2) for t in (k, v))
             kw = dict(causal=causal, scale=SCALE, window=window)
             if bounds is None:
-                ref_in = (q, k, v)
                 call = functools.partial(kernel.forward, q, k, v, **kw)
             else:
                 q, k, v = (t[0] for t in (q, k, v))
                 cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
                 n = int(cu.diff().max())
-                ref_in = (q, k, v)
                 call = functools.partial(kernel.forward_varlen, q, k, v, cu, cu, n, n, **kw)
             plain, fp32 = call(), call(unrounded=True)
             row["out_dtype"] = str(fp32[0].dtype)
@@ -533,7 +541,7 @@ def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
             row["rounded_bitwise"] = torch.equal(plain[0], fp32[0].to(plain[0].dtype))
             mask = dict(causal=causal, window=window, cu=None if bounds is None else cu)
             dout = torch.zeros_like(q)
-            ref = reference(*ref_in, dout, **mask)
+            ref = reference(q, k, v, dout, **mask)
             row["err_plain"] = float((plain[0].double() - ref["out"]).abs().max())
             row["err_fp32"] = float((fp32[0].double() - ref["out"]).abs().max())
             row["ms_plain"], row["ms_fp32"] = (
@@ -548,8 +556,6 @@ def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
         save()
     if late("fp32 out ring"):
         return
-    from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
-
     q, k, v, dout = make_inputs(8192, 8192)
     ref = reference(q, k, v, dout, causal=True)
     single = errors(run(kernel, q, k, v, dout, causal=True), ref)
@@ -574,8 +580,6 @@ def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
     save()
     if late("fp32 out ring time"):
         return
-    from dtensor_ring.simulate import RankSimulator
-
     times = {}  # rank 0 of zigzag W = 8, 8192 tokens a rank: forward, and forward + backward
     for tokens in (8192, 4096):
         q, k, v, _ = make_inputs(8 * tokens, 8 * tokens, seed=9)
@@ -584,13 +588,7 @@ def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
             try:
                 sim = RankSimulator(q, k, v, rank=0, layout="zigzag", world_size=8, causal=True,
                                     backend="flash_attn4")  # fmt: skip
-                grad = torch.randn_like(sim.q)
-
-                def step(sim=sim, grad=grad):
-                    sim.forward()
-                    sim.backward(grad)
-
-                times[f"{tokens} fp32 outputs {on}"] = (median_ms(sim.forward), median_ms(step))
+                times[f"{tokens} fp32 outputs {on}"] = (median_ms(sim.forward), rank_ms(sim))
             finally:
                 FlashAttn4Kernel.unrounded_outputs = True
             RESULT["fp32_out_rank_ms"] = times
@@ -663,7 +661,6 @@ def ring_varlen_part() -> None:
     zigzag and the document layout (GQA 32:8), zigzag with MHA, with a window of 512, and
     deterministic."""
     from dtensor_ring.kernels import flash_attn4_ring_dq
-    from dtensor_ring.simulate import RankSimulator
 
     W, bounds = 4, (0, 2048, 3072, 8192)  # zigzag halves of 256, 128 and 640 tokens
     cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
@@ -704,13 +701,7 @@ def ring_varlen_part() -> None:
                     got = simulate_ring(*tensors, **kw)
                     if timed:
                         sim = RankSimulator(*tensors[:3], rank=0, **kw)
-                        grad = torch.randn_like(sim.q)
-
-                        def step(sim=sim, grad=grad):
-                            sim.forward()
-                            sim.backward(grad)
-
-                        row["rank0_fwd_bwd_ms"] = median_ms(step)
+                        row["rank0_fwd_bwd_ms"] = rank_ms(sim)
                 row["errors"] = errors(dict(zip(NAMES, got, strict=True)), ref)
                 row["ratio_vs_single_flash_attn4"] = ratios(row["errors"], single)
                 row["ranks_accumulating"] = sum(built[:W])
