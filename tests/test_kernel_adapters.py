@@ -1835,11 +1835,13 @@ def test_ring_varlen_dq_accumulated_by_the_kernel(
     spans): one preprocess a rank, reading the local queries in place, and dq (with GQA dk
     and dv too) the fp64 gradient rounded once, deterministic or not. With documents of other
     lengths (``aligned=False``) the ranks with such blocks run flash-attn 4's varlen backward
-    a block (no preprocess of ours), as does a kernel without the accumulator."""
+    a block (no preprocess of ours), as does a kernel without the accumulator. With fp32 block
+    outputs, out is the fp64 result rounded once in every mode."""
     import dtensor_ring as dr
 
     monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
     monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", True)
+    monkeypatch.setattr(FlashAttn4Kernel, "unrounded_outputs", True)
     unit = 128 * world_size
     lengths = [2 * unit, unit, 3 * unit]  # the document layout cuts these on the tiles
     if layout == "zigzag":
@@ -1859,8 +1861,13 @@ def test_ring_varlen_dq_accumulated_by_the_kernel(
     cu = torch.tensor(bounds, dtype=torch.int32)
     longest = max(lengths)
     name = "dq_accumulator_varlen"
+    want_out = MATH.forward_varlen(
+        *(t.double() for t in (q, k, v)), cu, cu, longest, longest,
+        causal=causal, scale=SCALE, window=mask_window,
+    )[0]  # fmt: skip
     runs = _ring_in_modes(flash_attn4_pieces, monkeypatch, name, (q, k, v, dout), kw)
     for accumulator, calls, (out, lse, *grads) in runs:
+        assert _rounded_once(out, want_out)
         want = MATH.backward_varlen(
             *(t.double() for t in (dout, q, k, v, out, lse)), cu, cu, longest, longest,
             causal=causal, scale=SCALE, window=mask_window,
