@@ -4,7 +4,8 @@ a GPU that runs it, never by ``import dtensor_ring``.
 
 The kernel class is flash-attn 4's own, with two changes: the epilogue stores the normalised
 fp32 accumulator ``acc_O`` from registers straight to global memory (the parent rounds it to
-the input dtype and stages it through shared memory for a TMA store), and the output's TMA is
+the input dtype and stages it through shared memory for a TMA store): a whole tile as a
+thread's column pairs in 8-byte stores, a partial one value by value; and the output's TMA is
 off (``use_tma_O``: the store is plain). ``mO`` arrives typed as the input dtype (the wrapper
 checks it so): a view of the first ``D`` of ``2 D`` values a row of an fp32 buffer, which the
 epilogue reads back as that buffer.
@@ -65,15 +66,27 @@ class FlashAttentionForwardSm90Fp32Out(FlashAttentionForwardSm90):
                 for m in cutlass.range(cute.size(taccOgLSE.shape[1]), unroll_full=True):
                     if t0accOcO[m, 0][0] < rows_left - taccOcO_mn[0][0]:
                         taccOgLSE[m, 0] = lse[m]
-        # mO: (seqlen, d, h[, b]) of the input dtype over rows of 2 d; as fp32: rows of d
-        stride32 = tuple(s if i == 1 else s // 2 for i, s in enumerate(mO.stride))
+        # mO: (seqlen, d, h[, b]) of the input dtype over rows of 2 d; as fp32: rows of d. The
+        # parent assumes its strides 16-byte aligned; so are the fp32 ones (a multiple of 4).
+        stride32 = tuple(_half_stride(s) if i != 1 else s for i, s in enumerate(mO.stride))
         mO32 = cute.make_tensor(
             cute.recast_ptr(mO.iterator, dtype=Float32), cute.make_layout(mO.shape, stride=stride32)
         )
         mO_cur = seqlen.offset_batch_Q(mO32, batch_idx, dim=3)[None, None, head_idx]
         gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
         taccOgO = thr_mma.partition_C(gO)
-        taccOcO = thr_mma.partition_C(cO)
-        for i in cutlass.range_constexpr(cute.size(acc_O)):
-            if taccOcO[i][0] < rows_left and taccOcO[i][1] < mO.shape[1]:
-                taccOgO[i] = acc_O[i]
+        if rows_left >= self.tile_m and mO.shape[1] == self.tile_hdimv:
+            # a whole tile: a thread's column pairs as 8-byte stores
+            cute.autovec_copy(acc_O, taccOgO)
+        else:
+            taccOcO = thr_mma.partition_C(cO)
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                if taccOcO[i][0] < rows_left and taccOcO[i][1] < mO.shape[1]:
+                    taccOgO[i] = acc_O[i]
+
+
+def _half_stride(stride):
+    """A stride of the input dtype as one of fp32, its 16-byte alignment kept for the DSL."""
+    if isinstance(stride, int):
+        return stride // 2
+    return cute.assume(stride // 2, divby=4)

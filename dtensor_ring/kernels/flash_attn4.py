@@ -144,8 +144,8 @@ class FlashAttn4Kernel(BlockKernel):
     # Note [A varlen dq accumulated inside flash-attn 4] (exact on an H100; docs/performance.md)
     varlen_dq_in_kernel: ClassVar[bool] = True
     # Note [fp32 block outputs from flash-attn 4] (flash_attn4_launch.py; sm90, the checked
-    # release): exact on an H100, off for its cost, 9-32% of a block forward (backends.md)
-    unrounded_outputs: ClassVar[bool] = False
+    # release): exact on an H100, a ring rank's forward no slower (docs/backends.md)
+    unrounded_outputs: ClassVar[bool] = True
 
     def is_available(self) -> str | None:
         if _INTERFACE not in sys.modules:

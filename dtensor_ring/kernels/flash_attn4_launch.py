@@ -41,7 +41,8 @@ kernel's on the mean (docs/performance.md); merged in fp32 and rounded once, it 
 kernel's. flash-attn 4 has ``acc_O`` in fp32 registers until its epilogue; on sm90 it has no
 split-KV path that would keep fp32 partials (``_flash_attn_fwd`` asserts so), so the ring asks
 for its own epilogue (``_flash_attn4_fp32_out.py``): ``acc_O`` stored from registers, no
-rounding, no shared-memory staging, no TMA. The wrapper still works out everything else (tile
+rounding, no shared-memory staging, no TMA; a whole tile as 8-byte stores (a thread's column
+pairs), a tile cut by the sequence's end or a smaller head dim one value at a time. The wrapper still works out everything else (tile
 sizes, scheduler, compile key) and is handed, as ``out``, a view of the input dtype onto an
 fp32 buffer, the first ``D`` of each row's ``2 D`` values, which passes its checks and which
 the epilogue reads back as the buffer:
