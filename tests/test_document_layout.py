@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import random
 import re
 
@@ -28,7 +29,15 @@ import dtensor_ring as dr
 from dtensor_ring.kernels.base import window_mask
 from dtensor_ring.kernels.cuda_flash import flash2_max_seqlen_k
 from dtensor_ring.layouts import TokenLayout
-from dtensor_ring.layouts.documents import _candidates, documents_on_tokens, pairs_by_offset
+from dtensor_ring.layouts.documents import (
+    _candidate,
+    _candidates,
+    _place_runs,
+    _swapped,
+    _Work,
+    documents_on_tokens,
+    pairs_by_offset,
+)
 from dtensor_ring.parts import band_pairs
 from dtensor_ring.schedule.varlen import varlen_plan
 
@@ -141,6 +150,32 @@ def test_balance_of_many_documents(world_size):
         lay = dr.document_layout(bounds, world_size)
         assert lay.imbalance <= 1.05, (n_docs, lay)
         assert n_docs < 4 * world_size or len(lay.split) <= n_docs // 4, (n_docs, lay)
+
+
+def test_exchanges_trade_long_documents_for_short():
+    """The heaviest rank gives a long document for short ones of equal tokens: 2048 for two
+    1024 (causal pairs 2098176 against 2 x 524800) balances two ranks exactly; tokens, cut
+    pieces and ring offsets stay; and random placements never get heavier."""
+    work = _Work([2048, 2048, 1024, 1024, 1024, 1024], True, None)
+    pieces = [[(0, 0, 2048), (1, 0, 2048)], [(d, 0, 1024) for d in range(2, 6)]]
+    rows = _swapped(pieces, work)
+    assert [sum(work(*p) for p in row) for row in rows] == [2098176 + 1049600] * 2
+    rng = random.Random(0)
+    for _ in range(20):
+        T, W = 4096 * 4, 4
+        bounds = [0, *sorted(rng.sample(range(1, T), rng.randrange(4, 40) - 1)), T]
+        lengths = [b - a for a, b in itertools.pairwise(bounds)]
+        work = _Work(lengths, True, None)
+        order = sorted(range(len(lengths)), key=lambda d: -work.totals[d])
+        for limit in (math.inf, sum(work.totals) / W * 0.5):
+            placed = _place_runs(order, W, T // W, work, limit)
+            rows = _swapped(placed, work)
+            before, after = (_candidate(x, work, zigzag=False) for x in (placed, rows))
+            assert max(after.work) <= max(before.work)
+            assert (after.offsets, after.split) == (before.offsets, before.split)
+            assert [sum(b - a for _, a, b in row) for row in rows] == [T // W] * W
+            cut = [{p for p in row if (p[1], p[2]) != (0, lengths[p[0]])} for row in rows]
+            assert cut == [{p for p in row if (p[1], p[2]) != (0, lengths[p[0]])} for row in placed]
 
 
 def test_predicted_time_prefers_fewer_steps_for_small_work():

@@ -31,6 +31,17 @@ every rank holding exactly T/W tokens:
   with their remaining room filled at the density of what is left, stays lowest; what finds
   no room is poured into the room left, in rank order. Few ring offsets, balance approximate.
 
+Each candidate is then evened out by exchanges of whole documents of equal tokens: the most
+loaded rank gives one or two documents for up to three of another rank's, while that lowers
+both below its load. Of equal tokens one long document holds more pairs than several short
+ones, so long goes for short:
+
+    rank 0: 2048 2048          pairs 2 x 2098176 = 4196352
+    rank 1: 1024 1024 1024 1024      4 x  524800 = 2099200
+    exchange 2048 <-> 1024 1024:     3147776 | 3147776
+
+Tokens a rank, cut documents and ring offsets stay as they were.
+
 The pick: of the placements whose max/mean work is within the tolerance, the one whose K/V
 travel the fewest ring offsets, then with the fewest documents on several ranks (none: the
 most balanced). Given the attention's shape, the placement of least predicted time instead
@@ -47,6 +58,7 @@ visiting rank (Note [Windowed schedules]); ``schedule/varlen.py`` builds it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -350,11 +362,63 @@ def _candidates(
     total = sum(work.totals)
     for limit in (math.inf, *(total / W * f for f in (1.5, 1.0, 0.75, 0.5, 0.35, 0.25))):
         pieces = _place_runs(order, W, n, work, limit)
-        yield _candidate(pieces, work, zigzag=False)
+        yield _candidate(_swapped(pieces, work), work, zigzag=False)
     for t in _cut_counts(len(order)):
         pieces = _place_zigzag(order[:t], order[t:], W, n, work)
         if pieces is not None:
-            yield _candidate(pieces, work, zigzag=True)
+            yield _candidate(_swapped(pieces, work), work, zigzag=True)
+
+
+def _swapped(pieces: list[list[Piece]], work_of: _Work) -> list[list[Piece]]:
+    """``pieces`` after exchanges of whole documents between the most loaded rank and another,
+    sets of equal tokens (one or two documents for up to three), while an exchange lowers the
+    pair's larger work below the most loaded rank's. Tokens per rank and the cut documents stay
+    as they are, so do the ring offsets; a whole document's work depends on its length only,
+    and of equal tokens one long document has more work than several short ones (causal or
+    full), so the heaviest rank trades long documents for short ones."""
+    W, lengths = len(pieces), work_of.lengths
+    rows = [list(row) for row in pieces]
+    load = [sum(work_of(*p) for p in row) for row in rows]
+    for _ in range(4 * W * W):  # each exchange lowers the top of the loads; a bound to be sure
+        a = max(range(W), key=lambda r: (load[r], -r))
+        best = None
+        gives = _whole_sets(rows[a], lengths, work_of, 2)
+        for b in range(W):
+            if b == a:
+                continue
+            takes = _whole_sets(rows[b], lengths, work_of, 3)
+            for tokens, give_sets in gives.items():
+                for give_work, give in give_sets.items():
+                    for take_work, take in takes.get(tokens, {}).items():
+                        moved = give_work - take_work
+                        top = max(load[a] - moved, load[b] + moved)
+                        if top < load[a] and (best is None or top < best[0]):
+                            best = (top, b, give, take, moved)
+        if best is None:
+            break
+        _, b, give, take, moved = best
+        rows[a] = [p for p in rows[a] if p not in give] + list(take)
+        rows[b] = [p for p in rows[b] if p not in take] + list(give)
+        load[a], load[b] = load[a] - moved, load[b] + moved
+    return rows
+
+
+def _whole_sets(row, lengths, work_of: _Work, most: int) -> dict[int, dict[int, tuple]]:
+    """The whole documents of a rank's pieces ``row`` in sets of one to ``most``, one set per
+    distinct (tokens, work): ``{tokens: {work: pieces}}`` (at most 24 distinct lengths are
+    combined, the shortest: what a heavy rank takes)."""
+    whole: dict[int, list[Piece]] = {}
+    for p in row:
+        if p[1] == 0 and p[2] == lengths[p[0]]:
+            whole.setdefault(p[2], []).append(p)
+    pool = [p for length in sorted(whole)[:24] for p in whole[length][:most]]
+    out: dict[int, dict[int, tuple]] = {}
+    for size in range(1, most + 1):
+        for combo in itertools.combinations(pool, size):
+            tokens = sum(p[2] for p in combo)
+            work = sum(work_of.totals[p[0]] for p in combo)
+            out.setdefault(tokens, {}).setdefault(work, combo)
+    return out
 
 
 def _place_runs(order, W: int, n: int, work_of: _Work, limit: float) -> list[list[Piece]]:
