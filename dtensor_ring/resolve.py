@@ -42,10 +42,11 @@ from torch.distributed.tensor import DTensor
 from ._compat import group_name as _group_name
 from ._compat import refuse_simulated_ranks
 from .consistency import PerRankCheck, check_consistent, comparing, relay_errors
-from .kernels import KernelCall, select_kernel
+from .kernels import selected_backend
 from .kernels.base import is_small
 from .layouts import Form, Layout, alias_algorithm, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
+from .resolved import remember, remembered, resolution_key
 from .schedule.cost import kv_repeat
 
 # the values of algorithm= (Note [Layouts and algorithms] in algorithm.py)
@@ -373,25 +374,6 @@ def check_cu_seqlens_arg(cu_seqlens: object, q: Tensor, name: str = "cu_seqlens"
 # --- kernel choice ------------------------------------------------------------------------
 
 
-@torch.compiler.assume_constant_result
-def _select_backend(
-    device_type: str,
-    dtype: torch.dtype,
-    head_dim: int,
-    num_heads: int,
-    num_kv_heads: int,
-    varlen: bool,
-    deterministic: bool,
-    window: bool,
-    small: bool,
-    backend: str | None,
-) -> str:
-    call = KernelCall(
-        device_type, dtype, head_dim, num_heads, num_kv_heads, varlen, deterministic, window, small
-    )
-    return select_kernel(call, backend).name
-
-
 def select_backend(
     q: Tensor,
     k: Tensor,
@@ -421,7 +403,7 @@ def select_backend(
     # the sequence the kernel sees (Ulysses: every rank's). Compiled graphs keep the choice
     # for large calls: a length (symbolic with dynamic shapes) must not enter a constant
     small = not torch.compiler.is_compiling() and is_small(q.shape[-3] * head_split, H, D)
-    return _select_backend(
+    return selected_backend(
         q.device.type,
         q.dtype,
         D,
@@ -520,11 +502,17 @@ def resolve_call(call: Call, door: Door) -> AttentionSpec:
     """
     refuse_simulated_ranks()
     groups = (call.group_name, *door.groups)
+    compare = comparing(groups)
+    key = None if compare else resolution_key(call, door)  # Note [Remembered resolutions]
+    spec = remembered(key)
+    if spec is not None:
+        return spec
     with relay_errors(groups, door.op):
         spec = _resolve(call, door)
         if door.checks is not None:
             spec = spec._replace(door=door.checks())
-    if comparing(groups):
+    remember(key, spec)
+    if compare:
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         fingerprint = {
             "op": door.op,

@@ -85,7 +85,8 @@ def dense_attention(
         order_free=order_free,
         heads_k_stride=heads_k_stride,
     )
-    call = call.replace(layout=r.layout)
+    if r.layout != layout:
+        call = call.replace(layout=r.layout)
     if r.algorithm == "all_gather":
         with relay_errors((name,), "llama3_attention"):  # one rank's error: every rank's
             check_qkv_tensors(q, k, v)

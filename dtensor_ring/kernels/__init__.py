@@ -58,6 +58,7 @@ def get_kernel(name: str) -> BlockKernel:
 # (device properties, module lookups). The flash backends' deterministic backward follows
 # torch.use_deterministic_algorithms, which may change at any time: part of the key.
 _SELECTED: dict[tuple, BlockKernel] = {}
+_SELECTION_VERSION = [0]  # moves with every clear_selection_cache
 
 
 def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
@@ -83,9 +84,37 @@ def select_kernel(call: KernelCall, backend: str | None = None) -> BlockKernel:
     return kernel
 
 
+@torch.compiler.assume_constant_result
+def selected_backend(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    varlen: bool,
+    deterministic: bool,
+    window: bool,
+    small: bool,
+    backend: str | None,
+) -> str:
+    """The name :func:`select_kernel` picks for the :class:`KernelCall` of these fields; a
+    Dynamo constant (the backends' availability probes are not traceable)."""
+    call = KernelCall(
+        device_type, dtype, head_dim, num_heads, num_kv_heads, varlen, deterministic, window, small
+    )
+    return select_kernel(call, backend).name
+
+
 def clear_selection_cache() -> None:
-    """Forget the backend choices :func:`select_kernel` remembered."""
+    """Forget the backend choices :func:`select_kernel` remembered (and the resolutions that
+    hold them: Note [Remembered resolutions] in ``dtensor_ring/resolved.py``)."""
     _SELECTED.clear()
+    _SELECTION_VERSION[0] += 1
+
+
+def selection_version() -> int:
+    """A number that changes with every :func:`clear_selection_cache`."""
+    return _SELECTION_VERSION[0]
 
 
 def _select_kernel(call: KernelCall, backend: str | None) -> BlockKernel:
@@ -120,6 +149,7 @@ __all__ = [
     "clear_selection_cache",
     "get_kernel",
     "select_kernel",
+    "selected_backend",
 ]
 
 

@@ -42,10 +42,10 @@ kernel's. flash-attn 4 has ``acc_O`` in fp32 registers until its epilogue; on sm
 split-KV path that would keep fp32 partials (``_flash_attn_fwd`` asserts so), so the ring asks
 for its own epilogue (``_flash_attn4_fp32_out.py``): ``acc_O`` stored from registers, no
 rounding, no shared-memory staging, no TMA; a whole tile as 8-byte stores (a thread's column
-pairs), a tile cut by the sequence's end or a smaller head dim one value at a time. The wrapper still works out everything else (tile
-sizes, scheduler, compile key) and is handed, as ``out``, a view of the input dtype onto an
-fp32 buffer, the first ``D`` of each row's ``2 D`` values, which passes its checks and which
-the epilogue reads back as the buffer:
+pairs), a tile cut by the sequence's end or a smaller head dim one value at a time. The
+wrapper still works out everything else (tile sizes, scheduler, compile key) and is handed,
+as ``out``, a view of the input dtype onto an fp32 buffer, the first ``D`` of each row's
+``2 D`` values, which passes its checks and which the epilogue reads back as the buffer:
 
     fp32 buffer   row r:  | o_0 | o_1 | ... | o_{D-1} |            (D x 4 bytes)
     bf16 view     row r:  |o_0lo|o_0hi| ... (first D of 2 D)        (strides x 2 of bf16)

@@ -15,6 +15,7 @@ LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "stripe", "llama3_zigzag")
 VARLEN_LAYOUTS: tuple[str, ...] = ("ring", "zigzag", "llama3", "llama3_zigzag")
 
 _REGISTRY: dict[str, Layout] = {}
+_VERSION = [0]  # moves with every registration and removal (Note [Remembered resolutions])
 # alias name -> (registered layout name, algorithm): Note [Layouts and algorithms]
 _ALIASES: dict[str, tuple[str, str]] = dict(BUILTIN_ALIASES)
 _ALIAS_LAYOUTS: dict[str, Layout] = {}  # alias name -> its layout's copy under that name
@@ -41,6 +42,7 @@ def register_layout(layout: Layout) -> Layout:
     if known is not None and known is not layout:
         raise ValueError(f"a layout named {layout.name!r} is already registered ({known!r})")
     _REGISTRY[layout.name] = layout
+    _VERSION[0] += 1
     return layout
 
 
@@ -49,6 +51,18 @@ def unregister_layout(name: str) -> None:
     if name in (b.name for b in BUILTIN_LAYOUTS):
         raise ValueError(f"the built-in layout {name!r} cannot be unregistered")
     _REGISTRY.pop(name, None)
+    _VERSION[0] += 1
+
+
+def registry_version() -> int:
+    """A number that changes whenever a layout is registered or removed."""
+    return _VERSION[0]
+
+
+def registered_name(layout: object) -> bool:
+    """Whether ``layout`` is the name of a registered layout or an alias (not an object, not a
+    passed layout's name)."""
+    return isinstance(layout, str) and (layout in _REGISTRY or layout in _ALIASES)
 
 
 def _has_form(layout: Layout, form: Form) -> bool:

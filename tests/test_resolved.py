@@ -1,0 +1,111 @@
+"""Remembered resolutions (Note [Remembered resolutions] in ``dtensor_ring/resolved.py``): a
+call whose resolution reads the same things gets the same spec without the checks; anything
+the key could miss resolves afresh, and bad input raises every time."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import random_qkv
+
+import dtensor_ring as dr
+from dtensor_ring import resolve
+from dtensor_ring.kernels import clear_selection_cache
+from dtensor_ring.layouts import unregister_layout
+
+
+def _counted(group, scenario: str) -> list:
+    """Run ``scenario`` on this rank; per call, how many resolutions ran (or the error's
+    type name) and the outputs (bitwise comparable)."""
+    counts, original = [0], resolve._resolve
+
+    def counting(*args, **kwargs):
+        counts[0] += 1
+        return original(*args, **kwargs)
+
+    q, k, v = random_qkv(1, 8, 4, 2, 8, torch.float64, seed=0)
+    seen, outs = [], []
+
+    def call(fn=dr.ring_flash_attn_func, *args, **kwargs):
+        before = counts[0]
+        try:
+            outs.append(fn(*args, q, k, v, group=group, **kwargs))
+            seen.append(counts[0] - before)
+        except (TypeError, ValueError) as err:
+            seen.append(type(err).__name__)
+
+    resolve._resolve = counting
+    clear_selection_cache()  # nothing remembered from an earlier test in this worker
+    try:
+        if scenario == "repeat":
+            for _ in range(3):
+                call(causal=True)
+        elif scenario == "arguments":
+            call(causal=True)
+            call(causal=False)
+            call(softmax_scale=0.0)
+            call(softmax_scale=-0.0)  # equal to 0.0, not the same scale
+            call(window_size=(2, 0))
+            call(window_size=[2, 0])
+            call(causal=True)
+        elif scenario == "deterministic":
+            call(causal=True)
+            torch.use_deterministic_algorithms(True)
+            try:
+                call(causal=True)
+            finally:
+                torch.use_deterministic_algorithms(False)
+            call(causal=True)
+        elif scenario == "errors":
+            call(causal=True)
+            call(causal=1)  # == True, hash(True): still a TypeError, every time
+            call(causal=1)
+            call(causal=True, softmax_scale=float("nan"))
+            call(causal=True, softmax_scale=float("nan"))
+        elif scenario == "layout_object":  # not registered: found by name in a bounded table
+            lay = copy.copy(dr.get_layout("zigzag"))
+            lay.name = "zigzag_passed_for_test"
+            for _ in range(2):
+                call(dr.ring_attention_func, lay, causal=True)
+        elif scenario == "versions":
+            call(causal=True)
+            clear_selection_cache()
+            call(causal=True)
+            lay = copy.copy(dr.get_layout("ring"))
+            lay.name = "ring_copy_for_test"
+            dr.register_layout(lay)
+            call(dr.ring_attention_func, "ring_copy_for_test", causal=True)
+            call(dr.ring_attention_func, "ring_copy_for_test", causal=True)
+            unregister_layout("ring_copy_for_test")
+            call(dr.ring_attention_func, "ring_copy_for_test", causal=True)  # gone: raises
+    finally:
+        resolve._resolve = original
+    return [seen, [o.tolist() for o in outs]]
+
+
+EXPECTED = {
+    "repeat": [1, 0, 0],
+    "arguments": [1, 1, 1, 1, 1, 1, 0],
+    "deterministic": [1, 1, 0],
+    "errors": [1, "TypeError", "TypeError", "ValueError", "ValueError"],
+    "layout_object": [1, 1],
+    "versions": [1, 1, 1, 0, "ValueError"],
+}
+
+
+@pytest.mark.parametrize("scenario", list(EXPECTED))
+def test_resolutions_remembered_exactly(dist_pool, scenario):
+    """On a 1-rank group (no header): what is resolved again and what is not; a remembered
+    call's output is bitwise the first's."""
+    ((seen, outs),) = dist_pool.run(_counted, 1, scenario=scenario)
+    assert seen == EXPECTED[scenario]
+    if scenario == "repeat":
+        assert outs[0] == outs[1] == outs[2]
+
+
+def test_compared_calls_resolve_every_time(dist_pool):
+    """A gloo group of two ranks compares every call's header: each call is resolved."""
+    for seen, _ in dist_pool.run(_counted, 2, scenario="repeat"):
+        assert seen == [1, 1, 1]
