@@ -5,6 +5,7 @@ the key could miss resolves afresh, and bad input raises every time."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -109,3 +110,37 @@ def test_compared_calls_resolve_every_time(dist_pool):
     """A gloo group of two ranks compares every call's header: each call is resolved."""
     for seen, _ in dist_pool.run(_counted, 2, scenario="repeat"):
         assert seen == [1, 1, 1]
+
+
+def _bad_after_good(group) -> dict:
+    """Each bad call of ``test_validation.py`` right after good calls of the doors it uses
+    (their resolutions remembered): what it raised."""
+    from test_validation import BAD_CALLS, BAD_TYPES, BAD_VALUES, _qkv
+
+    clear_selection_cache()
+    out = {}
+    for name, (call, _) in {**BAD_CALLS, **BAD_TYPES, **BAD_VALUES}.items():
+        for causal in (False, True):
+            dr.ring_flash_attn_func(*_qkv(), causal=causal, group=group)
+            dr.zigzag_ring_flash_attn_func(*_qkv(), causal=True, group=group)
+        try:
+            call(group)
+            out[name] = ("no exception", "")
+        except Exception as e:  # noqa: BLE001 - reported and checked by the test
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def test_bad_calls_raise_after_remembered_good_ones(dist_pool):
+    """Every bad call of the validation suite still raises its error at W = 1, where good
+    calls before it were remembered."""
+    from test_validation import BAD_CALLS, BAD_TYPES, BAD_VALUES
+
+    (got,) = dist_pool.run(_bad_after_good, 1, timeout_s=60)
+    for name, (_, pattern) in {**BAD_CALLS, **BAD_TYPES, **BAD_VALUES}.items():
+        kind, message = got[name]
+        if name == "hybrid_same_group":  # on one rank: a 1 x 1 grid, which is allowed
+            continue
+        expected = "TypeError" if name in BAD_TYPES else "ValueError"
+        assert kind == expected, (name, kind, message)
+        assert re.search(pattern, message), (name, message, pattern)
