@@ -46,6 +46,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import statistics
 import time
 
@@ -776,19 +777,34 @@ def main() -> None:
         overhead=[],
         errors=[],
     )
-    for bounds in VARLEN_LOCAL_CU_SEQLENS if not a.smoke else ((0, 4, 12, 16),):
-        try:
-            results["varlen"] += varlen_rings(bounds, a, device, gen)
-        except Exception as e:
-            results["errors"].append(f"varlen {bounds}: {type(e).__name__}: {e}")
-    if a.only is None:
-        run_the_rest(results, a, device, gen, backends, tokens)
+    # a run stopped by SIGTERM (e.g. `timeout`) still writes what it measured, marked partial
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        for bounds in VARLEN_LOCAL_CU_SEQLENS if not a.smoke else ((0, 4, 12, 16),):
+            try:
+                results["varlen"] += varlen_rings(bounds, a, device, gen)
+            except Exception as e:
+                results["errors"].append(f"varlen {bounds}: {type(e).__name__}: {e}")
+        if a.only is None:
+            run_the_rest(results, a, device, gen, backends, tokens)
+    except _Stopped:
+        results["partial"] = True
     with open(os.path.join(a.out, "bench_single_gpu.json"), "w") as f:
         json.dump(results, f, indent=1)
+    if results.get("partial"):
+        raise SystemExit("stopped: partial results written")
     plots(results, a.out)
     print_tables(results)
     if a.smoke and results["errors"]:
         raise SystemExit("\n".join(results["errors"]))
+
+
+class _Stopped(BaseException):
+    """SIGTERM arrived (not an Exception: the per-part handlers must not swallow it)."""
+
+
+def _stop(signum, frame) -> None:
+    raise _Stopped
 
 
 def run_the_rest(results: dict, a, device, gen, backends, tokens) -> None:
