@@ -46,7 +46,7 @@ from .kernels import selected_backend
 from .kernels.base import is_small
 from .layouts import Form, Layout, alias_algorithm, get_layout
 from .layouts.varlen import check_cu_seqlens_device, check_cu_seqlens_tensor
-from .resolved import remember, remembered, resolution_key
+from .resolved import RESOLUTIONS, resolution_key
 from .schedule.cost import kv_repeat
 
 # the values of algorithm= (Note [Layouts and algorithms] in algorithm.py)
@@ -504,14 +504,14 @@ def resolve_call(call: Call, door: Door) -> AttentionSpec:
     groups = (call.group_name, *door.groups)
     compare = comparing(groups)
     key = None if compare else resolution_key(call, door)  # Note [Remembered resolutions]
-    spec = remembered(key)
+    spec = RESOLUTIONS.get(key)
     if spec is not None:
         return spec
     with relay_errors(groups, door.op):
         spec = _resolve(call, door)
         if door.checks is not None:
             spec = spec._replace(door=door.checks())
-    remember(key, spec)
+    RESOLUTIONS.put(key, spec)
     if compare:
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         fingerprint = {

@@ -21,14 +21,16 @@ A call is resolved afresh (and not kept) whenever the key could miss something:
   find passed layouts by name in a bounded table that resolving refreshes);
 * a door with its own checks (``Door.checks``, ``metadata``, ...: they read values, such as
   ``cu_seqlens``);
-* tensors of a subclass (DTensor, FakeTensor, ...), ``alibi_slopes``, or a scalar argument not
-  of a plain type (bool, int, float, str, None; floats keyed with their sign, so ``-0.0`` is
-  not ``0.0``);
+* tensors of a subclass other than DTensor (FakeTensor, ...; a DTensor is keyed by its mesh
+  and placements too), ``alibi_slopes``, or a scalar argument not of a plain type (bool, int,
+  float, str, None; floats keyed with their sign, so ``-0.0`` is not ``0.0``);
 * under ``torch.compile`` (resolution is traced once, its results are constants).
 
 A failing resolution is never kept: bad input raises every time, on every rank. Registering or
 removing a layout, and :func:`~dtensor_ring.kernels.clear_selection_cache`, move the versions
-in the key. The table is bounded (cleared when full).
+in the key. The table is bounded (cleared when full). The checks of SDPA on DTensors
+(``check_sdpa_args``: placements, meshes, shapes) are remembered the same way, in a table of
+their own.
 """
 
 from __future__ import annotations
@@ -37,13 +39,34 @@ import math
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .kernels import selection_version
 from .layouts.registry import registered_name, registry_version
 
-_SIZE = 1024
-_RESOLVED: dict[tuple, object] = {}
 _PLAIN = (bool, int, float, str, type(None))
+
+
+class Remembered:
+    """A bounded table of passing checks' results (cleared when full)."""
+
+    def __init__(self, size: int = 1024):
+        self.size, self.table = size, {}
+
+    def get(self, key: tuple | None) -> object | None:
+        """The result kept under ``key``, if any (None: never kept)."""
+        return None if key is None else self.table.get(key)
+
+    def put(self, key: tuple | None, value: object) -> None:
+        """Keep ``value`` under ``key`` (None: not kept)."""
+        if key is None:
+            return
+        if len(self.table) >= self.size:
+            self.table.clear()
+        self.table[key] = value
+
+
+RESOLUTIONS = Remembered()
 
 
 def resolution_key(call, door) -> tuple | None:
@@ -56,12 +79,12 @@ def resolution_key(call, door) -> tuple | None:
         return None
     if call.alibi_slopes is not None:
         return None
-    tensors = [_tensor_key(t) for t in (call.q, call.k, call.v)]
-    sinks = () if call.sinks is None else _tensor_key(call.sinks)
+    tensors = [tensor_key(t) for t in (call.q, call.k, call.v)]
+    sinks = () if call.sinks is None else tensor_key(call.sinks)
     window = call.window_size
     window_items = tuple(window) if type(window) in (tuple, list) else (window,)
     scalars = (call.causal, call.softmax_scale, call.dropout_p, call.deterministic, call.backend)
-    values = [_scalar_key(x) for x in (*scalars, *window_items)]
+    values = [scalar_key(x) for x in (*scalars, *window_items)]
     if None in tensors or sinks is None or None in values:
         return None
     return (
@@ -73,6 +96,14 @@ def resolution_key(call, door) -> tuple | None:
         type(window),
         *values,
         door,
+        *versions(),
+    )
+
+
+def versions() -> tuple:
+    """What a check may read besides its arguments: torch's deterministic switches, the
+    layout registry's and the kernel choices' versions."""
+    return (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         registry_version(),
@@ -80,25 +111,19 @@ def resolution_key(call, door) -> tuple | None:
     )
 
 
-def remembered(key: tuple | None) -> object | None:
-    """The spec kept under ``key``, if any."""
-    return None if key is None else _RESOLVED.get(key)
+def tensor_key(t: object) -> tuple | None:
+    """A plain tensor's shape, dtype and device; a DTensor's shape, dtype, mesh and placements;
+    None for anything else (not remembered)."""
+    if type(t) is Tensor:
+        return (t.shape, t.dtype, t.device)
+    if type(t) is DTensor:
+        return (DTensor, t.shape, t.dtype, t.device, t.device_mesh, t.placements)
+    return None
 
 
-def remember(key: tuple | None, spec: object) -> None:
-    """Keep ``spec`` under ``key`` (None: not kept)."""
-    if key is None:
-        return
-    if len(_RESOLVED) >= _SIZE:
-        _RESOLVED.clear()
-    _RESOLVED[key] = spec
-
-
-def _tensor_key(t: object) -> tuple | None:
-    return (t.shape, t.dtype, t.device) if type(t) is Tensor else None
-
-
-def _scalar_key(x: object) -> tuple | None:
+def scalar_key(x: object) -> tuple | None:
+    """``(type, value)`` of a plain scalar (a float with its sign: ``-0.0`` is not ``0.0``);
+    None for anything else (not remembered)."""
     if type(x) not in _PLAIN:
         return None
     if type(x) is float:

@@ -144,3 +144,32 @@ def test_bad_calls_raise_after_remembered_good_ones(dist_pool):
         expected = "TypeError" if name in BAD_TYPES else "ValueError"
         assert kind == expected, (name, kind, message)
         assert re.search(pattern, message), (name, message, pattern)
+
+
+def _dtensor_errors_after_good(group) -> dict:
+    """SDPA on DTensors: good calls through the scope and the function first (their checks
+    remembered), then every bad call of ``test_dtensor.py``'s error table."""
+    import torch.nn.functional as F
+    from test_dtensor import _errors, _mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    clear_selection_cache()
+    q = distribute_tensor(torch.randn(1, 4, 8, 8), _mesh(group), [Shard(2)])
+    for layout in ("zigzag", "llama3_zigzag"):
+        with dr.ring_sdpa(layout=layout):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        dr.scaled_dot_product_ring_attention(q, q, q, is_causal=True, layout=layout)
+    return _errors(group)
+
+
+def test_dtensor_errors_after_remembered_checks(dist_pool):
+    """Every error of the DTensor SDPA table is still raised, on both ranks, after good calls
+    whose checks were remembered (not compared on their own: the table serves W = 2 too)."""
+    from test_dtensor import EXPECTED_ERRORS, LLAMA3_ZIGZAG_ERRORS
+
+    for messages in dist_pool.run(_dtensor_errors_after_good, 2):
+        gather = {f"llama3_zigzag {n}": EXPECTED_ERRORS[n] for n in LLAMA3_ZIGZAG_ERRORS}
+        for name, expected in {**EXPECTED_ERRORS, **gather}.items():
+            for way in ("scope", "direct"):
+                message = messages[f"{name}/{way}"]
+                assert expected in message and "Error" in message, (name, way, message)

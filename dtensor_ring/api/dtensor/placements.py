@@ -13,7 +13,9 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from ...consistency import relay_errors
 from ...layouts import get_layout
+from ...layouts.registry import registered_name
 from ...resolve import check_algorithm, check_bool, check_heads, check_unsupported, placement
+from ...resolved import Remembered, scalar_key, tensor_key, versions
 
 SDPA_SEQ_DIM = 2  # [B, H, S, D]
 OP_SEQ_DIM = 1  # [B, S, H, D]
@@ -176,8 +178,24 @@ def check_sdpa_args(
     args = (query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout, algorithm)
     if torch.compiler.is_compiling():
         return _check_sdpa_args(*args)
-    with relay_errors(lambda: sequence_group_name(query), "sdpa"):
-        return _check_sdpa_args(*args)
+    remembered_key = _checked_key(*args)  # Note [Remembered resolutions]
+    checked = SDPA_CHECKS.get(remembered_key)
+    if checked is None:
+        with relay_errors(lambda: sequence_group_name(query), "sdpa"):
+            checked = _check_sdpa_args(*args)
+        SDPA_CHECKS.put(remembered_key, checked)
+    return checked
+
+
+SDPA_CHECKS = Remembered()
+
+
+def _checked_key(query, key, value, attn_mask, *scalars) -> tuple | None:
+    """What :func:`_check_sdpa_args` reads, or None where it must check afresh."""
+    if attn_mask is not None or not registered_name(scalars[-2]):
+        return None
+    parts = [tensor_key(t) for t in (query, key, value)] + [scalar_key(x) for x in scalars]
+    return None if None in parts else (*parts, *versions())
 
 
 def sequence_group_name(query: object) -> str:
