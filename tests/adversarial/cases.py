@@ -81,7 +81,10 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
 * ``flash2``: every door that takes a window and a backend, its windowed masks at W = 2-4 on
   ``backend="flash2_model"``: ``cuda_flash``'s adapter on FlashAttention-2's ops modelled on
   the CPU (``tests/flash2_model.py``), the calls the GPU kernel gets (Note
-  [FlashAttention-2's unbounded window sides]).
+  [FlashAttention-2's unbounded window sides]);
+* ``remembered``: each malformed argument of ``args`` right after a good call of the same door,
+  whose resolution was remembered (Note [Remembered resolutions]), also with the gloo header
+  off (as on an NCCL group): a clean error on every rank (:mod:`tests.adversarial.remembered`).
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
@@ -1809,6 +1812,7 @@ from .flex import flex_cases  # noqa: E402  (it imports this module)
 from .inference import decode_cases, kv_cache_cases  # noqa: E402  (it imports this module)
 from .rank_local import rank_local_cases  # noqa: E402  (it imports this module)
 from .recompute import recompute_cases  # noqa: E402  (it imports this module)
+from .remembered import remembered_cases  # noqa: E402  (it imports this module)
 from .shards import shards_cases  # noqa: E402  (it imports this module)
 from .titan import titan_cases  # noqa: E402  (it imports this module)
 
@@ -1840,6 +1844,7 @@ KINDS = {
     "documents": documents_cases,
     "titan": titan_cases,
     "flash2": flash2_cases,
+    "remembered": remembered_cases,
 }
 FAST_PER_KIND = 2  # the fast tier's subset: 2 per kind (its time: docs/design.md)
 
