@@ -65,7 +65,7 @@ from bench_single_gpu import (  # noqa: E402  (CUDA-event medians; flash-attn 4'
 )
 
 import dtensor_ring as dr  # noqa: E402
-from dtensor_ring.layouts.documents import documents_on_tokens  # noqa: E402
+from dtensor_ring.layouts.document_placement import documents_on_tokens  # noqa: E402
 from dtensor_ring.resolve import normalize_window  # noqa: E402
 from dtensor_ring.schedule.flex_documents import mask_documents  # noqa: E402
 from dtensor_ring.simulate import RankSimulator  # noqa: E402

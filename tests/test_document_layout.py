@@ -29,15 +29,15 @@ import dtensor_ring as dr
 from dtensor_ring.kernels.base import window_mask
 from dtensor_ring.kernels.cuda_flash import flash2_max_seqlen_k
 from dtensor_ring.layouts import TokenLayout
-from dtensor_ring.layouts.documents import (
+from dtensor_ring.layouts.document_placement import (
     _candidate,
     _candidates,
     _place_runs,
     _swapped,
     _Work,
     documents_on_tokens,
-    pairs_by_offset,
 )
+from dtensor_ring.layouts.documents import pairs_by_offset
 from dtensor_ring.parts import band_pairs
 from dtensor_ring.schedule.varlen import varlen_plan
 

@@ -35,12 +35,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..layouts import Layout, get_layout, token_indices
-from ..layouts.documents import (
-    DocumentLayout,
-    balance_documents,
-    documents_on_tokens,
-    pairs_by_offset,
-)
+from ..layouts.document_placement import balance_documents, documents_on_tokens
+from ..layouts.documents import DocumentLayout, pairs_by_offset
 from ..layouts.varlen import check_divisible, global_bounds
 from ..resolve import check_bool, check_window_size, normalize_window
 from ..schedule.policy import ring_steps_ms

@@ -1,0 +1,412 @@
+"""The placement of packed documents on the ranks: balanced by work, whole where they fit.
+
+Note [Balanced documents]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+The per-document layouts (Note [Varlen layouts]) cut *every* document into W or 2W pieces:
+balanced for any documents, but a packed batch of many short documents then runs as many
+tiny blocks, at every ring step. A rank's work is the visible pairs of the query rows it
+holds, and a document kept whole on one rank needs nothing from any other rank. So the
+balanced layout keeps documents whole where that balances, and cuts only the heaviest:
+
+    documents (tokens):  A 12   B 4   C 4   D 2   E 2     W = 2, 12 tokens a rank
+    causal work (pairs): A 78   B 10  C 10  D 3   E 3
+
+    A is cut zigzag-wise (pieces a0..a3, 3 tokens each; rank r holds a_r and a_{3-r}):
+        rank 0: a0 a3 | B | D          work 6 + 33 + 10 + 3 = 52
+        rank 1: a1 a2 | C | E          work 15 + 24 + 10 + 3 = 52
+    B, C, D, E stay whole: no rank needs another's keys for them.
+
+The search weighs two families of placements, documents sorted by work, heaviest first,
+every rank holding exactly T/W tokens:
+
+* zigzag cuts: for t = 0, 1, ... the t heaviest are cut into 2W pieces over every rank (rank
+  r holds pieces r and 2W-1-r, as zigzag), the others are placed whole. The heaviest cut
+  document (the "filler") takes the room the whole documents leave on each rank, so whole
+  documents are placed by the work they add beyond the filler work they displace, and each
+  rank's early/late split of the filler brings its work to the mean. Balanced, but K/V
+  travel at every step once t > 0.
+* contiguous cuts: a document of more work than a limit (a fraction of the mean) is cut at
+  equal-work points into the fewest pieces under it, piece i on rank g + i (each rank needs
+  K/V only from the few ranks before it); the others whole; each on the ranks whose load,
+  with their remaining room filled at the density of what is left, stays lowest; what finds
+  no room is poured into the room left, in rank order. Few ring offsets, balance approximate.
+
+Each candidate is then evened out by exchanges of whole documents of equal tokens: the most
+loaded rank gives one or two documents for up to three of another rank's, while that lowers
+both below its load. Of equal tokens one long document holds more pairs than several short
+ones, so long goes for short:
+
+    rank 0: 2048 2048          pairs 2 x 2098176 = 4196352
+    rank 1: 1024 1024 1024 1024      4 x  524800 = 2099200
+    exchange 2048 <-> 1024 1024:     3147776 | 3147776
+
+Tokens a rank, cut documents and ring offsets stay as they were.
+
+The pick: of the placements whose max/mean work is within the tolerance, the one whose K/V
+travel the fewest ring offsets, then with the fewest documents on several ranks (none: the
+most balanced). Given the attention's shape, the placement of least predicted time instead
+(``schedule/policy.py``'s model: a step costs at least its host time, so for ranks with
+little work, fewer steps beat balance).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .documents import (
+    DocumentLayout,
+    Piece,
+    _held,
+    _imbalance,
+    _split,
+    _visible_pairs,
+    token_work,
+)
+
+
+def _ring_offsets(held: dict[int, list[tuple[int, int, int]]], W: int, work_of: _Work) -> int:
+    """How many ring offsets some rank needs K/V from (the plan's steps beyond the first), for
+    the pieces ``held`` by document (:func:`_held`) on ``W`` ranks: :func:`pairs_by_offset`'s
+    non-zero offsets, told apart without counting own pairs."""
+    offsets: set[int] = set()
+    for parts in held.values():
+        for r, qa, qb in parts:
+            for src, ka, kb in parts:
+                if src != r and (r - src) % W not in offsets:
+                    if _visible_pairs(qa, qb, ka, kb, work_of.causal, work_of.window):
+                        offsets.add((r - src) % W)
+    return len(offsets)
+
+
+def balance_documents(
+    bounds: Sequence[int],
+    world_size: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    tolerance: float,
+    cost: Callable[[Sequence[Sequence[Piece]]], float] | None = None,
+) -> DocumentLayout:
+    """The layout of Note [Balanced documents] for documents ``bounds`` (global, ints) on
+    ``world_size`` ranks, balanced for ``causal`` / ``window`` (normalised) within the
+    documents: of the candidates whose max/mean work is within ``tolerance``, the one whose
+    K/V travel the fewest ring offsets, then with the fewest documents on several ranks (none
+    within: the most balanced); given ``cost`` (a placement's predicted time, from its pieces
+    per rank), the cheapest of the most balanced candidate of each number of offsets."""
+    best: dict[int, Candidate] = {}  # number of offsets -> its most balanced candidate
+    within: Candidate | None = None
+    for c in _candidates(bounds, world_size, causal, window):
+        if c.offsets not in best or c.imbalance < best[c.offsets].imbalance:
+            best[c.offsets] = c
+        if c.imbalance <= tolerance and (within is None or c.rank < within.rank):
+            within = c
+        if c.zigzag and c.imbalance <= tolerance:
+            break  # more zigzag cuts only add cut documents
+    if cost is not None:
+        return min(best.values(), key=lambda c: cost(c.pieces)).layout(bounds)
+    if within is None:
+        return min(best.values(), key=lambda c: c.imbalance).layout(bounds)
+    return within.layout(bounds)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A placement the search weighs: ``pieces`` per rank, their ``work``, and what the pick
+    compares (the layout itself is built for the chosen one only)."""
+
+    pieces: list
+    work: list[int]
+    offsets: int  # ring offsets whose K/V some rank needs (its mask's visible pairs, counted)
+    split: int  # documents on more than one rank
+    zigzag: bool  # of the zigzag family
+
+    @property
+    def imbalance(self) -> float:
+        return _imbalance(self.work)
+
+    @property
+    def rank(self) -> tuple:
+        return (self.offsets, self.split, self.imbalance)
+
+    def layout(self, bounds: Sequence[int]) -> DocumentLayout:
+        return DocumentLayout(bounds, self.pieces, self.work)
+
+
+class _Work:
+    """Visible pairs of the query positions ``[a, b)`` of document d under the mask
+    ``causal`` / ``window``: ``prefix[d]`` (int64, the work before each position) and its
+    total as an int (whole documents, the common case, without a tensor read)."""
+
+    def __init__(self, lengths: Sequence[int], causal: bool, window: tuple[int, int] | None):
+        self.lengths, self.causal, self.window = lengths, causal, window
+        self.prefix = [
+            torch.cat([torch.zeros(1, dtype=torch.int64), token_work(L, causal, window).cumsum(0)])
+            for L in lengths
+        ]
+        self.totals = [int(p[-1]) for p in self.prefix]
+
+    def __call__(self, d: int, a: int, b: int) -> int:
+        if a == 0 and b == self.lengths[d]:
+            return self.totals[d]
+        return int(self.prefix[d][b] - self.prefix[d][a])
+
+
+def _candidate(pieces, work_of: _Work, zigzag: bool) -> Candidate:
+    held, work = _held(pieces), [sum(work_of(*p) for p in row) for row in pieces]
+    offsets = _ring_offsets(held, len(pieces), work_of)
+    return Candidate(pieces, work, offsets, len(_split(held)), zigzag)
+
+
+def documents_on_tokens(
+    bounds: Sequence[int],
+    indices_Wn: torch.Tensor,
+    causal: bool,
+    window: tuple[int, int] | None,
+) -> DocumentLayout:
+    """The placed layout of documents ``bounds`` (global, ints) whose tokens rank r holds
+    ``indices_Wn[r]`` (int ``[W, T / W]``, each row increasing: a rank's pieces are its runs
+    of consecutive tokens within one document), its work counted for ``causal`` / ``window``
+    (normalised). Another layout's token placement, run by the placed plan (e.g. head-tail
+    shards of packed rows)."""
+    starts = torch.tensor(bounds[:-1], dtype=torch.int64)
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    pieces = []
+    for idx in indices_Wn.to(torch.int64):
+        doc = torch.searchsorted(starts, idx, right=True) - 1  # empty documents hold nothing
+        new = torch.ones_like(idx, dtype=torch.bool)
+        new[1:] = (idx[1:] != idx[:-1] + 1) | (doc[1:] != doc[:-1])
+        first = new.nonzero().flatten().tolist()
+        last = [*(i - 1 for i in first[1:]), len(idx) - 1]
+        pieces.append(
+            [
+                (d, a - bounds[d], b + 1 - bounds[d])
+                for d, a, b in zip(
+                    doc[first].tolist(), idx[first].tolist(), idx[last].tolist(), strict=True
+                )
+            ]
+        )
+    return _candidate(pieces, _Work(lengths, causal, window), zigzag=False).layout(bounds)
+
+
+def _candidates(
+    bounds: Sequence[int], W: int, causal: bool, window: tuple[int, int] | None
+) -> Iterator[Candidate]:
+    """The contiguous placements (a few limits), then the zigzag ones with t = 0, 1, ... of
+    the heaviest documents cut, where they exist."""
+    n = bounds[-1] // W
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    work = _Work(lengths, causal, window)
+    order = sorted(range(len(lengths)), key=lambda d: (-work.totals[d], d))
+    total = sum(work.totals)
+    for limit in (math.inf, *(total / W * f for f in (1.5, 1.0, 0.75, 0.5, 0.35, 0.25))):
+        pieces = _place_runs(order, W, n, work, limit)
+        yield _candidate(_swapped(pieces, work), work, zigzag=False)
+    for t in _cut_counts(len(order)):
+        pieces = _place_zigzag(order[:t], order[t:], W, n, work)
+        if pieces is not None:
+            yield _candidate(_swapped(pieces, work), work, zigzag=True)
+
+
+def _swapped(pieces: list[list[Piece]], work_of: _Work) -> list[list[Piece]]:
+    """``pieces`` after exchanges of whole documents between the most loaded rank and another,
+    sets of equal tokens (one or two documents for up to three), while an exchange lowers the
+    pair's larger work below the most loaded rank's. Tokens per rank and the cut documents stay
+    as they are, so do the ring offsets; a whole document's work depends on its length only,
+    and of equal tokens one long document has more work than several short ones (causal or
+    full), so the heaviest rank trades long documents for short ones."""
+    W, lengths = len(pieces), work_of.lengths
+    rows = [list(row) for row in pieces]
+    load = [sum(work_of(*p) for p in row) for row in rows]
+    for _ in range(4 * W * W):  # each exchange lowers the top of the loads; a bound to be sure
+        a = max(range(W), key=lambda r: (load[r], -r))
+        best = None
+        gives = _whole_sets(rows[a], lengths, work_of, 2)
+        for b in range(W):
+            if b == a:
+                continue
+            takes = _whole_sets(rows[b], lengths, work_of, 3)
+            for tokens, give_sets in gives.items():
+                for give_work, give in give_sets.items():
+                    for take_work, take in takes.get(tokens, {}).items():
+                        moved = give_work - take_work
+                        top = max(load[a] - moved, load[b] + moved)
+                        if top < load[a] and (best is None or top < best[0]):
+                            best = (top, b, give, take, moved)
+        if best is None:
+            break
+        _, b, give, take, moved = best
+        rows[a] = [p for p in rows[a] if p not in give] + list(take)
+        rows[b] = [p for p in rows[b] if p not in take] + list(give)
+        load[a], load[b] = load[a] - moved, load[b] + moved
+    return rows
+
+
+def _whole_sets(row, lengths, work_of: _Work, most: int) -> dict[int, dict[int, tuple]]:
+    """The whole documents of a rank's pieces ``row`` in sets of one to ``most``, one set per
+    distinct (tokens, work): ``{tokens: {work: pieces}}`` (at most 24 distinct lengths are
+    combined, the shortest: what a heavy rank takes)."""
+    whole: dict[int, list[Piece]] = {}
+    for p in row:
+        if p[1] == 0 and p[2] == lengths[p[0]]:
+            whole.setdefault(p[2], []).append(p)
+    pool = [p for length in sorted(whole)[:24] for p in whole[length][:most]]
+    out: dict[int, dict[int, tuple]] = {}
+    for size in range(1, most + 1):
+        for combo in itertools.combinations(pool, size):
+            tokens = sum(p[2] for p in combo)
+            work = sum(work_of.totals[p[0]] for p in combo)
+            out.setdefault(tokens, {}).setdefault(work, combo)
+    return out
+
+
+def _place_runs(order, W: int, n: int, work_of: _Work, limit: float) -> list[list[Piece]]:
+    """Pieces per rank, placing few K/V far: documents (``order``: heaviest first) of more
+    work than ``limit`` cut at equal-work points into the fewest contiguous pieces under it,
+    piece i on rank g + i (mod W: the ring's next rank) for the start g that keeps the most
+    loaded rank lightest; the others whole on the rank with room that is then least loaded
+    (a rank's room counted filled at the density of what is left); what finds no room
+    poured, in order, into the room left on ranks 0, 1, ... (a document poured across a rank
+    boundary is cut there)."""
+    pieces: list[list[Piece]] = [[] for _ in range(W)]
+    tokens, load, poured = [0] * W, [0] * W, []
+    lengths, totals, prefix = work_of.lengths, work_of.totals, work_of.prefix
+    left_work, left_tokens = sum(totals), sum(lengths)
+    for d in order:
+        # a rank's room ends up filled at about the density of what is left: compare ranks by
+        # the load they would have then
+        density = left_work / max(left_tokens, 1)
+        work, length = totals[d], lengths[d]
+        left_work, left_tokens = left_work - work, left_tokens - length
+        m = min(W, max(1, math.ceil(work / limit))) if limit < math.inf else 1
+        if m == 1:  # whole: the rank with room whose load would then be lowest
+            room = [r for r in range(W) if tokens[r] + length <= n]
+            if not room:
+                poured.append(d)
+                continue
+            r = min(room, key=lambda r: load[r] - density * tokens[r])
+            pieces[r].append((d, 0, length))
+            tokens[r] += length
+            load[r] += work
+            continue
+        targets = torch.arange(1, m, dtype=torch.int64) * work // m
+        cuts = [0, *torch.searchsorted(prefix[d], targets).tolist(), length]
+        parts = [
+            (a, b, int(prefix[d][b] - prefix[d][a]))
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+        ]
+        best = None
+        for g in range(W):
+            ranks = [(g + i) % W for i in range(m)]
+            if all(tokens[r] + b - a <= n for r, (a, b, _) in zip(ranks, parts, strict=True)):
+                worst = max(
+                    load[r] + w + density * (n - tokens[r] - b + a)
+                    for r, (a, b, w) in zip(ranks, parts, strict=True)
+                )
+                if best is None or worst < best[0]:
+                    best = (worst, ranks)
+        if best is None:
+            poured.append(d)
+            continue
+        for r, (a, b, w) in zip(best[1], parts, strict=True):
+            pieces[r].append((d, a, b))
+            tokens[r] += b - a
+            load[r] += w
+    r = 0
+    for d in poured:
+        a = 0
+        while a < lengths[d]:
+            while tokens[r] == n:
+                r += 1
+            b = min(lengths[d], a + n - tokens[r])
+            pieces[r].append((d, a, b))
+            tokens[r] += b - a
+            a = b
+    return pieces
+
+
+def _cut_counts(n_docs: int):
+    """Numbers of cut documents to try: every count up to 16, then ~25% steps, then all."""
+    t = 0
+    while t < n_docs:
+        yield t
+        t = t + 1 if t < 16 else int(t * 1.25)
+    yield n_docs
+
+
+def _place_zigzag(cut, whole, W: int, n: int, work_of: _Work) -> list[list[Piece]] | None:
+    """Pieces per rank: ``cut`` documents zigzag over every rank (the first, the filler,
+    takes what room is left), ``whole`` ones placed by the work they add beyond the filler
+    work they displace (below); None when a whole document finds no room."""
+    lengths = work_of.lengths
+    pieces: list[list[Piece]] = [[] for _ in range(W)]
+    tokens = [0] * W
+    for d in cut[1:]:
+        for r, (a, b) in _zigzag(lengths[d], W, tokens):
+            pieces[r].append((d, a, b))
+            tokens[r] += b - a
+    # The filler's tokens on a rank are what the whole documents leave free there, so a whole
+    # document placed on a rank replaces filler work: it changes the rank's work by its own
+    # minus the filler's at the filler's mean density. Balance those differences (largest
+    # first, each to the rank with the smallest sum so far); without a filler, the work.
+    density = work_of(cut[0], 0, lengths[cut[0]]) / lengths[cut[0]] if cut else 0.0
+    change = {d: work_of(d, 0, lengths[d]) - density * lengths[d] for d in whole}
+    total = [0.0] * W
+    for d in sorted(whole, key=lambda d: (-abs(change[d]), d)):
+        room = [r for r in range(W) if tokens[r] + lengths[d] <= n]
+        if not room:
+            return None
+        pick = min if change[d] >= 0 else max
+        r = pick(room, key=lambda r: (total[r], -r if pick is max else r))
+        pieces[r].append((d, 0, lengths[d]))
+        tokens[r] += lengths[d]
+        total[r] += change[d]
+    if cut:
+        d = cut[0]
+        want = [n - t for t in tokens]
+        if min(want) < 0:
+            return None
+        for r, (early, late) in enumerate(_filler(work_of.prefix[d], want, pieces, work_of)):
+            pieces[r] += [(d, *early), (d, *late)]
+    return pieces
+
+
+def _filler(prefix, want, pieces, work_of) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Rank r's early and late piece ``(start, stop)`` of the filler (work ``prefix``), rank r
+    taking ``want[r]`` tokens: pieces in zigzag order (early pieces of ranks 0, 1, ..., then
+    late pieces of ranks W-1, ..., 0), each rank's split between its two chosen so that its
+    work (with what ``pieces`` already hold) comes closest to the mean."""
+    W, length = len(want), len(prefix) - 1
+    held = [sum(work_of(*p) for p in row) for row in pieces]
+    target = (sum(held) + int(prefix[-1])) / W
+    out, start, stop = [], 0, length
+    for r in range(W):
+        x = torch.arange(want[r] + 1)  # tokens of the early piece
+        work = prefix[start + x] - prefix[start] + prefix[stop] - prefix[stop - want[r] + x]
+        miss = (work.double() + held[r] - target).abs() + (x - want[r] / 2).abs() * 1e-9
+        e = int(miss.argmin())
+        out.append(((start, start + e), (stop - want[r] + e, stop)))
+        start, stop = start + e, stop - want[r] + e
+    return out
+
+
+def _zigzag(length: int, W: int, tokens: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
+    """``(rank, (start, stop))`` of a document cut into 2W pieces, rank r holding pieces r and
+    2W-1-r; the ``length % 2W`` extra tokens go to the ranks holding the fewest ``tokens``."""
+    base, extra = divmod(length, 2 * W)
+    fewest = sorted(range(W), key=lambda r: (tokens[r], r))
+    plus = [0] * W
+    for i in range(extra):
+        plus[fewest[i % W]] += 1
+    sizes = [0] * (2 * W)
+    for r in range(W):
+        sizes[r] = base + (plus[r] + 1) // 2
+        sizes[2 * W - 1 - r] = base + plus[r] // 2
+    out, start = [], 0
+    for i, size in enumerate(sizes):
+        out.append((i if i < W else 2 * W - 1 - i, (start, start + size)))
+        start += size
+    return out
