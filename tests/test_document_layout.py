@@ -32,12 +32,12 @@ from dtensor_ring.layouts import TokenLayout
 from dtensor_ring.layouts.document_placement import (
     _candidate,
     _candidates,
+    _evened,
     _place_runs,
-    _swapped,
     _Work,
     documents_on_tokens,
 )
-from dtensor_ring.layouts.documents import pairs_by_offset
+from dtensor_ring.layouts.documents import _held, _split, pairs_by_offset
 from dtensor_ring.parts import band_pairs
 from dtensor_ring.schedule.varlen import varlen_plan
 
@@ -152,14 +152,22 @@ def test_balance_of_many_documents(world_size):
         assert n_docs < 4 * world_size or len(lay.split) <= n_docs // 4, (n_docs, lay)
 
 
-def test_exchanges_trade_long_documents_for_short():
-    """The heaviest rank gives a long document for short ones of equal tokens: 2048 for two
-    1024 (causal pairs 2098176 against 2 x 524800) balances two ranks exactly; tokens, cut
-    pieces and ring offsets stay; and random placements never get heavier."""
+def test_evening_exchanges_and_shifts():
+    """Note [Balanced documents]'s evening: the heaviest rank gives a long whole document for
+    short ones of equal tokens (2048 for two 1024: causal pairs 2098176 against 2 x 524800,
+    two ranks then equal); or, sharing two cut documents with another rank, takes tokens of
+    one and gives as many of the other (the dense end of a long document against the sparse
+    start of another). Random placements: never heavier; tokens a rank, the ranks each cut
+    document is on, the ring offsets stay."""
     work = _Work([2048, 2048, 1024, 1024, 1024, 1024], True, None)
     pieces = [[(0, 0, 2048), (1, 0, 2048)], [(d, 0, 1024) for d in range(2, 6)]]
-    rows = _swapped(pieces, work)
+    rows = _evened(pieces, work, shifts=True)
     assert [sum(work(*p) for p in row) for row in rows] == [2098176 + 1049600] * 2
+    # rank 0: the sparse start of A and the dense end of B; rank 1 the other halves
+    work = _Work([64, 64], True, None)
+    pieces = [[(0, 0, 32), (1, 32, 64)], [(0, 32, 64), (1, 0, 32)]]
+    loads = [sum(work(*p) for p in row) for row in _evened(pieces, work, shifts=True)]
+    assert loads[0] == loads[1] == sum(work.totals) // 2, loads
     rng = random.Random(0)
     for _ in range(20):
         T, W = 4096 * 4, 4
@@ -169,13 +177,18 @@ def test_exchanges_trade_long_documents_for_short():
         order = sorted(range(len(lengths)), key=lambda d: -work.totals[d])
         for limit in (math.inf, sum(work.totals) / W * 0.5):
             placed = _place_runs(order, W, T // W, work, limit)
-            rows = _swapped(placed, work)
+            rows = _evened(placed, work, shifts=True)
             before, after = (_candidate(x, work, zigzag=False) for x in (placed, rows))
             assert max(after.work) <= max(before.work)
             assert (after.offsets, after.split) == (before.offsets, before.split)
             assert [sum(b - a for _, a, b in row) for row in rows] == [T // W] * W
-            cut = [{p for p in row if (p[1], p[2]) != (0, lengths[p[0]])} for row in rows]
-            assert cut == [{p for p in row if (p[1], p[2]) != (0, lengths[p[0]])} for row in placed]
+            assert sum(after.work) == sum(before.work)
+            split = set(_split(_held(placed)))
+            cut = [
+                {(p[0], r) for r, row in enumerate(x) for p in row if p[0] in split}
+                for x in (placed, rows)
+            ]
+            assert cut[0] == cut[1]  # a cut document stays on its ranks
 
 
 def test_predicted_time_prefers_fewer_steps_for_small_work():

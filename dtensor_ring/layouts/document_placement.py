@@ -31,16 +31,28 @@ every rank holding exactly T/W tokens:
   with their remaining room filled at the density of what is left, stays lowest; what finds
   no room is poured into the room left, in rank order. Few ring offsets, balance approximate.
 
-Each candidate is then evened out by exchanges of whole documents of equal tokens: the most
-loaded rank gives one or two documents for up to three of another rank's, while that lowers
-both below its load. Of equal tokens one long document holds more pairs than several short
-ones, so long goes for short:
+Each candidate is then evened out: while a move lowers the most loaded rank's work (by 0.1%
+of the mean at least) and keeps its partner below it, the best move of two kinds.
+Exchanges of whole documents of equal tokens: one or two for up to three of another rank's.
+Of equal tokens one long document holds more pairs than several short ones, so long goes for
+short:
 
     rank 0: 2048 2048          pairs 2 x 2098176 = 4196352
     rank 1: 1024 1024 1024 1024      4 x  524800 = 2099200
     exchange 2048 <-> 1024 1024:     3147776 | 3147776
 
-Tokens a rank, cut documents and ring offsets stay as they were.
+Shifts of cut points (contiguous family): two ranks that share two cut documents move both
+cut points by the same number of tokens, one each way, so each keeps its tokens; the rank
+that takes the sparse tokens of one document and gives the dense ones of the other gets
+lighter. The lengths of whole documents set the grain of the exchanges; a shift has a
+token's grain:
+
+    rank a: A[0, 40)        B[60, 100)        a takes A[40, 40 + t), gives B[60, 60 + t)
+    rank b: A[40, 100)  ... B[0, 60)          (B's tokens near 60 see more keys than A's
+                                               near 40: a's work falls, b's rises)
+
+Tokens a rank, the ranks each cut document is on and the ring offsets stay as they were
+(``test_evening_exchanges_and_shifts``; docs/performance.md has what it gives a packed batch).
 
 The pick: of the placements whose max/mean work is within the tolerance, the one whose K/V
 travel the fewest ring offsets, then with the fewest documents on several ranks (none: the
@@ -139,7 +151,8 @@ class Candidate:
 class _Work:
     """Visible pairs of the query positions ``[a, b)`` of document d under the mask
     ``causal`` / ``window``: ``prefix[d]`` (int64, the work before each position) and its
-    total as an int (whole documents, the common case, without a tensor read)."""
+    total as an int (whole documents, the common case, without a tensor read); one search's
+    (``sets``: what :func:`_whole_sets` found)."""
 
     def __init__(self, lengths: Sequence[int], causal: bool, window: tuple[int, int] | None):
         self.lengths, self.causal, self.window = lengths, causal, window
@@ -148,6 +161,7 @@ class _Work:
             for L in lengths
         ]
         self.totals = [int(p[-1]) for p in self.prefix]
+        self.sets: dict[tuple, dict] = {}  # _whole_sets of this search's rows
 
     def __call__(self, d: int, a: int, b: int) -> int:
         if a == 0 and b == self.lengths[d]:
@@ -204,54 +218,136 @@ def _candidates(
     total = sum(work.totals)
     for limit in (math.inf, *(total / W * f for f in (1.5, 1.0, 0.75, 0.5, 0.35, 0.25))):
         pieces = _place_runs(order, W, n, work, limit)
-        yield _candidate(_swapped(pieces, work), work, zigzag=False)
+        yield _candidate(_evened(pieces, work, shifts=True), work, zigzag=False)
     for t in _cut_counts(len(order)):
         pieces = _place_zigzag(order[:t], order[t:], W, n, work)
         if pieces is not None:
-            yield _candidate(_swapped(pieces, work), work, zigzag=True)
+            yield _candidate(_evened(pieces, work, shifts=False), work, zigzag=True)
 
 
-def _swapped(pieces: list[list[Piece]], work_of: _Work) -> list[list[Piece]]:
-    """``pieces`` after exchanges of whole documents between the most loaded rank and another,
-    sets of equal tokens (one or two documents for up to three), while an exchange lowers the
-    pair's larger work below the most loaded rank's. Tokens per rank and the cut documents stay
-    as they are, so do the ring offsets; a whole document's work depends on its length only,
-    and of equal tokens one long document has more work than several short ones (causal or
-    full), so the heaviest rank trades long documents for short ones."""
-    W, lengths = len(pieces), work_of.lengths
+def _evened(pieces: list[list[Piece]], work_of: _Work, shifts: bool) -> list[list[Piece]]:
+    """``pieces`` evened out (Note [Balanced documents]): while a move lowers the most loaded
+    rank's work and keeps its partner's below it, the move that lowers it most, of exchanges of
+    whole documents of equal tokens (one or two for up to three) and, with ``shifts``, shifts
+    of two cut points that rank shares with another. Tokens a rank, the ranks each cut document
+    is on, and so the ring offsets stay."""
+    W = len(pieces)
     rows = [list(row) for row in pieces]
     load = [sum(work_of(*p) for p in row) for row in rows]
-    for _ in range(4 * W * W):  # each exchange lowers the top of the loads; a bound to be sure
+    kinds = (_exchange, _shift) if shifts else (_exchange,)
+    enough = sum(load) / W * 1e-3  # a move must lower the top by this much (0.1% of the mean)
+    for _ in range(4 * W * W):  # each move lowers the top of the loads; a bound to be sure
         a = max(range(W), key=lambda r: (load[r], -r))
-        best = None
-        gives = _whole_sets(rows[a], lengths, work_of, 2)
-        for b in range(W):
-            if b == a:
-                continue
-            takes = _whole_sets(rows[b], lengths, work_of, 3)
-            for tokens, give_sets in gives.items():
-                for give_work, give in give_sets.items():
-                    for take_work, take in takes.get(tokens, {}).items():
-                        moved = give_work - take_work
-                        top = max(load[a] - moved, load[b] + moved)
-                        if top < load[a] and (best is None or top < best[0]):
-                            best = (top, b, give, take, moved)
-        if best is None:
+        moves = [
+            move
+            for b in range(W)
+            if b != a
+            for move in (kind(rows, a, b, load, work_of) for kind in kinds)
+            if move is not None and move[0] < load[a] - enough
+        ]
+        if not moves:
             break
-        _, b, give, take, moved = best
+        _, b, give, take, give_back, take_back, moved = min(moves, key=lambda m: m[0])
         rows[a] = [p for p in rows[a] if p not in give] + list(take)
-        rows[b] = [p for p in rows[b] if p not in take] + list(give)
+        rows[b] = [p for p in rows[b] if p not in give_back] + list(take_back)
         load[a], load[b] = load[a] - moved, load[b] + moved
     return rows
 
 
-def _whole_sets(row, lengths, work_of: _Work, most: int) -> dict[int, dict[int, tuple]]:
+def _exchange(rows, a: int, b: int, load, work_of: _Work):
+    """The best exchange of whole documents of equal tokens between ranks ``a`` and ``b``:
+    ``(top, b, a's out, a's in, b's out, b's in, work moved from a to b)`` or None. Of equal
+    tokens one long document has more work than several short ones (causal or full): the
+    heavier rank trades long documents for short ones."""
+    best = None
+    takes = _whole_sets(rows[b], work_of, 3)
+    for tokens, give_sets in _whole_sets(rows[a], work_of, 2).items():
+        for give_work, give in give_sets.items():
+            for take_work, take in takes.get(tokens, {}).items():
+                moved = give_work - take_work
+                top = max(load[a] - moved, load[b] + moved)
+                if best is None or top < best[0]:
+                    best = (top, b, give, take, take, give, moved)
+    return best
+
+
+def _shift(rows, a: int, b: int, load, work_of: _Work):
+    """The best shift of two cut points between ranks ``a`` and ``b``: rank ``a`` takes
+    ``delta`` tokens of one document from ``b`` and gives ``b`` as many of another, so both
+    keep their tokens (as :func:`_exchange`'s tuple, or None):
+
+        a: ... d1[s1, x1) | e2[x2, f2) ...        a: ... d1[s1, x1 + delta) | e2[x2 + delta, f2)
+        b: d1[x1, f1) ... | ... e2[s2, x2)   ->   b: d1[x1 + delta, f1) ... | e2[s2, x2 + delta)
+
+    (either document may be cut the other way round: ``a`` holding its later piece)."""
+    cuts = [
+        (pa, pb, pa[2] == pb[1])
+        for pa in rows[a]
+        for pb in rows[b]
+        if pa[0] == pb[0] and (pa[2] == pb[1] or pb[2] == pa[1])
+    ]
+    best = None
+    for (pa1, pb1, first1), (pa2, pb2, first2) in itertools.permutations(cuts, 2):
+        if pa1 == pa2 or pb1 == pb2:
+            continue  # one piece between two cut points: not this move
+        room = min(_room(pa1, pb1, grow=True), _room(pa2, pb2, grow=False))
+        if room < 1:
+            continue
+        delta = torch.arange(1, room + 1)
+        gain = _moved_work(pa1, pb1, first1, delta, work_of, grow=True)
+        loss = _moved_work(pa2, pb2, first2, delta, work_of, grow=False)
+        moved = loss - gain
+        top = torch.maximum(load[a] - moved, load[b] + moved)
+        i = int(top.argmin())
+        if best is None or int(top[i]) < best[0]:
+            t = int(delta[i])
+            new1, new2 = _cut_at(pa1, pb1, first1, t), _cut_at(pa2, pb2, first2, -t)
+            best = (int(top[i]), b, (pa1, pa2), (new1[0], new2[0]), (pb1, pb2),
+                    (new1[1], new2[1]), int(moved[i]))  # fmt: skip
+    return best
+
+
+def _room(pa: Piece, pb: Piece, grow: bool) -> int:
+    """How many tokens ``a``'s piece ``pa`` can take from (``grow``) or give to ``pb``, both
+    kept non-empty."""
+    giver = pb if grow else pa
+    return giver[2] - giver[1] - 1
+
+
+def _moved_work(pa: Piece, pb: Piece, a_first: bool, delta, work_of: _Work, grow: bool):
+    """Work of the ``delta`` tokens ``pa`` takes from (``grow``) or gives to ``pb`` at their
+    cut point (int64 like ``delta``)."""
+    prefix = work_of.prefix[pa[0]]
+    cut = pa[2] if a_first else pa[1]
+    after_cut = a_first == grow  # where the moved tokens lie
+    return prefix[cut + delta] - prefix[cut] if after_cut else prefix[cut] - prefix[cut - delta]
+
+
+def _cut_at(pa: Piece, pb: Piece, a_first: bool, delta: int) -> tuple[Piece, Piece]:
+    """``pa``, ``pb`` with ``pa`` ``delta`` tokens longer (negative: shorter)."""
+    d = pa[0]
+    if a_first:
+        return (d, pa[1], pa[2] + delta), (d, pb[1] + delta, pb[2])
+    return (d, pa[1] - delta, pa[2]), (d, pb[1], pb[2] - delta)
+
+
+def _whole_sets(row, work_of: _Work, most: int) -> dict[int, dict[int, tuple]]:
+    """:func:`_whole_sets_uncached` of ``row``, remembered per row for this search (kept by
+    ``work_of``: the search asks for the same rows again and again; the result is only
+    read)."""
+    key = (tuple(row), most)
+    if key not in work_of.sets:
+        work_of.sets[key] = _whole_sets_uncached(row, work_of, most)
+    return work_of.sets[key]
+
+
+def _whole_sets_uncached(row, work_of: _Work, most: int) -> dict[int, dict[int, tuple]]:
     """The whole documents of a rank's pieces ``row`` in sets of one to ``most``, one set per
     distinct (tokens, work): ``{tokens: {work: pieces}}`` (at most 24 distinct lengths are
     combined, the shortest: what a heavy rank takes)."""
     whole: dict[int, list[Piece]] = {}
     for p in row:
-        if p[1] == 0 and p[2] == lengths[p[0]]:
+        if p[1] == 0 and p[2] == work_of.lengths[p[0]]:
             whole.setdefault(p[2], []).append(p)
     pool = [p for length in sorted(whole)[:24] for p in whole[length][:most]]
     out: dict[int, dict[int, tuple]] = {}
