@@ -234,8 +234,10 @@ def _family_of() -> dict[torch._ops.OpOverload, AtenSDPAOps]:
     }
 
 
+@functools.lru_cache(maxsize=64)  # one table per scope configuration: a scope entered per call
 def aten_handlers(config: SDPAConfig) -> dict:
-    """Handlers for the families this torch has; a family whose ops it lacks is left to SDPA."""
+    """Handlers for the families this torch has; a family whose ops it lacks is left to SDPA
+    (only read: installed into DTensor's table, entry by entry)."""
     handlers = {}
     for family in ATEN_SDPA_OPS:
         if not family.available:
