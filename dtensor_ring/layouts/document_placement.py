@@ -45,7 +45,8 @@ Shifts of cut points (contiguous family): two ranks that share two cut documents
 cut points by the same number of tokens, one each way, so each keeps its tokens; the rank
 that takes the sparse tokens of one document and gives the dense ones of the other gets
 lighter. The lengths of whole documents set the grain of the exchanges; a shift has a
-token's grain:
+token's grain (cut points off the kernels' tiles: flash-attn 4 then sums those blocks' dq
+per block, Note [A varlen dq accumulated inside flash-attn 4]):
 
     rank a: A[0, 40)        B[60, 100)        a takes A[40, 40 + t), gives B[60, 60 + t)
     rank b: A[40, 100)  ... B[0, 60)          (B's tokens near 60 see more keys than A's
