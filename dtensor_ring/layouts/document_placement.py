@@ -52,8 +52,10 @@ per block, Note [A varlen dq accumulated inside flash-attn 4]):
     rank b: A[40, 100)  ... B[0, 60)          (B's tokens near 60 see more keys than A's
                                                near 40: a's work falls, b's rises)
 
-Tokens a rank, the ranks each cut document is on and the ring offsets stay as they were
-(``test_evening_exchanges_and_shifts``; docs/performance.md has what it gives a packed batch).
+Tokens a rank and the ranks each cut document is on stay as they were, and so, for causal or
+full attention, do the ring offsets (with a window, shifted pieces may see more or fewer
+ranks' keys: the offsets are counted again). A shift may leave a piece of a few tokens
+(measured: docs/performance.md; ``test_evening_exchanges_and_shifts``).
 
 The pick: of the placements whose max/mean work is within the tolerance, the one whose K/V
 travel the fewest ring offsets, then with the fewest documents on several ranks (none: the
@@ -230,8 +232,8 @@ def _evened(pieces: list[list[Piece]], work_of: _Work, shifts: bool) -> list[lis
     """``pieces`` evened out (Note [Balanced documents]): while a move lowers the most loaded
     rank's work and keeps its partner's below it, the move that lowers it most, of exchanges of
     whole documents of equal tokens (one or two for up to three) and, with ``shifts``, shifts
-    of two cut points that rank shares with another. Tokens a rank, the ranks each cut document
-    is on, and so the ring offsets stay."""
+    of two cut points that rank shares with another. Tokens a rank and the ranks each cut
+    document is on stay (the ring offsets too, but with a window)."""
     W = len(pieces)
     rows = [list(row) for row in pieces]
     load = [sum(work_of(*p) for p in row) for row in rows]
