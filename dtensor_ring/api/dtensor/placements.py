@@ -158,6 +158,9 @@ def check_even_shards(
             )
 
 
+SDPA_CHECKS = Remembered()  # check_sdpa_args' results (Note [Remembered resolutions])
+
+
 def check_sdpa_args(
     query: DTensor,
     key: DTensor,
@@ -185,9 +188,6 @@ def check_sdpa_args(
             checked = _check_sdpa_args(*args)
         SDPA_CHECKS.put(remembered_key, checked)
     return checked
-
-
-SDPA_CHECKS = Remembered()
 
 
 def _checked_key(query, key, value, attn_mask, *scalars) -> tuple | None:
