@@ -21,9 +21,10 @@ A call is resolved afresh (and not kept) whenever the key could miss something:
   find passed layouts by name in a bounded table that resolving refreshes);
 * a door with its own checks (``Door.checks``, ``metadata``, ...: they read values, such as
   ``cu_seqlens``);
-* tensors of a subclass other than DTensor (FakeTensor, ...; a DTensor is keyed by its mesh
-  and placements too), ``alibi_slopes``, or a scalar argument not of a plain type (bool, int,
-  float, str, None; floats keyed with their sign, so ``-0.0`` is not ``0.0``);
+* tensors of a subclass other than DTensor (FakeTensor, ...; a DTensor is keyed by its mesh,
+  its mesh dims' process groups and its placements too), ``alibi_slopes``, or a scalar
+  argument not of a plain type (bool, int, float, str, None; floats keyed with their sign, so
+  ``-0.0`` is not ``0.0``);
 * under ``torch.compile`` (resolution is traced once, its results are constants).
 
 A failing resolution is never kept: bad input raises every time, on every rank. Registering or
@@ -112,12 +113,15 @@ def versions() -> tuple:
 
 
 def tensor_key(t: object) -> tuple | None:
-    """A plain tensor's shape, dtype and device; a DTensor's shape, dtype, mesh and placements;
-    None for anything else (not remembered)."""
+    """A plain tensor's shape, dtype and device; a DTensor's shape, dtype, mesh, placements and
+    its mesh dims' process groups (meshes of different groups over the same ranks compare
+    equal); None for anything else (not remembered)."""
     if type(t) is Tensor:
         return (t.shape, t.dtype, t.device)
     if type(t) is DTensor:
-        return (DTensor, t.shape, t.dtype, t.device, t.device_mesh, t.placements)
+        mesh = t.device_mesh
+        groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
+        return (DTensor, t.shape, t.dtype, t.device, mesh, groups, t.placements)
     return None
 
 

@@ -173,3 +173,30 @@ def test_dtensor_errors_after_remembered_checks(dist_pool):
             for way in ("scope", "direct"):
                 message = messages[f"{name}/{way}"]
                 assert expected in message and "Error" in message, (name, way, message)
+
+
+def _groups_of_equal_meshes(group) -> list:
+    """SDPA on DTensors of two meshes over the same ranks but different process groups (the
+    meshes compare equal): each call's checks name its own mesh's group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dtensor_ring.api.dtensor.placements import check_sdpa_args
+
+    clear_selection_cache()
+    other = dist.new_group(dist.get_process_group_ranks(group))
+    meshes = [DeviceMesh.from_group(g, "cpu") for g in (group, other)]
+    assert meshes[0] == meshes[1]
+    names = []
+    for mesh in (*meshes, meshes[0]):
+        q = DTensor.from_local(torch.randn(1, 2, 4, 8), mesh, [Shard(2)], run_check=False)
+        names.append(check_sdpa_args(q, q, q, None, 0.0, True, False, "ring")[1])
+    return [names, [group.group_name, other.group_name, group.group_name]]
+
+
+def test_equal_meshes_of_other_groups_are_not_confused(dist_pool):
+    """(On the whole pool: ``new_group`` is a collective of every rank of the default
+    group.)"""
+    for names, expected in dist_pool.run(_groups_of_equal_meshes, 4):
+        assert names == expected

@@ -84,7 +84,9 @@ take a door list; :func:`_retag` names such a case ``kind/door/W<w>/<adversity>:
   [FlashAttention-2's unbounded window sides]);
 * ``remembered``: each malformed argument of ``args`` right after a good call of the same door,
   whose resolution was remembered (Note [Remembered resolutions]), also with the gloo header
-  off (as on an NCCL group): a clean error on every rank (:mod:`tests.adversarial.remembered`).
+  off (as on an NCCL group): a clean error on every rank; and SDPA on DTensors of equal meshes
+  of two process groups, alternately: each call over its own group, exact
+  (:mod:`tests.adversarial.remembered`).
 
 Every case name is ``kind/door/W<world>/detail``. :func:`all_cases` returns them all (each
 case's ``fast`` flag marks the CI subset).
