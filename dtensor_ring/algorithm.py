@@ -15,6 +15,8 @@ Every pair that can run, runs; the others raise ``ValueError`` before any commun
     zigzag      causal             any mask (dense, documents)     any mask (dense)
     stripe      causal             -- (runs of stride W)           any mask (dense)
     llama3      --                 the packed stream               --
+    placed      any mask           the keys needed (documents)     --
+                (document_layout: the ring, or Note [Gathering what placed documents need])
 
     "auto": zigzag's tokens only (the policy prices zigzag's plans; Note [Choosing ring,
     all-gather or Ulysses] in ``schedule/policy.py``); the door's candidates.
@@ -75,14 +77,19 @@ class Route(NamedTuple):
     heads_k_stride: int
 
 
-def check_pair(lay: Layout, algorithm: str) -> None:
+def check_pair(lay: Layout, algorithm: str, varlen: bool = False) -> None:
     """``ValueError`` unless ``algorithm`` can run tokens placed by ``lay`` (the table of Note
-    [Layouts and algorithms]); the mask is checked by the call resolution."""
-    if lay.varlen == "placed" and algorithm != "ring":
-        raise ValueError(
-            f"layout {lay.name!r} (documents placed by dtensor_ring.document_layout) runs only "
-            f"algorithm='ring', got {algorithm!r}"
-        )
+    [Layouts and algorithms]) in a ``varlen`` call or a dense one; the mask is checked by the
+    call resolution."""
+    if lay.varlen == "placed":
+        algorithms = ("ring", "all_gather") if varlen else ("ring",)
+        if algorithm not in algorithms:
+            raise ValueError(
+                f"layout {lay.name!r} (documents placed by dtensor_ring.document_layout) runs "
+                f"algorithm={' or '.join(map(repr, algorithms))} in "
+                f"{'a varlen' if varlen else 'a dense'} call, got {algorithm!r}"
+            )
+        return
     if algorithm == "all_gather":
         if lay.stride(2) != 1 or lay.varlen is None:
             raise ValueError(
@@ -133,7 +140,7 @@ def route(
     choosing = allowed + ("auto",) if len(allowed) > 1 else allowed
     with relay_errors((call.group_name,), door):
         lay, algorithm = placement(call.layout, algorithm, allowed=choosing)
-        check_pair(lay, algorithm)
+        check_pair(lay, algorithm, varlen)
         stride = 0
         if algorithm == "auto":
             choice = auto_choice(

@@ -26,6 +26,7 @@ from flash2_model import flash2_visible, modelled_flash2
 from reference import reference_attention_varlen
 
 import dtensor_ring as dr
+from dtensor_ring.api.varlen import gather_varlen_attention_func
 from dtensor_ring.kernels.base import window_mask
 from dtensor_ring.kernels.cuda_flash import flash2_max_seqlen_k
 from dtensor_ring.layouts import TokenLayout
@@ -385,7 +386,8 @@ CASES = [  # (seed, causal, window, H, H_kv, dtype)
 ]
 
 
-def check_ring(group: dist.ProcessGroup, seed, causal, window, H, H_kv, dtype) -> None:
+def check_ring(group, seed, causal, window, H, H_kv, dtype, algorithm=None, stride=None):
+    """One call of ``algorithm`` (``stride``: the all-gather's KV heads a step) against fp64."""
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     bounds = random_documents(300 + seed + 10 * W, W)
     cu = torch.tensor(bounds, dtype=torch.int32)
@@ -402,10 +404,13 @@ def check_ring(group: dist.ProcessGroup, seed, causal, window, H, H_kv, dtype) -
     for x in (q, k, v):
         shard, cu_local = dr.shard_varlen(x.to(dtype), cu, lay, rank, W)
         local.append(shard.requires_grad_())
-    out, lse, _ = dr.ring_varlen_attention_func(
-        lay, *local, cu_local, None, causal=causal, window_size=window, group=group,
-        return_attn_probs=True,
-    )  # fmt: skip
+    kw = dict(causal=causal, window_size=window, group=group, return_attn_probs=True)
+    if stride is None:
+        out, lse, _ = dr.ring_varlen_attention_func(
+            lay, *local, cu_local, None, **kw, algorithm=algorithm
+        )
+    else:
+        out, lse, _ = gather_varlen_attention_func(lay, *local, cu_local, None, stride, **kw)
     out.backward(dout[idx].to(dtype))
     tol = 1e-10 if dtype == torch.float64 else 2e-5
     for name, got, want in zip(
@@ -461,7 +466,7 @@ def test_no_cut_document_sends_nothing(dist_pool):
     dist_pool.run(check_nothing_sent, 3)
 
 
-def _bad_call(group, what: str):
+def _bad_call(group, what: str, algorithm: str | None = None):
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     bounds = [0, 6, 10, 12, 18, 24]
     lay = dr.document_layout(bounds, W)
@@ -471,7 +476,9 @@ def _bad_call(group, what: str):
         cu_local = dr.shard_varlen(x, bounds, lay, (rank + 1) % W, W)[1]
         if torch.equal(cu_local, dr.shard_varlen(x, bounds, lay, rank, W)[1]):
             cu_local = torch.tensor([0, len(q)], dtype=torch.int32)
-    algorithm = "all_gather" if what == "all_gather" else None
+    if what.startswith("dense"):  # placed tokens of a dense call: only the ring runs them
+        x = q[None].expand(2, -1, -1, -1)
+        return dr.ring_attention_func(lay, x, x, x, causal=True, group=group, algorithm=algorithm)
     if what == "other_world":
         lay = dr.document_layout([0, 8, 16, 24], W + 1 if 24 % (W + 1) == 0 else 1)
     return dr.ring_varlen_attention_func(
@@ -481,20 +488,26 @@ def _bad_call(group, what: str):
 
 BAD = {
     "other_rank_cu": r"not its local documents under layout .*shard_varlen",
-    "all_gather": r"runs only algorithm='ring', got 'all_gather'",
     "other_world": r"places documents on \d ranks, the group has 2",
+    "dense": r"runs algorithm='ring' in a dense call, got 'all_gather'",
 }
 
 
-def check_bad(group: dist.ProcessGroup, what: str) -> str:
+def check_bad(group: dist.ProcessGroup, what: str, algorithm: str | None) -> str:
     with pytest.raises(ValueError) as info:
-        _bad_call(group, what)
+        _bad_call(group, what, algorithm)
     return str(info.value)
 
 
-@pytest.mark.parametrize("what", list(BAD))
-def test_bad_call_raises_on_every_rank(dist_pool, what):
-    for message in dist_pool.run(check_bad, 2, timeout_s=60, what=what):
+@pytest.mark.parametrize(
+    "what, algorithm",
+    [("other_rank_cu", None), ("other_rank_cu", "all_gather"), ("other_world", None),
+     ("other_world", "all_gather"), ("dense", "all_gather")],
+)  # fmt: skip
+def test_bad_call_raises_on_every_rank(dist_pool, what, algorithm):
+    """Wrong local documents, a layout of another world size (ring or all-gather), and the
+    all-gather of placed tokens in a dense call."""
+    for message in dist_pool.run(check_bad, 2, timeout_s=60, what=what, algorithm=algorithm):
         assert re.search(BAD[what], message, re.S), message
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from .._compat import resolve_group
 from ..algorithm import DENSE_ALGORITHMS, VARLEN_ALGORITHMS, route
 from ..consistency import comparing, relay_errors
-from ..layouts import get_layout
+from ..layouts import Layout, get_layout
 from ..layouts.varlen import (
     check_placed_local,
     check_token_positions,
@@ -103,6 +103,11 @@ def dense_attention(
     return call_attention(ring_attention, q, k, v, *spec.op_args(), sinks)
 
 
+# ``varlen_attention``'s all-gather stride when the door takes none: 1 KV head a step, every
+# KV head for placed documents (they fetch only the keys their queries see)
+_DOOR_STRIDE = object()
+
+
 def varlen_attention(
     q: Tensor,
     k: Tensor,
@@ -121,14 +126,15 @@ def varlen_attention(
     group: dist.ProcessGroup | None = None,
     backend: str | None = None,
     sinks: Tensor | None = None,
-    heads_k_stride: int = 1,
+    heads_k_stride: object = _DOOR_STRIDE,
     allowed: tuple[str, ...] = VARLEN_ALGORITHMS,
     order_free: bool = False,
     positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of packed documents in a per-document layout: local ``q [T_local, H, D]``,
     ``k, v [T_local, H_kv, D]``, ``cu_seqlens`` the local boundaries (global ``// W``) ->
-    ``(out [T_local, H, D], lse [H, T_local])`` by the routed algorithm (ring or all-gather).
+    ``(out [T_local, H, D], lse [H, T_local])`` by the routed algorithm (ring or all-gather;
+    ``heads_k_stride``: the all-gather's, by default 1, placed documents every KV head).
     ``positions``: the local tokens' indices in the packed sequence, checked against the
     layout's (:func:`~dtensor_ring.layouts.varlen.check_token_positions`)."""
     name, world_size = group_arg(group)
@@ -147,17 +153,18 @@ def varlen_attention(
     )
     call = call.replace(layout=r.layout)
     if r.algorithm == "all_gather":
-        return _gather(call, cu_seqlens, max_seqlen, r.heads_k_stride, positions)
+        stride = r.heads_k_stride
+        if stride is _DOOR_STRIDE:  # placed documents fetch few keys: every KV head at once
+            placed = get_layout(r.layout, "documents").varlen == "placed"
+            stride = k.shape[1] if placed and isinstance(k, Tensor) and k.dim() == 3 else 1
+        return _gather(call, cu_seqlens, max_seqlen, stride, positions)
 
     lay = get_layout(r.layout, "documents")
-    placed = lay.varlen == "placed"  # its local cu_seqlens differ by rank: compare the layout's
 
     def checks() -> tuple[int | None]:
         check_cu_seqlens_arg(cu_seqlens, q)
         _check_positions(positions, call, cu_seqlens)
-        if placed and comparing((name,)):  # this rank's values, not compared: checked here too
-            bounds = read_cu_seqlens(cu_seqlens, q.shape[0])  # (the op checks them again)
-            check_placed_local(lay, bounds, dist.get_rank(group), world_size)
+        _check_placed_local(lay, call, cu_seqlens)
         return (max_seqlen_value(max_seqlen, "max_seqlen"),)
 
     door = Door(
@@ -165,12 +172,7 @@ def varlen_attention(
         form="documents",
         ring_func="ring_flash_attn_varlen_func",
         checks=checks,
-        metadata=lambda: {
-            "cu_seqlens": lay.bounds if placed else host_values(cu_seqlens),
-            "max_seqlen": None if placed else max_seqlen,
-        },
-        local=(lambda: host_values(cu_seqlens)) if placed else None,
-        check_locals=functools.partial(placed_locals_disagree, lay) if placed else None,
+        **_documents_metadata(lay, cu_seqlens, max_seqlen),
     )
     spec = resolve_call(call, door)
     return call_attention(
@@ -189,11 +191,13 @@ def _gather(
     ``call`` (``q [T_local, H, D]``, ``k, v [T_local, H_kv, D]``) in a per-document layout ->
     ``(out [T_local, H, D], lse [H, T_local])``."""
     q, k, v = call.q, call.k, call.v
+    lay = get_layout(call.layout, "documents")
 
     def checks() -> tuple[int | None]:
         check_heads_k_stride(heads_k_stride, k.shape[1])
         check_cu_seqlens_arg(cu_seqlens, q)
         _check_positions(positions, call, cu_seqlens)
+        _check_placed_local(lay, call, cu_seqlens)
         return (max_seqlen_value(max_seqlen, "max_seqlen"),)
 
     door = Door(
@@ -201,11 +205,7 @@ def _gather(
         "all_gather",
         form="documents",
         checks=checks,
-        metadata=lambda: {
-            "cu_seqlens": host_values(cu_seqlens),
-            "max_seqlen": max_seqlen,
-            "heads_k_stride": heads_k_stride,
-        },
+        **_documents_metadata(lay, cu_seqlens, max_seqlen, heads_k_stride=heads_k_stride),
     )
     spec = resolve_call(call, door)
     (max_seqlen,) = spec.door
@@ -223,6 +223,34 @@ def _gather(
         0,
         *spec.op_args(),
         call.sinks,
+    )
+
+
+def _check_placed_local(lay: Layout, call: Call, cu_seqlens: Tensor) -> None:
+    """Placed documents' local boundaries differ by rank, so the consistency mode compares
+    the layout's instead (:func:`_documents_metadata`): this rank's are checked here too, in
+    that mode (the op checks them again)."""
+    if lay.varlen == "placed" and comparing((call.group_name,)):
+        group = resolve_group(call.group_name)
+        bounds = read_cu_seqlens(cu_seqlens, call.q.shape[0])
+        check_placed_local(lay, bounds, dist.get_rank(group), call.world_size)
+
+
+def _documents_metadata(
+    lay: Layout, cu_seqlens: Tensor, max_seqlen: int | None, **more: object
+) -> dict:
+    """A varlen door's ``metadata`` (what every rank compares in the consistency mode) and,
+    for placed documents, its rank-local values and their check."""
+    if lay.varlen != "placed":
+        return dict(
+            metadata=lambda: {
+                "cu_seqlens": host_values(cu_seqlens), "max_seqlen": max_seqlen, **more
+            }
+        )  # fmt: skip
+    return dict(
+        metadata=lambda: {"cu_seqlens": lay.bounds, "max_seqlen": None, **more},
+        local=lambda: host_values(cu_seqlens),
+        check_locals=functools.partial(placed_locals_disagree, lay),
     )
 
 

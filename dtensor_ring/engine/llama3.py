@@ -148,7 +148,7 @@ def _keys(m: Llama3Meta, kv_full: Tensor) -> Tensor:
     return kv_full.index_select(0, m.to_global)
 
 
-def _head_groups(H: int, H_kv: int, stride: int) -> Sequence[tuple[int, slice]]:
+def head_groups(H: int, H_kv: int, stride: int) -> Sequence[tuple[int, slice]]:
     """``(first KV head, query-head slice)`` of every group of ``stride`` KV heads."""
     G = H // H_kv
     return [(h, slice(h * G, (h + stride) * G)) for h in range(0, H_kv, stride)]
@@ -177,7 +177,7 @@ def llama3_forward(
     acc = accumulation_dtype(q_THD.dtype)
     out = torch.empty_like(q_THD, memory_format=torch.contiguous_format)
     lse = torch.empty(H, L, dtype=acc, device=q_THD.device)
-    groups = _head_groups(H, k_THD.shape[1], heads_k_stride)
+    groups = head_groups(H, k_THD.shape[1], heads_k_stride)
     gather = _KVGather(k_THD, v_THD, heads_k_stride, group)
     pending = gather.start(groups[0][0])
     m = meta
@@ -260,7 +260,7 @@ def llama3_backward(
     dq = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
     dk = torch.zeros(k_THD.shape, dtype=acc, device=q_THD.device)
     dv = torch.zeros(v_THD.shape, dtype=acc, device=q_THD.device)
-    groups = _head_groups(H, k_THD.shape[1], heads_k_stride)
+    groups = head_groups(H, k_THD.shape[1], heads_k_stride)
     gather = _KVGather(k_THD, v_THD, heads_k_stride, group)
     pending = gather.start(groups[0][0])
     reducing = None  # (work, result [L, 2, s, D], kv heads, input, step) of the previous group

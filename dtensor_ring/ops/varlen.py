@@ -19,9 +19,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._compat import resolve_group
+from ..comm.all_to_all import RowsAllToAll
 from ..comm.p2p import backward_exchangers, forward_exchanger
 from ..engine.blocks import VarlenBlocks, varlen_blocks
 from ..engine.llama3 import llama3_backward, llama3_forward
+from ..engine.placed_gather import placed_backward, placed_forward
 from ..engine.ring import ring_backward, ring_forward
 from ..kernels import get_kernel
 from ..layouts import get_layout
@@ -32,6 +34,7 @@ from ..layouts.varlen import (
     read_cu_seqlens,
 )
 from ..schedule.llama3 import Llama3Meta, gather_meta, llama3_meta
+from ..schedule.placed_gather import PlacedGather, placed_gather
 from ..schedule.plan import Plan
 from ..schedule.varlen import varlen_plan
 from .common import (
@@ -183,11 +186,19 @@ def _setup_llama3(
     layout: str,
     causal: bool,
     window: tuple[int, int] | None,
-) -> tuple[Llama3Meta, dist.ProcessGroup]:
-    """The checked metadata of this rank: the stream layout's (:func:`llama3_meta`), or, for a
-    per-document layout, from the local ``cu_seqlens_q`` alone (:func:`gather_meta`)."""
+) -> tuple[Llama3Meta | PlacedGather, dist.ProcessGroup]:
+    """The checked metadata of this rank: the stream layout's (:func:`llama3_meta`), for a
+    per-document layout from the local ``cu_seqlens_q`` alone (:func:`gather_meta`), for
+    placed documents what this rank fetches and sends (:func:`placed_gather`)."""
     group = resolve_group(group_name)
-    if get_layout(layout, "varlen").varlen == "documents":
+    lay = get_layout(layout, "varlen")
+    if lay.varlen == "placed":
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        bounds = read_cu_seqlens(cu_seqlens_q, q.shape[0])
+        check_placed_local(lay, bounds, rank, world_size)
+        check_max_seqlen("max_seqlen", max_seqlen_q, bounds)
+        return placed_gather(lay, causal, window, rank, q.device), group
+    if lay.varlen == "documents":
         meta = gather_meta(
             cu_seqlens_q,
             max_seqlen_q,
@@ -262,7 +273,11 @@ def llama3_attention_impl(
         op_window(window_left, window_right),
     )
     kernel = get_kernel(backend)
-    result = llama3_forward(q, k, v, meta, heads_k_stride, group, kernel, scale)
+    if isinstance(meta, PlacedGather):
+        exchange = _exchanges(meta, group)[0]
+        result = placed_forward(q, k, v, meta, heads_k_stride, exchange, kernel, scale)
+    else:
+        result = llama3_forward(q, k, v, meta, heads_k_stride, group, kernel, scale)
     return with_sinks(result, sinks)
 
 
@@ -331,7 +346,20 @@ def llama3_attention_backward_impl(
         op_window(window_left, window_right),
     )
     kernel = get_kernel(backend)
+    if isinstance(meta, PlacedGather):
+        args = (meta, heads_k_stride, *_exchanges(meta, group), kernel, scale)
+        return placed_backward(dout, q, k, v, out, lse, *args)
     return llama3_backward(dout, q, k, v, out, lse, meta, heads_k_stride, group, kernel, scale)
+
+
+def _exchanges(meta: PlacedGather, group: dist.ProcessGroup) -> tuple[RowsAllToAll, RowsAllToAll]:
+    """The fetch of K/V rows and the return of their dK/dV (Note [Gathering what placed
+    documents need])."""
+    sizes = (meta.send_splits, meta.recv_splits)
+    return (
+        RowsAllToAll(group, *sizes, "placed documents all-gather, all-to-all of K/V"),
+        RowsAllToAll(group, *reversed(sizes), "placed documents all-gather, return of dK/dV"),
+    )
 
 
 llama3_attention_backward = attention_op(

@@ -1,0 +1,162 @@
+"""One rank's gather of the keys its queries see, for documents placed by a
+:class:`~dtensor_ring.layouts.documents.DocumentLayout` (data only): Note [Gathering what
+placed documents need] in ``engine/placed_gather.py`` is the algorithm.
+
+Everything here follows from the layout, the mask and the rank, so every rank derives every
+other rank's needs itself (what it must send) without communicating; cached on the values.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..layouts.documents import DocumentLayout
+from ..parts import Block, Span
+from .varlen import merge_doc_blocks
+
+Segment = tuple[int, int, int]  # (rank, first local row, stop): keys held there, in order
+
+
+@dataclass(frozen=True)
+class PlacedGather:
+    """What rank ``rank`` of a placed layout computes and moves (Note [Gathering what placed
+    documents need]).
+
+    ``local_blocks``: query spans whose keys are one run of the rank's own rows (``kv``: local
+    rows); ``remote_blocks``: the others (``kv``: rows of the key buffer, ``keys`` rows, filled
+    from local rows ``from_local = (buffer rows, local rows)`` and received rows
+    ``from_received = (buffer rows, received rows)``, int64 on the device). Every local query
+    row is in exactly one block. ``send_rows`` (int64, on the device): the local rows sent,
+    destinations in rank order, ``send_splits`` of them to each rank; ``recv_splits`` rows
+    arrive from each rank (in the sender's row order). ``exchanges``: some rank of the layout
+    sends something (every rank then joins the all-to-all).
+    """
+
+    rank: int
+    local_len: int
+    local_blocks: tuple[Block, ...]
+    remote_blocks: tuple[Block, ...]
+    keys: int
+    from_local: tuple[Tensor, Tensor]
+    from_received: tuple[Tensor, Tensor]
+    send_rows: Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    exchanges: bool
+
+    @property
+    def received(self) -> int:
+        """Rows that arrive from other ranks."""
+        return sum(self.recv_splits)
+
+
+def placed_gather(
+    layout: DocumentLayout,
+    causal: bool,
+    window: tuple[int, int] | None,
+    rank: int,
+    device: torch.device,
+) -> PlacedGather:
+    """The :class:`PlacedGather` of ``rank`` for ``layout`` under ``causal`` / a normalised
+    ``window`` within documents (``resolve.normalize_window``)."""
+    return _placed_gather(layout, causal, window, rank, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _placed_gather(layout, causal, window, rank, device) -> PlacedGather:
+    W = layout.world_size
+    local, remote, segments = _needs(layout, causal, window, rank)
+    needed = [_rows_from(segments, s) if s != rank else () for s in range(W)]
+    offsets = [0] * W
+    for s in range(1, W):
+        offsets[s] = offsets[s - 1] + len(needed[s - 1])
+    position = {(s, row): offsets[s] + i for s in range(W) for i, row in enumerate(needed[s])}
+    buf_local, rows_local, buf_recv, rows_recv = [], [], [], []
+    at = 0
+    for s, a, b in segments:
+        for row in range(a, b):
+            if s == rank:
+                buf_local.append(at)
+                rows_local.append(row)
+            else:
+                buf_recv.append(at)
+                rows_recv.append(position[(s, row)])
+            at += 1
+    sends = [_rows_from(_needs(layout, causal, window, t)[2], rank) for t in range(W)]
+    sends[rank] = ()
+
+    def tensor(values) -> Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return PlacedGather(
+        rank=rank,
+        local_len=layout.local_bounds[rank][-1],
+        local_blocks=merge_doc_blocks(local),
+        remote_blocks=merge_doc_blocks(remote),
+        keys=at,
+        from_local=(tensor(buf_local), tensor(rows_local)),
+        from_received=(tensor(buf_recv), tensor(rows_recv)),
+        send_rows=tensor([row for rows in sends for row in rows]),
+        send_splits=tuple(len(rows) for rows in sends),
+        recv_splits=tuple(len(rows) for rows in needed),
+        exchanges=any(s != t for t in range(W) for s, _, _ in _needs(layout, causal, window, t)[2]),
+    )
+
+
+def _rows_from(segments: tuple[Segment, ...], src: int) -> tuple[int, ...]:
+    """The distinct local rows of rank ``src`` among ``segments``, increasing."""
+    return tuple(sorted({row for s, a, b in segments if s == src for row in range(a, b)}))
+
+
+@functools.lru_cache(maxsize=256)
+def _needs(layout: DocumentLayout, causal: bool, window, rank: int):
+    """``(local, remote, segments)`` of ``rank``: per-document blocks for
+    :func:`merge_doc_blocks` whose keys are a run of local rows (``kv``: those rows) or not
+    (``kv``: rows of the key buffer), and the key buffer's rows as segments of the ranks
+    holding them, in buffer order."""
+    bounds, W = layout.bounds, layout.world_size
+    held: dict[int, list[tuple[int, int, int, int]]] = {}  # d -> (rank, row, length, position)
+    for s in range(W):
+        for d, doc in layout.documents[s].items():
+            for row, n, g in doc.runs:
+                held.setdefault(d, []).append((s, row, n, g - bounds[d]))
+    left, right = (-1, -1) if window is None else window
+    local, remote, segments, at = [], [], [], 0
+    for d, doc in layout.documents[rank].items():
+        length = bounds[d + 1] - bounds[d]
+        if not causal and window is None:  # every query of the document sees all of it
+            queries = [(doc.start, doc.stop, 0, length, None)]
+        else:
+            queries = []
+            for row, n, g in doc.runs:
+                p = g - bounds[d]  # the run's first position in its document
+                k0 = 0 if left < 0 else max(0, p - left)
+                k1 = p + n if causal else length if right < 0 else min(length, p + n + right)
+                e = k1 - (p + n)  # keys after the run's last query
+                mask = (
+                    -1 if left < 0 else left + e,
+                    0 if causal else -1 if right < 0 else right - e,
+                )
+                queries.append((row, row + n, k0, k1, mask))
+        for q0, q1, k0, k1, mask in queries:
+            segs = tuple(
+                (s, row + max(k0, p) - p, row + min(k1, p + n) - p)
+                for s, row, n, p in sorted(held[d], key=lambda h: h[3])
+                if max(k0, p) < min(k1, p + n)
+            )
+            one_run = all(s == rank for s, _, _ in segs) and all(
+                x[2] == y[1] for x, y in zip(segs, segs[1:], strict=False)
+            )
+            if one_run:
+                kv = Span(segs[0][1], segs[-1][2])
+                local.append(((), Block(Span(q0, q1), kv, False, mask, init=True), 0))
+            else:
+                kv = Span(at, at + k1 - k0)
+                remote.append(((), Block(Span(q0, q1), kv, False, mask, init=True), 0))
+                segments.extend(segs)
+                at += k1 - k0
+    return tuple(local), tuple(remote), tuple(segments)

@@ -1,0 +1,133 @@
+"""The all-gather of placed documents (Note [Gathering what placed documents need]): exact
+against fp64 at W 1-4, what moves, and what it refuses."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_document_layout import CASES, check_ring, random_documents, visible
+
+import dtensor_ring as dr
+from dtensor_ring.schedule.placed_gather import placed_gather
+
+
+@pytest.mark.parametrize(
+    "world_size, case",
+    [
+        pytest.param(w, c, marks=[pytest.mark.slow] if w == 4 or i > 2 else [])
+        for w, (i, c) in itertools.product([1, 2, 3, 4], enumerate(CASES))
+    ],
+)
+def test_gather_matches_reference(dist_pool, world_size, case):
+    """Forward and backward equal fp64 attention on the whole sequence: causal, full, windows
+    (causal and two-sided), GQA and MHA, fp32; every KV head at once (the default)."""
+    seed, causal, window, H, H_kv, dtype = case
+    dist_pool.run(
+        check_ring, world_size, seed=seed, causal=causal, window=window, H=H, H_kv=H_kv,
+        dtype=dtype, algorithm="all_gather",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize(
+    "causal, window", [(True, None), (False, None), (True, (3, 0)), (False, (2, 5))]
+)
+def test_only_the_keys_seen_move(world_size, causal, window):
+    """A rank receives exactly the distinct keys of other ranks its queries see, each once;
+    what one rank sends another is what that one receives from it; blocks hold every local
+    query once."""
+    for seed in range(4):
+        bounds = random_documents(40 + seed, world_size)
+        lay = dr.document_layout(bounds, world_size, causal=causal, window_size=window or (-1, -1))
+        metas = [placed_gather(lay, causal, window, r, "cpu") for r in range(world_size)]
+        for r, m in enumerate(metas):
+            mine = set(lay.indices[r].tolist())
+            seen = {
+                j
+                for t in mine
+                for d in [max(i for i in range(len(bounds) - 1) if bounds[i] <= t)]
+                for j in range(bounds[d], bounds[d + 1])
+                if visible(t, j, causal, window or (-1, -1))
+            }
+            assert m.received == len(seen - mine), (r, m.received, len(seen - mine))
+            for s in range(world_size):
+                assert metas[s].send_splits[r] == m.recv_splits[s]
+            rows = sorted(
+                i
+                for blk in m.local_blocks + m.remote_blocks
+                for a, b in blk.q.spans
+                for i in range(a, b)
+            )
+            assert rows == list(range(len(mine)))
+        assert any(m.exchanges for m in metas) == bool(lay.split)
+
+
+def check_stride(group: dist.ProcessGroup, stride: int) -> None:
+    check_ring(group, seed=0, causal=True, window=(-1, -1), H=4, H_kv=2, dtype=torch.float64,
+               stride=stride)  # fmt: skip
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_heads_k_stride_groups(dist_pool, stride):
+    """The all-gather door's ``heads_k_stride`` on placed documents (``ring_varlen_attention_func``
+    fetches every KV head at once): each group of KV heads fetched and computed in turn, exact."""
+    dist_pool.run(check_stride, 3, stride=stride)
+
+
+def check_nothing_moves(group: dist.ProcessGroup) -> None:
+    """No document cut: no all-to-all at all, forward or backward."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = [0, *range(8, 8 * 2 * W, 8), 16 * W]
+    lay = dr.document_layout(bounds, W)
+    assert lay.split == ()
+    x = torch.randn(16 * W, 2, 4, dtype=torch.float64, generator=torch.Generator())
+    q, cu_local = dr.shard_varlen(x, bounds, lay, rank, W)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an all-to-all although no document is cut")
+
+    original, dist.all_to_all_single = dist.all_to_all_single, refuse
+    try:
+        q.requires_grad_()
+        kw = dict(causal=True, group=group, algorithm="all_gather")
+        dr.ring_varlen_attention_func(lay, q, q, q, cu_local, None, **kw).sum().backward()
+    finally:
+        dist.all_to_all_single = original
+    assert q.grad is not None
+
+
+def test_no_cut_document_moves_nothing(dist_pool):
+    dist_pool.run(check_nothing_moves, 3)
+
+
+def check_compile(group: dist.ProcessGroup) -> None:
+    """The all-gather of placed documents traces with ``fullgraph=True`` and matches eager,
+    forward and backward (a cut document: the all-to-alls run)."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = [0, 3, 17, 20, 24]
+    lay = dr.document_layout(bounds, W)
+    assert lay.split
+    x = torch.randn(24, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    q, cu_local = dr.shard_varlen(x, bounds, lay, rank, W)
+    k = q[:, :2].clone()
+
+    def fn(q, k):
+        kw = dict(causal=True, group=group, algorithm="all_gather")
+        return dr.ring_varlen_attention_func(lay, q, k, k, cu_local, None, **kw).sum()
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k)]
+        loss = f(*leaves)
+        loss.backward()
+        results.append([loss.detach(), *(t.grad for t in leaves)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_compile_fullgraph(dist_pool):
+    dist_pool.run(check_compile, 2)
