@@ -24,10 +24,13 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
   the layout of least predicted time (``document_layout(..., heads=...)``), and as the
   head-tail shards and the mask-aware layout's shards of the packed row hold the documents
   (what ``flex_attention`` runs for a document mask on those layouts; head-tail: torchtitan's
-  varlen module under its default balancer), per varlen kernel; ``--varlen-only`` skips the
-  flex-kernel layouts of the document masks; "best" efficiencies are against the fastest
-  one-GPU time of the mask (flex or varlen) / W; ``--graphs``: the varlen ranks also
-  replayed from a CUDA graph (what they cost without host time); ``--compare-dq``: the
+  varlen module under its default balancer), per varlen kernel; each placed layout also by
+  its all-gather of the keys needed (``GatherSimulator``, Note [Gathering what placed
+  documents need]; the K/V column then holds the most rows a rank fetches);
+  ``--varlen-only`` skips the flex-kernel layouts of the document masks; "best"
+  efficiencies are against the fastest one-GPU time of the mask (flex or varlen) / W;
+  ``--graphs``: the varlen ranks also replayed from a CUDA graph (what they cost without
+  host time); ``--compare-dq``: the
   flash_attn4 varlen paths also with each block's dq summed by the engine ("per-block dq"),
   the baseline of a rank's dq summed in flash-attn 4's kernel (Note [A varlen dq accumulated
   inside flash-attn 4]);
@@ -65,10 +68,12 @@ from bench_single_gpu import (  # noqa: E402  (CUDA-event medians; flash-attn 4'
 )
 
 import dtensor_ring as dr  # noqa: E402
+from dtensor_ring.engine.blocks import varlen_blocks  # noqa: E402
+from dtensor_ring.engine.placed_gather import gather_keys  # noqa: E402
 from dtensor_ring.layouts.document_placement import documents_on_tokens  # noqa: E402
 from dtensor_ring.resolve import normalize_window  # noqa: E402
 from dtensor_ring.schedule.flex_documents import mask_documents  # noqa: E402
-from dtensor_ring.simulate import RankSimulator  # noqa: E402
+from dtensor_ring.simulate import GatherSimulator, RankSimulator  # noqa: E402
 
 
 def documents(seq_len: int, n: int, device) -> tuple[torch.Tensor, list[int]]:
@@ -281,6 +286,28 @@ def main() -> None:
                         row["imbalance"], row["cut_documents"] = layout.imbalance, len(layout.split)
                     rows.append(row)
                     del sims
+            for label, layout in varlen_paths[1:]:  # placed documents: their all-gather too
+                sims = [
+                    GatherSimulator(
+                        q_T,
+                        k_T,
+                        v_T,
+                        layout=layout,
+                        world_size=W,
+                        rank=r,
+                        cu_seqlens=bounds,
+                        window_size=window,
+                        backend=kernel,
+                    )  # fmt: skip
+                    for r in range(W)
+                ]
+                row = gather_row(
+                    name, f"varlen {label}, gather ({kernel})", sims, a.reps, ideal, best
+                )
+                rows.append(
+                    row | {"imbalance": layout.imbalance, "cut_documents": len(layout.split)}
+                )
+                del sims
         for row in rows:
             if row["mask"] == name and "eff_fwd" in row:
                 print(
@@ -347,6 +374,62 @@ def path_row(mask, path, sims, reps, ideal, best) -> dict:
         "slowest_rank": slowest,
         "kernels_alone_fwd_s": kernel_fwd,
         "kernels_alone_fwd_bwd_s": kernel_fwd_bwd,
+    }
+
+
+def gather_row(mask, path, sims, reps, ideal, best) -> dict:
+    """:func:`path_row` of placed documents' all-gather (``GatherSimulator`` ranks): the
+    slowest rank, its block kernels alone, and the most rows a rank fetches (in
+    ``kv_transfers``' column: rows, not transfers)."""
+    fwd, fwd_bwd, slowest = slowest_rank(sims, reps)
+    sim = sims[slowest]
+    out, lse = sim.forward()
+    dout = torch.randn_like(sim.q)
+    k_keys, v_keys = gather_keys(sim.meta, sim.k, sim.v, sim.received)
+    calls = [
+        (rows, blk, kv)
+        for rows, blocks, kv in (
+            (
+                varlen_blocks(sim.meta.local_blocks, (), sim.q.device),
+                sim.meta.local_blocks,
+                (sim.k, sim.v),
+            ),
+            (
+                varlen_blocks(sim.meta.remote_blocks, (), sim.q.device),
+                sim.meta.remote_blocks,
+                (k_keys, v_keys),
+            ),
+        )
+        for blk in blocks
+    ]
+
+    def fwd_alone():
+        for rows, blk, (k, v) in calls:
+            t = rows.take
+            rows.forward(sim.kernel, t(sim.q, blk.q), t(k, blk.kv), t(v, blk.kv), blk, sim.scale)
+
+    def fwd_bwd_alone():
+        fwd_alone()
+        for rows, blk, (k, v) in calls:
+            t = rows.take
+            rows.backward(
+                sim.kernel, t(dout, blk.q), t(sim.q, blk.q), t(k, blk.kv), t(v, blk.kv),
+                t(out, blk.q), rows.take_lse(lse, blk.q), blk, sim.scale,
+            )  # fmt: skip
+
+    return {
+        "mask": mask,
+        "path": path,
+        "fwd_s": fwd,
+        "fwd_bwd_s": fwd_bwd,
+        "eff_fwd": ideal[0] / fwd,
+        "eff_fwd_bwd": ideal[1] / fwd_bwd,
+        "eff_best_fwd": best[0] / fwd,
+        "eff_best_fwd_bwd": best[1] / fwd_bwd,
+        "kv_transfers": max(s.meta.received for s in sims),
+        "slowest_rank": slowest,
+        "kernels_alone_fwd_s": timed(fwd_alone, reps),
+        "kernels_alone_fwd_bwd_s": timed(fwd_bwd_alone, reps),
     }
 
 

@@ -22,13 +22,16 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from .engine.blocks import FlexBlocks, varlen_blocks
+from .engine.placed_gather import placed_backward, placed_forward
 from .engine.ring import ring_backward, ring_forward
 from .kernels import KernelCall, accumulation_dtype, select_flex_kernel, select_kernel
 from .kernels.flex import FlexMods
 from .layouts import Layout, get_layout, shard_local, shard_varlen, unshard_local, unshard_varlen
+from .layouts.documents import DocumentLayout
 from .layouts.varlen import varlen_local_cu_seqlens
 from .resolve import normalize_window
 from .schedule.flex import VisibleBlocks, flex_plan
+from .schedule.placed_gather import placed_gather
 from .schedule.plan import make_plan
 from .schedule.varlen import varlen_plan
 
@@ -243,6 +246,90 @@ class RankSimulator:
             round_dkv=not record,
         )
         return dq, dk, dv, dkv_exchanger.sent
+
+
+class _Rows:
+    """A :class:`~dtensor_ring.engine.placed_gather.RowExchange` on one device: hands out
+    ``delivered`` (an int ``n``: ``n`` rows of zeros shaped as what was sent, for the other
+    ranks' dK/dV shares), keeps what was sent last."""
+
+    def __init__(self, delivered: Tensor | int):
+        self.delivered, self.sent = delivered, None
+
+    def start(self, rows: Tensor) -> _Rows:
+        self.sent = rows
+        return self
+
+    def wait(self) -> Tensor:
+        if isinstance(self.delivered, int):
+            return self.sent.new_zeros(self.delivered, *self.sent.shape[1:])
+        return self.delivered
+
+
+class GatherSimulator:
+    """Rank ``rank`` of placed documents' all-gather (Note [Gathering what placed documents
+    need]) on the device of the given full packed tensors ``q [T, H, D]``, ``k, v [T, H_kv,
+    D]``: ``layout`` a :class:`~dtensor_ring.layouts.documents.DocumentLayout` of the global
+    ``cu_seqlens``, the others as :class:`RankSimulator`'s. Every KV head at once (the
+    default of ``ring_varlen_attention_func``); the other ranks' dK/dV shares arrive as
+    zeros."""
+
+    def __init__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        layout: DocumentLayout,
+        world_size: int,
+        rank: int,
+        cu_seqlens: Sequence[int],
+        causal: bool = True,
+        backend: str | None = None,
+        scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+    ):
+        causal, window = normalize_window(window_size, causal, q.shape[0])
+        shards = [
+            [shard_varlen(t, cu_seqlens, layout, r, world_size)[0] for t in (q, k, v)]
+            for r in range(world_size)
+        ]
+        self.q, self.k, self.v = shards[rank]
+        metas = [placed_gather(layout, causal, window, r, q.device) for r in range(world_size)]
+        self.meta = metas[rank]
+        received = []
+        for src, m in enumerate(metas):  # what each rank sends this one
+            first = sum(m.send_splits[:rank])
+            rows = m.send_rows[first : first + m.send_splits[rank]]
+            _, k_src, v_src = shards[src]
+            received.append(torch.stack([k_src[rows], v_src[rows]], 1))
+        self.received = torch.cat(received)
+        self.kernel = select_kernel(
+            KernelCall.of(self.q, self.k, varlen=True, window=window is not None), backend
+        )
+        self.scale = q.shape[-1] ** -0.5 if scale is None else scale
+        self.out: Tensor | None = None
+        self.lse: Tensor | None = None
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        """``(out [T_local, H, D], lse [H, T_local])`` of this rank's queries."""
+        exchange = _Rows(self.received)
+        self.out, self.lse = placed_forward(
+            self.q, self.k, self.v, self.meta, self.k.shape[1], exchange, self.kernel, self.scale
+        )
+        return self.out, self.lse
+
+    def backward(self, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``(dq, dk, dv, shares)`` of this rank (after :meth:`forward`): dK/dV without other
+        ranks' shares, and this rank's shares of the rows it fetched (``[R, 2, H_kv, D]`` in
+        the accumulation dtype, sources in rank order as ``meta.recv_splits``; None when no
+        rank fetches)."""
+        back = _Rows(len(self.meta.send_rows))
+        dq, dk, dv = placed_backward(
+            dout, self.q, self.k, self.v, self.out, self.lse, self.meta, self.k.shape[1],
+            _Rows(self.received), back, self.kernel, self.scale,
+        )  # fmt: skip
+        return dq, dk, dv, back.sent
 
 
 def simulate_ring(

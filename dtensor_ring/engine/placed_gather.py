@@ -74,7 +74,7 @@ def _sent(meta: PlacedGather, k_g: Tensor, v_g: Tensor) -> Tensor:
     )
 
 
-def _keys(meta: PlacedGather, k_g: Tensor, v_g: Tensor, received: Tensor | None):
+def gather_keys(meta: PlacedGather, k_g: Tensor, v_g: Tensor, received: Tensor | None):
     """The key buffer's K and V ``[keys, s, D]``: local rows and received ones."""
     (buf_l, rows_l), (buf_r, rows_r) = meta.from_local, meta.from_received
     out = []
@@ -124,7 +124,7 @@ def placed_forward(
         _forward_blocks(local, meta.local_blocks, kernel, scale, (k_g, v_g), *results)
         received = pending.wait() if pending is not None else None
         if meta.remote_blocks:
-            keys = _keys(meta, k_g, v_g, received)
+            keys = gather_keys(meta, k_g, v_g, received)
             _forward_blocks(remote, meta.remote_blocks, kernel, scale, keys, *results)
     return finish_rows(out, lse, out.dtype), lse
 
@@ -175,7 +175,7 @@ def placed_backward(
         if meta.exchanges:
             back = torch.zeros(meta.received, 2, *k_g.shape[1:], dtype=acc, device=q_THD.device)
         if meta.remote_blocks:
-            keys = _keys(meta, k_g, v_g, received)
+            keys = gather_keys(meta, k_g, v_g, received)
             dkv_keys = torch.zeros(meta.keys, 2, *k_g.shape[1:], dtype=acc, device=q_THD.device)
             _backward_blocks(remote, meta.remote_blocks, kernel, scale, q_side, keys,
                              dq[:, hq], (dkv_keys[:, 0], dkv_keys[:, 1]))  # fmt: skip
