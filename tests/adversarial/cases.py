@@ -110,6 +110,7 @@ from .doors import (
     ALL_DOORS,
     AUTO_DOORS,
     DOCUMENTS_DOOR,
+    DOCUMENTS_GATHER_DOOR,
     DOORS,
     HEAD_TAIL_DOOR,
     HF_DOCUMENTS_DOOR,
@@ -1115,6 +1116,10 @@ def _other_door(door: Door, field_name: str) -> Door | None:
             "ring_flash_attn_varlen_func": "llama3_flash_attn_varlen_func",
             f"{_SDPA_FN}[zigzag,ring]": f"{_SDPA_FN}[zigzag,ulysses]",
             "ring_attention_func[auto]": "ulysses_flash_attn_func[zigzag]",
+            # placed documents: rank 0 runs the ring, the others fetch what they need
+            "ring_varlen_attention_func[documents,all_gather]": (
+                "ring_varlen_attention_func[documents]"
+            ),
         },
     }
     name = swaps.get(field_name, {}).get(door.name)
@@ -1528,11 +1533,11 @@ GATHER_ARG_CASES = (
 
 def documents_cases() -> list[Case]:
     """``ring_varlen_attention_func`` on the placed layouts: ``dr.document_layout`` (documents
-    of any lengths placed whole or cut by their work) and ``dr.documents_as_sharded`` (as
-    head-tail shards of the packed row hold them), each rank's local ``cu_seqlens`` its own:
-    base, masks, memory layouts, non-finite values, arguments, ranks that disagree, dtypes,
-    values, shapes and the consistency mode."""
-    doors = [DOCUMENTS_DOOR, HEAD_TAIL_DOOR]
+    of any lengths placed whole or cut by their work; the ring and the all-gather) and
+    ``dr.documents_as_sharded`` (as head-tail shards of the packed row hold them), each
+    rank's local ``cu_seqlens`` its own: base, masks, memory layouts, non-finite values,
+    arguments, ranks that disagree, dtypes, values, shapes and the consistency mode."""
+    doors = [DOCUMENTS_DOOR, HEAD_TAIL_DOOR, DOCUMENTS_GATHER_DOOR]
     cases = base_cases(doors) + mask_cases(doors) + layout_cases(doors) + debug_on_cases(doors)
     cases += nonfinite_cases(doors) + scale_cases(doors) + args_cases(doors)
     cases += disagree_cases(doors) + dtype_cases(doors) + values_cases(doors)

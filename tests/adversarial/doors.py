@@ -168,7 +168,8 @@ class Door:
     (cp): the module-level form (``parallelize_module(attn, mesh, ContextParallel(...))``)
     instead of the ``context_parallel`` scope; ``force``
     (``layout="auto"``): the algorithm the call is made to choose ("ring", "all_gather",
-    "ulysses": ``tests.engine_spy.forced_algorithm``), "" for the cost model's own choice."""
+    "ulysses": ``tests.engine_spy.forced_algorithm``), "" for the cost model's own choice;
+    ``algorithm``: the ``algorithm=`` a varlen door passes (""; none)."""
 
     name: str
     family: str
@@ -177,6 +178,7 @@ class Door:
     mode: str = "ring"
     force: str = ""
     module: bool = False
+    algorithm: str = ""
 
     @property
     def packed_stream(self) -> bool:
@@ -325,6 +327,8 @@ def _call_varlen(door, ctx, q, k, v, kw, view, tokens):
     else:
         cu = kw.pop("cu_seqlens", oracle.local_cu_seqlens(tokens.bounds, ctx.world))
     max_seqlen = kw.pop("max_seqlen", None)
+    if door.algorithm:
+        kw.setdefault("algorithm", door.algorithm)
     if door.generic_varlen:
         from dtensor_ring.api.varlen import ring_varlen_attention_func
 
@@ -645,6 +649,12 @@ def _auto_doors() -> dict[str, Door]:
 AUTO_DOORS: dict[str, Door] = _auto_doors()
 #: ``ring_varlen_attention_func`` on ``dr.document_layout``'s placement of the documents
 DOCUMENTS_DOOR = Door("ring_varlen_attention_func[documents]", "varlen", "documents")
+#: ... by the all-gather of the keys each rank's queries see (Note [Gathering what placed
+#: documents need])
+DOCUMENTS_GATHER_DOOR = Door(
+    "ring_varlen_attention_func[documents,all_gather]", "varlen", "documents",
+    algorithm="all_gather",
+)  # fmt: skip
 #: transformers' attention function on packed rows under ``layout="documents"``
 HF_DOCUMENTS_DOOR = Door("hf.ring_attention_forward[packed,documents]", "hf_packed", "documents")
 #: ... on ``dr.documents_as_sharded``: the documents as head-tail shards of the row hold them
@@ -656,6 +666,7 @@ ALL_DOORS: dict[str, Door] = {
     **NEW_DOORS,
     **AUTO_DOORS,
     DOCUMENTS_DOOR.name: DOCUMENTS_DOOR,
+    DOCUMENTS_GATHER_DOOR.name: DOCUMENTS_GATHER_DOOR,
 }
 
 
