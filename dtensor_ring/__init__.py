@@ -12,7 +12,8 @@ Public names:
       per call by a cost model): ``ring_attention_func``, ``ring_varlen_attention_func``,
       ``choose_algorithm``, ``AlgorithmChoice``, ``Machine``, ``set_machine``,
       ``get_machine``;
-    * single-device simulation: ``RankSimulator``, ``simulate_ring``;
+    * single-device simulation: ``RankSimulator``, ``simulate_ring``, ``GatherSimulator``,
+      ``simulate_gather``;
     * block kernels: ``BACKEND_NAMES``;
     * variable-length (packed documents, docs/varlen.md): ``ring_flash_attn_varlen_func``,
       ``zigzag_ring_flash_attn_varlen_func``, ``llama3_flash_attn_varlen_func`` and their
@@ -126,7 +127,7 @@ from .schedule.policy import (
     get_machine,
     set_machine,
 )
-from .simulate import RankSimulator, simulate_ring
+from .simulate import GatherSimulator, RankSimulator, simulate_gather, simulate_ring
 
 __all__ = [
     "decode_attention_func",
@@ -138,6 +139,8 @@ __all__ = [
     "set_consistency_checks",
     "RankSimulator",
     "simulate_ring",
+    "GatherSimulator",
+    "simulate_gather",
     "BACKEND_NAMES",
     "LAYOUTS",
     "Layout",

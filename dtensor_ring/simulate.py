@@ -319,17 +319,76 @@ class GatherSimulator:
         )
         return self.out, self.lse
 
-    def backward(self, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def backward(self, dout: Tensor, round_dkv: bool = True):
         """``(dq, dk, dv, shares)`` of this rank (after :meth:`forward`): dK/dV without other
-        ranks' shares, and this rank's shares of the rows it fetched (``[R, 2, H_kv, D]`` in
-        the accumulation dtype, sources in rank order as ``meta.recv_splits``; None when no
-        rank fetches)."""
+        ranks' shares (``round_dkv=False``: in the accumulation dtype), and this rank's shares
+        of the rows it fetched (``[R, 2, H_kv, D]`` in the accumulation dtype, sources in rank
+        order as ``meta.recv_splits``; None when no rank fetches)."""
         back = _Rows(len(self.meta.send_rows))
         dq, dk, dv = placed_backward(
             dout, self.q, self.k, self.v, self.out, self.lse, self.meta, self.k.shape[1],
-            _Rows(self.received), back, self.kernel, self.scale,
+            _Rows(self.received), back, self.kernel, self.scale, round_dkv=round_dkv,
         )  # fmt: skip
         return dq, dk, dv, back.sent
+
+
+def simulate_gather(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor | None = None,
+    *,
+    layout: DocumentLayout,
+    world_size: int,
+    cu_seqlens: Sequence[int],
+    causal: bool = True,
+    backend: str | None = None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+):
+    """Every rank of placed documents' all-gather (:class:`GatherSimulator`) in turn on one
+    device; full packed results in token order: ``(out [T, H, D], lse [H, T])``, with ``dout``
+    also ``(dq, dk, dv)``, each rank's dK/dV summed with the shares the others return to it in
+    the accumulation dtype and rounded once, as the owner does."""
+    sims = [
+        GatherSimulator(
+            q,
+            k,
+            v,
+            layout=layout,
+            world_size=world_size,
+            rank=r,
+            cu_seqlens=cu_seqlens,
+            causal=causal,
+            backend=backend,
+            scale=scale,
+            window_size=window_size,
+        )  # fmt: skip
+        for r in range(world_size)
+    ]
+    seq = _Sequence(layout, world_size, cu_seqlens)
+    results = [sim.forward() for sim in sims]
+    out = seq.unshard([o for o, _ in results], 0)
+    lse = seq.unshard([lse for _, lse in results], 1)
+    if dout is None:
+        return out, lse
+    grads = [sim.backward(seq.shard(dout, r), round_dkv=False) for r, sim in enumerate(sims)]
+    dkv = [
+        [g[1].to(accumulation_dtype(q.dtype)), g[2].to(accumulation_dtype(q.dtype))] for g in grads
+    ]
+    for r, sim in enumerate(sims):  # the shares of rank r's fetched rows, to their owners
+        first = 0
+        for src, n in enumerate(sim.meta.recv_splits):
+            owner = sims[src].meta
+            start = sum(owner.send_splits[:r])
+            rows = owner.send_rows[start : start + n]
+            for i in range(2):
+                dkv[src][i].index_add_(0, rows, grads[r][3][first : first + n, i])
+            first += n
+    dq = seq.unshard([g[0] for g in grads], 0)
+    dk = seq.unshard([d[0].to(k.dtype) for d in dkv], 0)
+    dv = seq.unshard([d[1].to(v.dtype) for d in dkv], 0)
+    return out, lse, dq, dk, dv
 
 
 def simulate_ring(

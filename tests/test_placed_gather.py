@@ -134,13 +134,13 @@ def test_compile_fullgraph(dist_pool):
 
 
 @pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (2, 5))])
-def test_simulated_rank_matches_reference(causal, window):
-    """``GatherSimulator`` runs a rank's engine on one device (what the benchmarks time): out,
-    lse and dq exact against fp64, and dK/dV with the shares the ranks return to their owners
-    added."""
+def test_simulated_ranks_match_reference(causal, window):
+    """``simulate_gather`` runs every rank's engine on one device (what the benchmarks and GPU
+    checks use): out, lse, dq and dK/dV (each rank's with the shares the others return) exact
+    against fp64."""
     from reference import reference_attention_varlen
 
-    from dtensor_ring.simulate import GatherSimulator
+    from dtensor_ring.simulate import simulate_gather
 
     W = 3
     bounds = random_documents(7, W, max_docs=6)
@@ -152,41 +152,8 @@ def test_simulated_rank_matches_reference(causal, window):
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     cu = torch.tensor(bounds, dtype=torch.int32)
     out_ref, lse_ref = reference_attention_varlen(*full, cu, causal=causal, window_size=window)
-    grads = torch.autograd.grad(out_ref, full, dout)
-    sims = [
-        GatherSimulator(
-            q,
-            k,
-            v,
-            layout=lay,
-            world_size=W,
-            rank=r,
-            cu_seqlens=bounds,
-            causal=causal,
-            window_size=window,
-        )  # fmt: skip
-        for r in range(W)
-    ]
-    dkv = []
-    for r, sim in enumerate(sims):
-        idx = lay.indices[r]
-        out, lse = sim.forward()
-        dq, dk, dv, shares = sim.backward(dout[idx])
-        for x, y in zip(
-            [out, lse, dq], [out_ref[idx], lse_ref[:, idx], grads[0][idx]], strict=True
-        ):
-            torch.testing.assert_close(x, y.detach(), rtol=1e-10, atol=1e-10)
-        dkv.append([dk, dv, shares])
-    for r, sim in enumerate(sims):  # the shares of rank r's fetched rows, to their owners
-        first = 0
-        for src, n in enumerate(sim.meta.recv_splits):
-            owner = sims[src].meta
-            start = sum(owner.send_splits[:r])
-            rows = owner.send_rows[start : start + n]
-            for i in range(2):
-                dkv[src][i].index_add_(0, rows, dkv[r][2][first : first + n, i])
-            first += n
-    for r in range(W):
-        idx = lay.indices[r]
-        for x, y in zip(dkv[r][:2], (grads[1][idx], grads[2][idx]), strict=True):
-            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+    want = [out_ref, lse_ref, *torch.autograd.grad(out_ref, full, dout)]
+    kw = dict(layout=lay, world_size=W, cu_seqlens=bounds, causal=causal, window_size=window)
+    got = simulate_gather(q, k, v, dout, **kw)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y.detach(), rtol=1e-10, atol=1e-10)

@@ -142,10 +142,14 @@ def placed_backward(
     back_exchange: RowExchange | None,
     kernel: BlockKernel,
     scale: float,
+    *,
+    round_dkv: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of one rank; ``(dq [T, H, D], dk, dv [T, H_kv, D])`` in the input dtypes.
-    ``back_exchange`` returns the remote blocks' dK/dV of received rows to their owners (the
-    reverse sizes of ``exchange``), in the accumulation dtype."""
+    """Backward of one rank; ``(dq [T, H, D], dk, dv [T, H_kv, D])`` in the input dtypes
+    (``round_dkv=False``: dk, dv in the accumulation dtype, for a caller that adds more to
+    them, as the simulator adds the shares other ranks return). ``back_exchange`` returns the
+    remote blocks' dK/dV of received rows to their owners (the reverse sizes of
+    ``exchange``), in the accumulation dtype."""
     T, H, _ = q_THD.shape
     groups = head_groups(H, k_THD.shape[1], heads_k_stride)
     local = _span_blocks(meta.local_blocks, q_THD.device)
@@ -187,6 +191,8 @@ def placed_backward(
             shares = back_exchange.start(back).wait()  # [S, 2, s, D]: ours, from the ranks
             dk[:, kvh].index_add_(0, meta.send_rows, shares[:, 0])
             dv[:, kvh].index_add_(0, meta.send_rows, shares[:, 1])
+    if not round_dkv:
+        return dq.to(q_THD.dtype), dk, dv
     return dq.to(q_THD.dtype), dk.to(k_THD.dtype), dv.to(v_THD.dtype)
 
 
