@@ -378,7 +378,7 @@ def simulate_gather(
     ]
     for r, sim in enumerate(sims):  # the shares of rank r's fetched rows, to their owners
         first = 0
-        for src, n in enumerate(sim.meta.recv_splits):
+        for src, n in enumerate(sim.meta.recv_splits if grads[r][3] is not None else ()):
             owner = sims[src].meta
             start = sum(owner.send_splits[:r])
             rows = owner.send_rows[start : start + n]

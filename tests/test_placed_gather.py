@@ -133,19 +133,21 @@ def test_compile_fullgraph(dist_pool):
     dist_pool.run(check_compile, 2)
 
 
-@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (2, 5))])
-def test_simulated_ranks_match_reference(causal, window):
+@pytest.mark.parametrize(
+    "causal, window, seed", [(True, (-1, -1), 7), (False, (2, 5), 7), (True, (-1, -1), None)]
+)
+def test_simulated_ranks_match_reference(causal, window, seed):
     """``simulate_gather`` runs every rank's engine on one device (what the benchmarks and GPU
     checks use): out, lse, dq and dK/dV (each rank's with the shares the others return) exact
-    against fp64."""
+    against fp64; also with no document cut."""
     from reference import reference_attention_varlen
 
     from dtensor_ring.simulate import simulate_gather
 
     W = 3
-    bounds = random_documents(7, W, max_docs=6)
+    bounds = random_documents(seed, W, max_docs=6) if seed else [0, 4, 8, 12, 16, 20, 24]
     lay = dr.document_layout(bounds, W, causal=causal, window_size=window)
-    assert lay.split
+    assert bool(lay.split) == bool(seed)  # (no document cut: nothing fetched)
     gen = torch.Generator().manual_seed(3)
     T = bounds[-1]
     q, k, v, dout = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4))

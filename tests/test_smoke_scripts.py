@@ -29,6 +29,11 @@ SCRIPTS = {
     "test_bench_single_gpu_smoke": ("benchmarks/bench_single_gpu.py", [], "bench_single_gpu.json"),
     "test_bench_window_smoke": ("benchmarks/bench_window.py", [], "bench_window.json"),
     "test_check_window_smoke": ("tests/gpu/check_window.py", [], "window.json"),
+    "test_check_placed_gather_smoke": (
+        "tests/gpu/check_placed_gather.py",
+        [],
+        "placed_gather.json",
+    ),
     "test_bench_overhead_smoke": (
         "benchmarks/bench_overhead.py",
         ["--profile"],
@@ -115,6 +120,18 @@ def test_check_window_smoke(runs):
     results = smoke(runs, "test_check_window_smoke")
     assert not results["errors"] and len(results["rows"]) >= 8
     assert all(max(r[n] for n in ("out", "dq", "dk", "dv")) < 1e-5 for r in results["rows"])
+
+
+def test_check_placed_gather_smoke(runs):
+    """tests/gpu/check_placed_gather.py on CPU: placed documents' all-gather and the ring on
+    the same layouts, with and without cut documents, as exact as one kernel call."""
+    results = smoke(runs, "test_check_placed_gather_smoke")
+    assert not results["errors"] and {r["algorithm"] for r in results["rows"]} == {
+        "all_gather",
+        "ring",
+    }
+    assert {r["cut"] > 0 for r in results["rows"]} == {True, False}
+    assert all(max(r["ratio"]) < 4 for r in results["rows"])
 
 
 def test_bench_overhead_smoke(runs):
