@@ -308,6 +308,14 @@ class VarlenBlocks:
         else:
             add_rows_(acc_THD, rows.index, x_THD)
 
+    def put_(self, x_THD: Tensor, part: Part, x_b: Tensor) -> None:
+        """Rows ``part`` of ``x_THD`` set to ``x_b`` (a block's final rows)."""
+        rows = self.rows[part]
+        if rows.index is None:
+            rows.take(x_THD, 0).copy_(x_b)
+        else:
+            x_THD.index_copy_(0, rows.index, x_b.to(x_THD.dtype))
+
     def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         rows = self.rows[part]
         if rows.index is None:

@@ -25,8 +25,9 @@ result returned as the kernel gives it). Every rank derives every rank's needs f
 (``schedule/placed_gather.py``), so the all-to-all's sizes need no exchange, and ranks skip it
 together when no rank needs another's keys.
 
-Backward: the same fetch; the local blocks' dK/dV add into the rank's own, the remote blocks'
-land in an fp32 key buffer whose local rows add into the rank's own and whose received rows go
+Backward: the same fetch; each block's dq is its rows' final dq (written, not summed); the
+local blocks' dK/dV add into the rank's own (fp32), the remote blocks' land in an fp32 key
+buffer whose local rows add into the rank's own and whose received rows go
 back to their owners (the reverse all-to-all, fp32), who add them. K/V move in their input
 dtype (exact). With ``heads_k_stride`` below the KV heads, each group of KV heads is fetched
 and computed in turn (the memory of one group's key buffer).
@@ -163,7 +164,7 @@ def placed_backward(
         return tuple(g.contiguous() for g in grads)
     acc = accumulation_dtype(q_THD.dtype)
     remote = _span_blocks(meta.remote_blocks, q_THD.device)
-    dq = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
+    dq = torch.empty_like(q_THD, memory_format=torch.contiguous_format)  # each row: one block
     dk = torch.zeros(k_THD.shape, dtype=acc, device=q_THD.device)
     dv = torch.zeros(v_THD.shape, dtype=acc, device=q_THD.device)
     (buf_l, rows_l), (buf_r, rows_r) = meta.from_local, meta.from_received
@@ -192,8 +193,8 @@ def placed_backward(
             dk[:, kvh].index_add_(0, meta.send_rows, shares[:, 0])
             dv[:, kvh].index_add_(0, meta.send_rows, shares[:, 1])
     if not round_dkv:
-        return dq.to(q_THD.dtype), dk, dv
-    return dq.to(q_THD.dtype), dk.to(k_THD.dtype), dv.to(v_THD.dtype)
+        return dq, dk, dv
+    return dq, dk.to(k_THD.dtype), dv.to(v_THD.dtype)
 
 
 def _forward_blocks(rows, blocks, kernel, scale, kv, q, out, lse) -> None:
@@ -206,9 +207,9 @@ def _forward_blocks(rows, blocks, kernel, scale, kv, q, out, lse) -> None:
         rows.init_(out, lse, blk.q, out_b, lse_b)
 
 
-def _backward_blocks(rows, blocks, kernel, scale, q_side, kv, dq_acc, dkv_acc) -> None:
-    """Every block's gradients added into ``dq_acc`` (its query rows) and ``dkv_acc`` (its key
-    rows of ``kv``)."""
+def _backward_blocks(rows, blocks, kernel, scale, q_side, kv, dq, dkv_acc) -> None:
+    """Every block's gradients: its dq written into its query rows of ``dq`` (each query row
+    is in one block), its dK/dV added into its key rows of ``dkv_acc``."""
     dout, q, out, lse = q_side
     for blk in blocks:
         dq_b, dk_b, dv_b = rows.backward(
@@ -222,6 +223,6 @@ def _backward_blocks(rows, blocks, kernel, scale, q_side, kv, dq_acc, dkv_acc) -
             blk,
             scale,
         )
-        rows.add_(dq_acc, blk.q, dq_b)
+        rows.put_(dq, blk.q, dq_b)
         rows.add_(dkv_acc[0], blk.kv, dk_b)
         rows.add_(dkv_acc[1], blk.kv, dv_b)
