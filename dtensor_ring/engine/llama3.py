@@ -63,9 +63,10 @@ form ONE varlen kernel call (``cu_seqlens_q`` over the pieces, ``cu_seqlens_k`` 
 key ranges, taken from the reordered K/V), so a causal or unwindowed call is one kernel call
 per head group, with no merge: the pieces' keys are complete. A window whose edges are clipped
 by documents' ends differently gives a few calls (one per distinct mask; each query row still
-in exactly one). Key ranges overlap (a rank's two pieces of a document share their prefix), so
-the backward adds their dK/dV with ``index_add_`` into a global-order buffer, which is put
-back in rank-major order (``to_gathered``) for the reduce-scatter.
+in exactly one, so the backward writes each block's dq as its rows' own). Key ranges overlap
+(a rank's two pieces of a document share their prefix), so the backward adds their dK/dV
+with ``index_add_`` into a global-order buffer, which is put back in rank-major order
+(``to_gathered``) for the reduce-scatter.
 
     per head group g:   wait gather(g); start gather(g + 1)
                         kv = gathered[to_global]                     (one copy, O(T))
@@ -257,7 +258,10 @@ def llama3_backward(
     L, H, D = q_THD.shape
     W = meta.world_size
     acc = accumulation_dtype(q_THD.dtype)
-    dq = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
+    if meta.diagonal:  # a straddling document's rows: the diagonal's dq plus the prefix's
+        dq = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
+    else:  # every query row in exactly one block: its dq is final
+        dq = torch.empty_like(q_THD, memory_format=torch.contiguous_format)
     dk = torch.zeros(k_THD.shape, dtype=acc, device=q_THD.device)
     dv = torch.zeros(v_THD.shape, dtype=acc, device=q_THD.device)
     groups = head_groups(H, k_THD.shape[1], heads_k_stride)
@@ -334,7 +338,7 @@ def llama3_backward(
                     blk,
                     scale,
                 )
-                rows.add_(dq[:, hq], blk.q, dq_b)
+                rows.put_(dq[:, hq], blk.q, dq_b)
                 rows.add_(dkv_keys[:, 0], blk.kv, dk_b)
                 rows.add_(dkv_keys[:, 1], blk.kv, dv_b)
             if m.to_gathered is not None:
