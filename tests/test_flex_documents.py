@@ -254,9 +254,10 @@ class _Spy:
         flex_door.attend_rows = self.original
 
 
-def check_documents_route(group, mask: str, layout: str, H_kv: int) -> None:
+def check_documents_route(group, mask: str, layout: str, H_kv: int, algorithm=None) -> None:
     """One document mask through ``dr.flex_attention`` on the ranks' shards: on the varlen
-    kernels, forward and gradients equal the fp64 reference over the whole sequence."""
+    kernels (by ``algorithm``), forward and gradients equal the fp64 reference over the whole
+    sequence."""
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     B, H, D, S = 2, 4, 8, S_LOCAL * W
     rows = [[n * W * S_LOCAL // 60 for n in r] for r in ROWS]
@@ -278,8 +279,9 @@ def check_documents_route(group, mask: str, layout: str, H_kv: int) -> None:
     local = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
     with _Spy() as spy:
         out = dr.flex_attention(
-            *local, block_mask=bm, enable_gqa=H != H_kv, group=group, layout=layout
-        )
+            *local, block_mask=bm, enable_gqa=H != H_kv, group=group, layout=layout,
+            algorithm=algorithm,
+        )  # fmt: skip
     assert spy.calls == 1
     (out * dout[:, :, idx]).sum().backward()
     tol = {"atol": 1e-10, "rtol": 1e-10}
@@ -313,6 +315,41 @@ def test_document_masks_run_as_documents(dist_pool, world_size, case):
 def test_document_masks_at_three_ranks(dist_pool):
     """W = 3 in the fast tier: a document cut over three ranks."""
     dist_pool.run(check_documents_route, 3, mask="document", layout="zigzag", H_kv=2)
+
+
+@pytest.mark.parametrize(
+    "world_size, case",
+    [(2, ("document", "balanced", 2)), (3, ("document_window", "zigzag", 4)),
+     pytest.param(4, ("bidirectional", "balanced", 2), marks=SLOW)],
+)  # fmt: skip
+def test_document_masks_by_the_gather(dist_pool, world_size, case):
+    """``algorithm="all_gather"``: the mask's documents, as the layout placed them, by the
+    all-gather of the keys each rank's queries see (Note [Gathering what placed documents
+    need]), exact."""
+    mask, layout, H_kv = case
+    kw = dict(mask=mask, layout=layout, H_kv=H_kv, algorithm="all_gather")
+    dist_pool.run(check_documents_route, world_size, **kw)
+
+
+def check_gather_refuses(group) -> list[str]:
+    """``algorithm="all_gather"`` where the call would not run as documents: a clean error on
+    every rank."""
+    S = S_LOCAL * dist.get_world_size(group)
+    q = torch.randn(1, 2, S_LOCAL, 8, dtype=torch.float64)
+    document = _masks(_doc_ids([[5, S - 5]]), 0)["document"]
+    bm = create_block_mask(document, None, None, S, S, "cpu", BLOCK_SIZE=4)
+    prefix = create_block_mask(lambda b, h, i, j: (j < 3) | (i >= j), None, None, S, S, "cpu", 4)
+    messages = []
+    for kwargs in ({"block_mask": prefix}, {"block_mask": bm, "return_lse": True}, {}):
+        with pytest.raises(ValueError, match="all_gather") as info:
+            dr.flex_attention(q, q, q, group=group, algorithm="all_gather", **kwargs)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_gather_refuses_other_masks(dist_pool):
+    for messages in dist_pool.run(check_gather_refuses, 2):
+        assert all("packed documents" in m for m in messages), messages
 
 
 def check_flex_kernels_where_asked(group) -> None:

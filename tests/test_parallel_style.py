@@ -200,6 +200,7 @@ def test_errors(dist_pool, world_size):
     text = "\n".join(results[0])
     assert "varlen attention modules are not" in text and "sequence dim 2" in text
     assert "FlexAttention runs on the ring" in text and "not one layout" in text
+    assert "document masks, by the all-gather" in text
     assert "placed (Replicate(),)" in text and "rotate_method" in text
 
 
@@ -408,9 +409,10 @@ class FlexWrapper(nn.Module):
         return flex_attention(*args, **kwargs)
 
 
-def check_flex_module(group: dist.ProcessGroup, balancer: str) -> None:
-    """``ContextParallel(attention_type=FLEX)`` (PyTorch's enum) on a flex wrapper, inputs and
-    the global document mask through ``context_parallel_shard``: equals the fp64 reference."""
+def check_flex_module(group: dist.ProcessGroup, balancer: str, algorithm=None) -> None:
+    """``ContextParallel(attention_type=FLEX)`` (PyTorch's enum; ``algorithm``) on a flex
+    wrapper, inputs and the global document mask through ``context_parallel_shard``: equals
+    the fp64 reference."""
     from reference import reference_flex
     from torch.distributed.tensor.experimental._attention import _ContextParallel
     from torch.nn.attention.flex_attention import create_block_mask
@@ -431,7 +433,8 @@ def check_flex_module(group: dist.ProcessGroup, balancer: str) -> None:
     block_mask = create_block_mask(document, None, None, S, S, "cpu", BLOCK_SIZE=4)
     lb = _balancer(balancer, S, W)
     try:
-        style = dr.ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
+        flex = _ContextParallel.AttentionType.FLEX
+        style = dr.ContextParallel(seq_dim=2, attention_type=flex, algorithm=algorithm)
         attention = parallelize_module(FlexWrapper(), mesh, style)
         *shards, cp_mask = dr.context_parallel_shard(
             mesh, [q, k, v, dout, block_mask], [2, 2, 2, 2, 0], lb
@@ -457,3 +460,9 @@ def check_flex_module(group: dist.ProcessGroup, balancer: str) -> None:
 @pytest.mark.parametrize("balancer", ["none", "head_tail"])
 def test_flex_module(dist_pool, world_size, balancer):
     dist_pool.run(check_flex_module, world_size, balancer=balancer)
+
+
+def test_flex_module_by_the_gather(dist_pool):
+    """``algorithm="all_gather"``: the document mask by the all-gather of the keys each rank's
+    queries see (docs/flex.md), exact."""
+    dist_pool.run(check_flex_module, 3, balancer="head_tail", algorithm="all_gather")

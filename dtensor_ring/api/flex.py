@@ -84,7 +84,11 @@ def flex_attention(
         layout: the layout that placed the tokens (``dtensor_ring.shard_sequence``).
         mask_mod: instead of ``block_mask``, a bare ``mask_mod(b, h, q_idx, kv_idx)``; its tiles
             (128 x 128) are evaluated on every call.
-        algorithm: "ring" (or None); the only one that runs FlexAttention so far.
+        algorithm: "ring" (or None), or "all_gather" for a mask that runs as documents
+            (Note [Document masks on the varlen kernels]: a document mask, with or without a
+            window, no ``score_mod``, lse or ``backend``): each rank fetches only the keys
+            its queries see (Note [Gathering what placed documents need]); any other mask
+            raises ``ValueError``.
         backend: the block kernel: "flex_triton" (PyTorch's compiled flex kernels; CUDA,
             bf16 / fp16 / fp32) or "flex_math" (any device and dtype); None: the first that
             runs (docs/flex.md).
@@ -126,10 +130,10 @@ def flex_attention(
         )
     group_name, world_size = group_arg(group)
     with relay_errors((group_name,), "flex_attention"):  # one rank's error: every rank's
-        if algorithm not in (None, "ring"):
+        if algorithm not in (None, "ring", "all_gather"):
             raise ValueError(
-                "dtensor_ring.flex_attention runs algorithm='ring' only, got "
-                f"algorithm={algorithm!r}"
+                "dtensor_ring.flex_attention runs algorithm='ring' or 'all_gather' (document "
+                f"masks), got algorithm={algorithm!r}"
             )
         want_lse = _wanted_lse(return_lse, return_aux)
         q_BSHD, k_BSHD, v_BSHD = (t.transpose(1, 2) for t in _tensors(query, key, value))
@@ -142,6 +146,15 @@ def flex_attention(
             world_size,
         )  # fmt: skip
         found["kernel"] = select_flex_kernel(q_BSHD.device, q_BSHD.dtype, backend)
+        found["documents"] = _as_documents(
+            found["block_mask"], score_mod, backend, want_lse, q_BSHD
+        )
+        if algorithm == "all_gather" and found["documents"] is None:
+            raise ValueError(
+                "flex_attention(algorithm='all_gather') runs masks that are packed documents "
+                "(within documents causal, full or windowed: e.g. dr.document_mask), without "
+                "a score_mod, the lse or backend=; this mask is not one: use algorithm='ring'"
+            )
         return found["tiles"], mods, found["kernel"]
 
     door = Door(
@@ -155,23 +168,18 @@ def flex_attention(
             # with the mask and the lse, it picks the kernels (the varlen ones or flex's),
             # which communicate differently
             "backend argument": backend,
+            "algorithm": algorithm or "ring",
             **_names(score_mod, block_mask, mask_mod),
         },
     )
     call = Call(q_BSHD, k_BSHD, v_BSHD, group_name, world_size, layout, softmax_scale=scale)
     spec = resolve_call(call, door)
     visible, mods, kernel = spec.door
-    tiles_mask = found["block_mask"]
-    if (  # Note [Document masks on the varlen kernels]
-        tiles_mask is not None
-        and score_mod is None
-        and backend is None
-        and not want_lse
-        and _documents_run(q_BSHD)
-    ):
-        documents = _mask_documents(tiles_mask, q_BSHD.shape[0])
-        if documents is not None:
-            return _on_documents(documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec)
+    documents = found["documents"]
+    if documents is not None:  # Note [Document masks on the varlen kernels]
+        return _on_documents(
+            documents, q_BSHD, k_BSHD, v_BSHD, layout, group, world_size, spec, algorithm
+        )
     lay = get_layout(layout, "dense")
     plan = flex_plan(lay, world_size, q_BSHD.shape[1], visible, trim=kernel.trims)
     out_BSHD, lse_BHS = RingFlex.apply(
@@ -181,6 +189,15 @@ def flex_attention(
     if not want_lse:
         return out
     return (out, AuxOutput(lse=lse_BHS)) if return_aux is not None else (out, lse_BHS)
+
+
+def _as_documents(tiles_mask, score_mod, backend, want_lse, q_BSHD: Tensor):
+    """The documents a call runs on the varlen kernels (Note [Document masks on the varlen
+    kernels]): its mask read as documents, where there is no ``score_mod``, ``backend=`` or
+    lse asked for and the kernels run here; else None (PyTorch's flex kernels per block)."""
+    if tiles_mask is None or score_mod is not None or backend is not None or want_lse:
+        return None
+    return _mask_documents(tiles_mask, q_BSHD.shape[0]) if _documents_run(q_BSHD) else None
 
 
 def _documents_run(q_BSHD: Tensor) -> bool:
@@ -201,9 +218,10 @@ def _on_documents(
     group: dist.ProcessGroup | None,
     world_size: int,
     spec: AttentionSpec,
+    algorithm: str | None,
 ) -> Tensor:
     """``out [B, H, S_local, D]`` of a mask read as ``documents``: the rows' documents, as
-    ``layout`` placed their tokens, by the varlen kernels on the ring."""
+    ``layout`` placed their tokens, by the varlen kernels on the ring (or by ``algorithm``)."""
     B, S_local = q_BSHD.shape[:2]
     row_len = S_local * world_size
     causal, window = normalize_window(documents.window_size, False, B * row_len)
@@ -211,7 +229,7 @@ def _on_documents(
     placed = placed_rows(documents.bounds, B, row_len, layout, world_size, rank, causal, window)
     out_BSHD = attend_rows(
         placed, q_BSHD, k_BSHD, v_BSHD, softmax_scale=spec.scale,
-        window_size=documents.window_size, group=group,
+        window_size=documents.window_size, group=group, algorithm=algorithm,
     )  # fmt: skip
     return out_BSHD.transpose(1, 2)
 

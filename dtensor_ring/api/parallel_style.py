@@ -139,10 +139,11 @@ class ContextParallel(ParallelStyle):
                 f"are [B, H, S, D], sequence dim {SDPA_SEQ_DIM}"
             )
         check_algorithm(algorithm)
-        if self.attention_type == "flex" and algorithm not in (None, "ring"):
+        if self.attention_type == "flex" and algorithm not in (None, "ring", "all_gather"):
             raise ValueError(
                 f"ContextParallel(attention_type='flex', algorithm={algorithm!r}): FlexAttention "
-                "runs on the ring (algorithm='ring' or None)"
+                "runs on the ring (algorithm='ring' or None) or, for document masks, by the "
+                "all-gather of the keys needed (algorithm='all_gather')"
             )
         if layout is not None:
             get_layout(layout, "dense")

@@ -386,13 +386,15 @@ def attend_rows(
     softmax_scale: float | None,
     window_size: tuple[int, int],
     group: dist.ProcessGroup | None,
+    algorithm: str | None = None,
 ) -> Tensor:
     """Attention of this rank's rows ``q [B, L_local, H, D]``, ``k, v [B, L_local, H_kv, D]``
     over the documents ``placed`` holds (:func:`placed_rows`), by the varlen kernels on the
-    ring, with flash-attn's ``window_size`` within documents: ``out [B, L_local, H, D]``."""
+    ring (or ``algorithm="all_gather"``: Note [Gathering what placed documents need]), with
+    flash-attn's ``window_size`` within documents: ``out [B, L_local, H, D]``."""
     q_T, k_T, v_T = (placed.stream(t) for t in (q_BLHD, k_BLHD, v_BLHD))
     out_T = ring_varlen_attention_func(
         placed.layout, q_T, k_T, v_T, placed.cu_local, None, softmax_scale=softmax_scale,
-        window_size=window_size, group=group,
+        window_size=window_size, group=group, algorithm=algorithm,
     )  # fmt: skip
     return placed.rows(out_T, q_BLHD.shape[0])
