@@ -8,7 +8,8 @@ form ``ContextParallel(attention_type="flex")``.
   ``Shard(2)`` DTensors of the shards. Document masks run on the varlen kernels (Note
   [Document masks on the varlen kernels]); ``kernel:flex_math`` keeps them on the flex
   kernels, ``rows`` gives each batch row documents of its own, ``refilled`` a second batch
-  whose document ids were written into the first one's buffer;
+  whose document ids were written into the first one's buffer; ``algorithm:all_gather`` runs
+  the document masks by the all-gather of placed documents (also on DTensors and the module);
 * ``nonfinite``: a NaN / +Inf in one token's q, k or v under a document mask: it must reach
   exactly the rows that see it (the strict reference's pattern);
 * ``score_mod``: softcap and a bias of (b, h, q, kv), against ``tests.reference.reference_flex``;
@@ -136,6 +137,7 @@ def flex_case(
     dtensor: bool = False,
     backend: str | None = None,
     fake_read_first: bool = False,
+    algorithm: str | None = None,
 ) -> dict:
     """One call (or the module form) on this rank's shard, against the fp64 reference
     (``fake_read_first``: rank 0 alone first asks for the mask's reading inside a
@@ -156,6 +158,8 @@ def flex_case(
     mask = FROM_BOUNDARIES.get(mask, mask)
     mod = mask_mod(mask, S)
     extra = {} if backend is None else {"backend": backend}
+    if algorithm is not None:
+        extra["algorithm"] = algorithm
     lay = _layout(layout, bm, W)
     idx = dr.token_indices(lay, S, rank, W)
     torch_dtype = getattr(torch, dtype)
@@ -177,9 +181,8 @@ def flex_case(
         from torch.distributed.tensor.parallel import parallelize_module
 
         mesh = DeviceMesh.from_group(ctx.group, "cpu")
-        attention = parallelize_module(
-            _FlexModule(), mesh, dr.ContextParallel(attention_type="flex", layout=lay)
-        )
+        style = dr.ContextParallel(attention_type="flex", layout=lay, algorithm=algorithm)
+        attention = parallelize_module(_FlexModule(), mesh, style)
         out = attention(*leaves, score_mod=score_mod, block_mask=bm, enable_gqa=True)
     else:
         out = dr.flex_attention(
@@ -289,6 +292,9 @@ BAD = {
     "zigzag_odd_length": lambda S, W: {"layout": "zigzag", "s_local": 7},
     "score_mod_not_callable": lambda S, W: {"score_mod": 3},
     "block_mask_and_mask_mod": lambda S, W: {"mask_mod": lambda b, h, q, kv: q >= kv},
+    # the all-gather of placed documents where the call does not run as documents
+    "all_gather_with_lse": lambda S, W: {"algorithm": "all_gather", "return_lse": True},
+    "all_gather_with_flex_kernel": lambda S, W: {"algorithm": "all_gather", "backend": "flex_math"},
 }
 
 
@@ -337,6 +343,7 @@ DISAGREE = (
     "return_lse", "backend",
     # an argument only rank 0 gets wrong: its error reaches every rank
     "bad_aux", "bad_algorithm",
+    "algorithm",  # the all-gather of placed documents on rank 0, the ring on the others
 )  # fmt: skip
 
 
@@ -377,7 +384,8 @@ def disagree_case(ctx: Ctx, what: str) -> dict:
         return_lse=first and what == "return_lse", group=ctx.group, layout=layout,
         backend="flex_math" if first and what == "backend" else None,
         return_aux=AuxRequest(max_scores=True) if first and what == "bad_aux" else None,
-        algorithm="ulysses" if first and what == "bad_algorithm" else None,
+        algorithm={"bad_algorithm": "ulysses", "algorithm": "all_gather"}.get(what)
+        if first else None,
     )  # fmt: skip
     return {"raised": Flag(False, "no error")}
 
@@ -448,6 +456,19 @@ def flex_cases() -> list[Case]:
             {"mask": "document", "layout": "balanced", "dtensor": True})  # fmt: skip
         module = {"mask": "document_window", "layout": "zigzag", "module": True, "score": "softcap"}
         add("module,document_window,zigzag", world, flex_case, module)
+        for mask in ("causal", "document", "document_window"):  # documents: the all-gather
+            for layout in LAYOUTS:
+                add(f"{mask},{layout},algorithm:all_gather", world, flex_case,
+                    {"mask": mask, "layout": layout, "algorithm": "all_gather"})  # fmt: skip
+        add("nonfinite:k[5]=nan,document,ring,algorithm:all_gather", world, flex_case,
+            {"mask": "document", "layout": "ring", "algorithm": "all_gather",
+             "poison": ("k", 5, float("nan"))})  # fmt: skip
+        add("dtensor,document,balanced,algorithm:all_gather", world, flex_case,
+            {"mask": "document", "layout": "balanced", "dtensor": True,
+             "algorithm": "all_gather"})  # fmt: skip
+        add("module,document_window,zigzag,algorithm:all_gather", world, flex_case,
+            {"mask": "document_window", "layout": "zigzag", "module": True,
+             "algorithm": "all_gather"})  # fmt: skip
         add("double_backward", world, double_backward_case, {})
     for world in (1, 3):
         for name in BAD:
