@@ -7,6 +7,7 @@ dtensor_ring, against the same model without CP.
     python examples/torchtitan_cp.py --attention varlen --world-size 3
     python examples/torchtitan_cp.py --balancer ptrr          # the mask-aware layout
     python examples/torchtitan_cp.py --attention varlen --balancer ptrr   # document_layout
+    python examples/torchtitan_cp.py --balancer ptrr --algorithm all_gather   # fetch what is needed
     python examples/torchtitan_cp.py --device cuda --world-size 1   # one GPU a rank (nccl)
 
 The lines a torchtitan user changes (Note [torchtitan on the ring] in
@@ -143,7 +144,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace, port: int) -> None
             module.forward = {"flex": explicit_mask_flex, "varlen": explicit_mask_varlen}[
                 args.attention
             ]
-    apply_cp_to_forward(inner_attention_modules(model), mesh)  # <- the CP wiring
+    apply_cp_to_forward(inner_attention_modules(model), mesh, algorithm=args.algorithm)  # <- CP
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, model)]
     inputs, labels, positions = batch(device)
     n_tokens = labels.numel()
@@ -189,6 +190,12 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="a GPU a rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--balancer", choices=("headtail", "ptrr", "none"), default="headtail")
+    parser.add_argument(
+        "--algorithm",
+        choices=("ring", "all_gather"),
+        default="ring",
+        help="all_gather: the documents by the all-gather of the keys each rank needs",
+    )
     parser.add_argument(
         "--explicit-reference",
         action="store_true",

@@ -236,6 +236,38 @@ def check_varlen_forward(group: dist.ProcessGroup, layout: str) -> None:
     assert_stream_matches(out, leaves, (q, k, v), _stream_mask(rows, (-1, 0)), flat, False)
 
 
+def check_varlen_forward_gather(group: dist.ProcessGroup) -> str:
+    """``algorithm="all_gather"`` (``apply_cp_to_forward``'s extension) on "ptrr"'s placed
+    documents: each rank fetches only the keys its queries see, exact; with ``out_transform``
+    (flex with the lse's gradient) it raises ``ValueError``."""
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    metadata = _varlen_metadata(ROWS)
+    layout = dr.document_layout(varlen_bounds(metadata), W)
+    flat = _stream_indices(layout, 2, rank, W)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, L, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, L, 2, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+
+    def local(t):
+        return t.reshape(2 * L, *t.shape[2:])[flat].reshape(2, L // W, *t.shape[2:])
+
+    for window_size in [(-1, 0), (5, 0), (-1, -1)]:
+        forward = _VarlenForward(group, layout, window_size, algorithm="all_gather")
+        leaves = [local(t).clone().requires_grad_() for t in (q, k, v)]
+        out = forward(*leaves, attention_masks=metadata, enable_gqa=True)
+        assert_stream_matches(out, leaves, (q, k, v), _stream_mask(ROWS, window_size), flat, False)
+    with pytest.raises(ValueError, match="all_gather") as info:
+        forward(
+            *map(local, (q, k, v)), attention_masks=metadata, enable_gqa=True,
+            out_transform=lambda o, lse: o * lse.exp()[..., None],
+        )  # fmt: skip
+    return str(info.value)
+
+
+def test_varlen_forward_by_the_gather(dist_pool):
+    dist_pool.run(check_varlen_forward_gather, 3)
+
+
 @pytest.mark.parametrize(
     "world_size, layout",
     [
@@ -347,8 +379,16 @@ def test_varlen_refused_on_rank0(dist_pool, bad):
         ("--balancer", "ptrr", "--world-size", "3"),
         ("--attention", "varlen", "--world-size", "3"),
         ("--attention", "varlen", "--balancer", "ptrr", "--world-size", "2"),
+        ("--balancer", "ptrr", "--algorithm", "all_gather", "--world-size", "3"),
     ],  # fmt: skip
-    ids=["flex-headtail-W2", "sdpa-W3", "flex-ptrr-W3", "varlen-W3", "varlen-ptrr-W2"],
+    ids=[
+        "flex-headtail-W2",
+        "sdpa-W3",
+        "flex-ptrr-W3",
+        "varlen-W3",
+        "varlen-ptrr-W2",
+        "flex-ptrr-gather-W3",
+    ],  # fmt: skip
 )
 def test_torchtitan_example(args):
     pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")

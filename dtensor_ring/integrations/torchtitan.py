@@ -69,6 +69,7 @@ def apply_cp_to_forward(
     cp_mesh: DeviceMesh,
     *,
     layout: str | Layout | None = None,
+    algorithm: str | None = None,
 ) -> None:
     """torchtitan's ``apply_cp_to_forward``: the inner attention modules compute over the
     sequence sharded on ``cp_mesh`` (Note [torchtitan on the ring]).
@@ -79,6 +80,11 @@ def apply_cp_to_forward(
         cp_mesh: 1-D mesh of the context-parallel ranks.
         layout: our extension: the layout of the shards (None: the one
             :func:`prepare_context_parallel_input` sharded in).
+        algorithm: our extension: how K/V move (None: the ring). "all_gather": for the
+            documents of ``VarlenAttention`` and of document masks, each rank fetches only
+            the keys its queries see (Note [Gathering what placed documents need]; a flex
+            call that does not run as documents raises); for SDPA modules,
+            ``ContextParallel``'s.
 
     Raises:
         NotImplementedError: another module type.
@@ -91,16 +97,22 @@ def apply_cp_to_forward(
 
     group = _cp_group(cp_mesh)
     first = attention_modules[0]
+    documents = isinstance(first, (FlexAttention, VarlenAttention))
+    if documents and algorithm not in (None, "ring", "all_gather"):
+        raise ValueError(
+            f"apply_cp_to_forward(algorithm={algorithm!r}): {type(first).__name__} runs on the "
+            "ring (None, 'ring') or by the all-gather of placed documents ('all_gather')"
+        )
     if isinstance(first, FlexAttention):
         for module in attention_modules:
-            module.forward = _FlexForward(group, layout)
+            module.forward = _FlexForward(group, layout, algorithm)
     elif isinstance(first, ScaledDotProductAttention):
-        style = ContextParallel(layout=layout)
+        style = ContextParallel(layout=layout, algorithm=algorithm)
         for module in attention_modules:
             style._apply(module, cp_mesh)
     elif isinstance(first, VarlenAttention):
         for module in attention_modules:
-            module.forward = _VarlenForward(group, layout, module.window_size)
+            module.forward = _VarlenForward(group, layout, module.window_size, algorithm)
     else:
         raise NotImplementedError(f"no context-parallel form for {type(first).__name__}")
 
@@ -108,8 +120,8 @@ def apply_cp_to_forward(
 class _FlexForward:
     """torchtitan's ``FlexAttention.forward`` (``[B, L, N, H]`` in and out) on the ring."""
 
-    def __init__(self, group, layout: str | Layout | None):
-        self.group, self.layout = group, layout
+    def __init__(self, group, layout: str | Layout | None, algorithm: str | None = None):
+        self.group, self.layout, self.algorithm = group, layout, algorithm
 
     def __call__(
         self,
@@ -132,7 +144,7 @@ class _FlexForward:
             *(t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH)),
             score_mod=score_mod, block_mask=attention_masks, scale=scale, enable_gqa=enable_gqa,
             return_lse=out_transform is not None, group=self.group,
-            layout=sharded_layout(self.layout),
+            layout=sharded_layout(self.layout), algorithm=self.algorithm,
         )  # fmt: skip
         if out_transform is None:
             return result.transpose(1, 2)
@@ -148,8 +160,8 @@ class _VarlenForward:
     it; with ``out_transform``, whose lse needs its gradient (which they do not give),
     ``dtensor_ring.flex_attention`` with the documents' mask over the stream."""
 
-    def __init__(self, group, layout: str | Layout | None, window_size: tuple[int, int]):
-        self.group, self.layout = group, layout
+    def __init__(self, group, layout, window_size: tuple[int, int], algorithm: str | None = None):
+        self.group, self.layout, self.algorithm = group, layout, algorithm
         self.window_size = tuple(window_size)
 
     def __call__(
@@ -179,14 +191,14 @@ class _VarlenForward:
         if out_transform is None:
             return attend_rows(
                 placed, q_BLNH, k_BLNH, v_BLNH, softmax_scale=scale,
-                window_size=self.window_size, group=self.group,
+                window_size=self.window_size, group=self.group, algorithm=self.algorithm,
             )  # fmt: skip
         q_T, k_T, v_T = (placed.stream(t) for t in (q_BLNH, k_BLNH, v_BLNH))
         out, lse = flex_attention(
             *(t.transpose(0, 1)[None] for t in (q_T, k_T, v_T)),
             block_mask=_stream_mask(placed.layout.bounds, self.window_size, q_T.device),
             scale=scale, enable_gqa=True, return_lse=True, group=self.group,
-            layout=placed.layout,
+            layout=placed.layout, algorithm=self.algorithm,
         )  # fmt: skip
         out_BLNH = placed.rows(out[0].transpose(0, 1), B)
         return out_transform(out_BLNH, placed.rows(lse[0].transpose(0, 1), B))
