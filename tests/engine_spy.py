@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def engines_used() -> Iterator[set[str]]:
-    """Inside, every call of the ops' engine functions adds "ring" or "llama3" to the set
+    """Inside, every call of the ops' engine functions adds "ring", "llama3" or
+    "placed_gather" (placed documents' all-gather) to the set
     yielded (forward and backward; the ops look the functions up when they run, so patching
     the ops modules' names catches every path: eager, compiled, DTensor handlers), and a
     ``layout="auto"`` call that chose Ulysses adds "ulysses". Restored on exit, also on an
@@ -28,6 +29,8 @@ def engines_used() -> Iterator[set[str]]:
         (varlen_ops, "ring_backward", "ring"),
         (varlen_ops, "llama3_forward", "llama3"),
         (varlen_ops, "llama3_backward", "llama3"),
+        (varlen_ops, "placed_forward", "placed_gather"),
+        (varlen_ops, "placed_backward", "placed_gather"),
         (attend, "ulysses_run", "ulysses"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in targets]

@@ -168,9 +168,10 @@ def _packed_vs_per_document(
     arch: str = "llama",
     extra: dict | None = None,
     algorithm: str | None = None,
+    setup_algorithm: str | None = None,
 ) -> tuple[float, float, float]:
-    """A packed row (DataCollatorWithFlattening) with CP (given ``extra`` keywords) vs the
-    model run on each document."""
+    """A packed row (DataCollatorWithFlattening) with CP (given ``extra`` keywords; ``setup``'s
+    ``setup_algorithm``) vs the model run on each document."""
     from transformers import DataCollatorWithFlattening
 
     import dtensor_ring.hf as drhf
@@ -188,13 +189,16 @@ def _packed_vs_per_document(
     ref_loss = torch.nn.functional.cross_entropy(ref_logits[0], shifted[0], ignore_index=-100)
     ref_loss.backward()
 
-    drhf.setup(group=group, layout=layout)
+    drhf.setup(group=group, layout=layout, algorithm=setup_algorithm)
     model = _model(arch, "dtensor_ring")
     inputs = drhf.shard_batch(batch, group=group, layout=layout)
     with forced_algorithm(algorithm), engines_used() as used:
         out = model(**inputs, **(extra or {}))
         out.loss.backward()
-    _check_engine(layout, used, algorithm)
+    if setup_algorithm == "all_gather" and layout == "documents":
+        assert used == {"placed_gather"}, used
+    else:
+        _check_engine(layout, used, algorithm)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
     logits = drhf.gather_outputs(out.logits.detach(), inputs, group=group, layout=layout)
@@ -239,6 +243,17 @@ def test_packed_matches_per_document(dist_pool, layout, lengths, arch):
             loss_err,
             grad_err,
         )
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_bidirectional"])
+def test_documents_packed_by_the_gather(dist_pool, arch):
+    """layout="documents" with algorithm="all_gather": each rank fetches only the keys its
+    queries see; logits, loss and gradients against each document alone."""
+    for errors in dist_pool.run(
+        _packed_vs_per_document, WORLD, layout="documents", lengths=(5, 9, 2), arch=arch,
+        setup_algorithm="all_gather",
+    ):  # fmt: skip
+        assert max(errors) < 1e-5, errors
 
 
 @pytest.mark.slow
@@ -355,8 +370,8 @@ def _documents_rejects(group, what: str) -> str:
 
     input_ids = torch.randint(0, VOCAB, (1, SEQ))
     with pytest.raises(ValueError) as info:
-        if what == "all_gather":
-            drhf.setup(group=group, layout="documents", algorithm="all_gather")
+        if what == "ulysses":
+            drhf.setup(group=group, layout="documents", algorithm="ulysses")
         elif what == "padding":
             mask = torch.ones_like(input_ids)
             mask[0, -3:] = 0
@@ -372,7 +387,7 @@ def _documents_rejects(group, what: str) -> str:
 @pytest.mark.parametrize(
     "what, text",
     [
-        ("all_gather", "'ring'"),
+        ("ulysses", "'all_gather'"),
         ("padding", "cannot hold padding"),
         ("dense", "needs the cu_seq_lens_q"),
     ],

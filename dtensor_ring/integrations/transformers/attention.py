@@ -137,7 +137,9 @@ def setup(
             "llama3" and "llama3_zigzag" all-gather K/V, "auto" (zigzag's tokens) chooses the
             ring, the all-gather or Ulysses per call (Note [Choosing ring, all-gather or
             Ulysses]), the others pass them around a ring. "documents": packed rows only, each
-            batch's documents (any lengths) placed by :func:`dtensor_ring.document_layout`.
+            batch's documents (any lengths) placed by :func:`dtensor_ring.document_layout`,
+            on the ring or (``algorithm="all_gather"``) by the all-gather of placed documents
+            (Note [Gathering what placed documents need]).
         backend: block-kernel backend name (``dtensor_ring.BACKEND_NAMES``), or None.
         algorithm: how K/V move (Note [Layouts and algorithms]): "ring", "all_gather",
             "ulysses" (dense batches) or "auto"; None: the layout alias's, else "ring"
@@ -147,11 +149,12 @@ def setup(
     from transformers.masking_utils import AttentionMaskInterface
 
     global _config
-    if layout == DOCUMENTS:  # a layout per batch, from its documents: the ring only
-        if algorithm not in (None, "ring"):
+    if layout == DOCUMENTS:  # a layout per batch, from its documents
+        if algorithm not in (None, "ring", "all_gather"):
             raise ValueError(
-                "layout='documents' places each packed batch's documents for the ring: pass "
-                f"algorithm='ring' or None, got {algorithm!r}"
+                "layout='documents' places each packed batch's documents: pass algorithm="
+                "'ring' (or None) or 'all_gather' (each rank fetches only the keys its "
+                f"queries see), got {algorithm!r}"
             )
     else:
         lay = get_layout(layout)
