@@ -28,6 +28,9 @@ rank, it measures, in one run:
   backward) measured each way (``block_grads``); with ``--compare-launch``, flash-attn 4 also
   with every forward block through its Python wrapper, not replayed (``block_grads``:
   ``WRAPPER_FORWARD``);
+* packed documents (``varlen``, torch flash's varlen kernel): the slowest rank of ring,
+  zigzag and ``document_layout``'s placement (also by the all-gather of placed documents,
+  ``documents_gather_*``), llama3 and llama3_zigzag, against one call on the whole stream / W;
 * ``layout="auto"``'s candidates (ring, all-gather, Ulysses) measured against the cost
   model's prediction, and whether it chose the fastest (``policy``);
 * the fixed cost of one call at W = 1 (``overhead``, ``--overhead-seq``): eager SDPA, the
@@ -495,9 +498,11 @@ def _llama3_run(ql, kl, vl, k_gathered, v_gathered, meta, kernel, scale, a, rank
 
 
 def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
-    """ring / zigzag / balanced-documents varlen (simulated slowest rank) and llama3 /
-    llama3_zigzag (forward of the slowest rank) vs one full call."""
+    """ring / zigzag / balanced-documents varlen (simulated slowest rank; the documents also by
+    their all-gather) and llama3 / llama3_zigzag (forward of the slowest rank) vs one full
+    call."""
     from dtensor_ring import (
+        GatherSimulator,
         document_layout,
         llama3_flash_attn_prepare_cu_seqlens,
         shard_varlen,
@@ -547,6 +552,19 @@ def varlen_rings(local_bounds, a, device, gen) -> list[dict]:
         row[f"{name}_eff_fwd"] = theo_fwd / t_fwd
         row[f"{name}_eff_fwd_bwd"] = theo_fwd_bwd / t_fwd_bwd
         row[f"{name}_limit"] = sum(balance[name]) / W / max(balance[name])
+    # the same placed documents by their all-gather (Note [Gathering what placed documents need])
+    rank = max(range(W), key=balance["documents"].__getitem__)
+    sim = GatherSimulator(
+        q, k, v, layout=balanced, world_size=W, rank=rank, backend=backend, cu_seqlens=bounds
+    )
+    dl = dout[: sim.q.shape[0]]
+
+    def gather_fwd_bwd(sim=sim, dl=dl):
+        sim.forward()
+        sim.backward(dl)
+
+    row["documents_gather_eff_fwd"] = theo_fwd / timed(sim.forward, a.reps)
+    row["documents_gather_eff_fwd_bwd"] = theo_fwd_bwd / timed(gather_fwd_bwd, a.reps)
     rank = max(range(W), key=balance["llama3"].__getitem__)
     cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, W)
     L = bounds[-1] // W
@@ -934,7 +952,8 @@ def print_tables(results: dict) -> None:
         )
     print(
         f"\n{'local cu_seqlens':<36}{'ring f':>8}{'ring fb':>8}{'zz f':>8}{'zz fb':>8}"
-        f"{'docs f':>8}{'docs fb':>8}{'llama3 f':>9}{'l3zz f':>8}{'l3zz fb':>8}"
+        f"{'docs f':>8}{'docs fb':>8}{'gath f':>8}{'gath fb':>8}{'llama3 f':>9}{'l3zz f':>8}"
+        f"{'l3zz fb':>8}"
         f"{'limits r/zz/l3/l3zz':>22}"
     )
     for r in results["varlen"]:
@@ -948,7 +967,8 @@ def print_tables(results: dict) -> None:
             f"{str(r['local_cu_seqlens']):<36}{r['ring_eff_fwd']:>8.1%}"
             f"{r['ring_eff_fwd_bwd']:>8.1%}{r['zigzag_eff_fwd']:>8.1%}"
             f"{r['zigzag_eff_fwd_bwd']:>8.1%}{r['documents_eff_fwd']:>8.1%}"
-            f"{r['documents_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}"
+            f"{r['documents_eff_fwd_bwd']:>8.1%}{r['documents_gather_eff_fwd']:>8.1%}"
+            f"{r['documents_gather_eff_fwd_bwd']:>8.1%}{r['llama3_eff_fwd']:>9.1%}"
             + ("       -" if l3zz_eff is None else f"{l3zz_eff:>8.1%}")
             + ("       -" if l3zz_fb is None else f"{l3zz_fb:>8.1%}")
             + f"{limits:>22}"

@@ -102,6 +102,7 @@ def test_bench_single_gpu_smoke(runs):
     zigzag = [r for r in results["rings"] if r["layout"] == "zigzag"]
     assert all(r["host_fwd_ms"] > 0 and r["gpu_ops_fwd"] is None for r in zigzag)  # CPU run
     assert results["varlen"] and all(r["documents_eff_fwd_bwd"] > 0 for r in results["varlen"])
+    assert all(r["documents_gather_eff_fwd_bwd"] > 0 for r in results["varlen"])
     # the simulated ring is as precise as the single-device kernel (fp32 on CPU)
     assert all(r["ratio_max"] < 4 for r in results["precision"])
 
