@@ -159,3 +159,32 @@ def test_simulated_ranks_match_reference(causal, window, seed):
     got = simulate_gather(q, k, v, dout, **kw)
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y.detach(), rtol=1e-10, atol=1e-10)
+
+
+def check_sinks(group: dist.ProcessGroup) -> None:
+    """Attention sinks (Note [Attention sinks]): the all-gather's out and gradients, the sinks'
+    included, equal the ring's on the same placed documents."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = [0, 5, 17, 20, 30]
+    lay = dr.document_layout(bounds, W)
+    assert lay.split
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(30, 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(30, 2, 8, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    results = []
+    for algorithm in ("ring", "all_gather"):
+        (ql, cu), (kl, _) = (dr.shard_varlen(x, bounds, lay, rank, W) for x in (q, k))
+        leaves = [ql.requires_grad_(), kl.requires_grad_(), sinks.clone().requires_grad_()]
+        out = dr.ring_varlen_attention_func(
+            lay, ql, kl, kl, cu, None, causal=True, sinks=leaves[2], group=group,
+            algorithm=algorithm,
+        )  # fmt: skip
+        out.sum().backward()
+        results.append([out.detach(), *(x.grad for x in leaves)])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_sinks_as_the_ring(dist_pool):
+    dist_pool.run(check_sinks, 3)
