@@ -611,3 +611,27 @@ def check_head_tail_rows(group: dist.ProcessGroup, causal, window) -> None:
 )  # fmt: skip
 def test_head_tail_rows_exact(dist_pool, world_size, causal, window):
     dist_pool.run(check_head_tail_rows, world_size, causal=causal, window=window)
+
+
+def test_cut_points_on_tiles():
+    """Cut points go to the kernels' 64-token tiles first (Note [Balanced documents]): the
+    32 documents of ``bench_flex.py`` (65536 tokens, multiples of 1024) on 8 ranks and three
+    documents of 128W-multiples under a window at W = 4 (which token-grain shifts cut into
+    pieces of 1 and 37 tokens) are placed with every piece on the tiles, within the
+    tolerance; documents shorter than a tile still even out by the token."""
+    from dtensor_ring.layouts.document_placement import TILE
+
+    gen = torch.Generator().manual_seed(32)
+    cuts = torch.sort(torch.randperm(63, generator=gen)[:31] + 1).values * 1024
+    cases = [([0, *cuts.tolist(), 65536], 8, (-1, 0)), ([0, 1024, 1536, 3072], 4, (128, 0))]
+    for bounds, W, window in cases:
+        lay = dr.document_layout(bounds, W, window_size=window)
+        assert lay.imbalance <= 1.05 and lay.split, (lay.imbalance, lay.split)
+        lengths = [b - a for a, b in itertools.pairwise(bounds)]
+        for row in lay.pieces:
+            for d, a, b in row:
+                assert a % TILE == 0 and (b % TILE == 0 or b == lengths[d]), (d, a, b)
+    work = _Work([48, 48], True, None)  # shorter than a tile: token-grain shifts
+    pieces = [[(0, 0, 24), (1, 24, 48)], [(0, 24, 48), (1, 0, 24)]]
+    loads = [sum(work(*p) for p in row) for row in _evened(pieces, work, shifts=True)]
+    assert loads[0] == loads[1], loads

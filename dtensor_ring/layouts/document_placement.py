@@ -44,9 +44,12 @@ short:
 Shifts of cut points (contiguous family): two ranks that share two cut documents move both
 cut points by the same number of tokens, one each way, so each keeps its tokens; the rank
 that takes the sparse tokens of one document and gives the dense ones of the other gets
-lighter. The lengths of whole documents set the grain of the exchanges; a shift has a
-token's grain (cut points off the kernels' tiles: flash-attn 4 then sums those blocks' dq
-per block, Note [A varlen dq accumulated inside flash-attn 4]):
+lighter. The lengths of whole documents set the grain of the exchanges. Shifts go first to
+cut points on the kernels' 64-token tiles (``TILE``: flash-attn 4's query tiles; blocks whose
+queries start and end on them let the kernel sum a rank's dq, Note [A varlen dq accumulated
+inside flash-attn 4], and no piece of a few tokens becomes a kernel call of its own), as do
+the contiguous family's equal-work cuts; only while max/mean work stays above the tolerance,
+to any token:
 
     rank a: A[0, 40)        B[60, 100)        a takes A[40, 40 + t), gives B[60, 60 + t)
     rank b: A[40, 100)  ... B[0, 60)          (B's tokens near 60 see more keys than A's
@@ -54,8 +57,9 @@ per block, Note [A varlen dq accumulated inside flash-attn 4]):
 
 Tokens a rank and the ranks each cut document is on stay as they were, and so, for causal or
 full attention, do the ring offsets (with a window, shifted pieces may see more or fewer
-ranks' keys: the offsets are counted again). A shift may leave a piece of a few tokens
-(measured: docs/performance.md; ``test_evening_exchanges_and_shifts``).
+ranks' keys: the offsets are counted again). ``test_evening_exchanges_and_shifts``;
+``test_cut_points_on_tiles`` (64k tokens of 32 documents: every piece on the tiles, max/mean
+1.027 where token-grain shifts reached 1.022 with pieces of 1 and 37 tokens elsewhere).
 
 The pick: of the placements whose max/mean work is within the tolerance, the one whose K/V
 travel the fewest ring offsets, then with the fewest documents on several ranks (none: the
@@ -66,6 +70,7 @@ little work, fewer steps beat balance).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -82,6 +87,11 @@ from .documents import (
     _visible_pairs,
     token_work,
 )
+
+# The grain cut points are placed on first: the kernels' query tiles (flash-attn 4's 64-row
+# tiles; a varlen block's queries of a document that start and end on them let its kernel sum
+# a rank's dq itself, Note [A varlen dq accumulated inside flash-attn 4])
+TILE = 64
 
 
 def _ring_offsets(held: dict[int, list[tuple[int, int, int]]], W: int, work_of: _Work) -> int:
@@ -114,7 +124,7 @@ def balance_documents(
     per rank), the cheapest of the most balanced candidate of each number of offsets."""
     best: dict[int, Candidate] = {}  # number of offsets -> its most balanced candidate
     within: Candidate | None = None
-    for c in _candidates(bounds, world_size, causal, window):
+    for c in _candidates(bounds, world_size, causal, window, tolerance):
         if c.offsets not in best or c.imbalance < best[c.offsets].imbalance:
             best[c.offsets] = c
         if c.imbalance <= tolerance and (within is None or c.rank < within.rank):
@@ -210,10 +220,15 @@ def documents_on_tokens(
 
 
 def _candidates(
-    bounds: Sequence[int], W: int, causal: bool, window: tuple[int, int] | None
+    bounds: Sequence[int],
+    W: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    tolerance: float = 1.0,
 ) -> Iterator[Candidate]:
     """The contiguous placements (a few limits), then the zigzag ones with t = 0, 1, ... of
-    the heaviest documents cut, where they exist."""
+    the heaviest documents cut, where they exist; evened (cut points off the tiles only while
+    max/mean work is above ``tolerance``)."""
     n = bounds[-1] // W
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     work = _Work(lengths, causal, window)
@@ -221,23 +236,37 @@ def _candidates(
     total = sum(work.totals)
     for limit in (math.inf, *(total / W * f for f in (1.5, 1.0, 0.75, 0.5, 0.35, 0.25))):
         pieces = _place_runs(order, W, n, work, limit)
-        yield _candidate(_evened(pieces, work, shifts=True), work, zigzag=False)
+        yield _candidate(_evened(pieces, work, shifts=True, target=tolerance), work, zigzag=False)
     for t in _cut_counts(len(order)):
         pieces = _place_zigzag(order[:t], order[t:], W, n, work)
         if pieces is not None:
             yield _candidate(_evened(pieces, work, shifts=False), work, zigzag=True)
 
 
-def _evened(pieces: list[list[Piece]], work_of: _Work, shifts: bool) -> list[list[Piece]]:
+def _evened(
+    pieces: list[list[Piece]], work_of: _Work, shifts: bool, target: float = 1.0
+) -> list[list[Piece]]:
     """``pieces`` evened out (Note [Balanced documents]): while a move lowers the most loaded
     rank's work and keeps its partner's below it, the move that lowers it most, of exchanges of
     whole documents of equal tokens (one or two for up to three) and, with ``shifts``, shifts
-    of two cut points that rank shares with another. Tokens a rank and the ranks each cut
-    document is on stay (the ring offsets too, but with a window)."""
-    W = len(pieces)
+    of two cut points that rank shares with another: first to cut points on the kernels'
+    tiles (``TILE``), then, while max/mean work is above ``target``, to any token. Tokens a
+    rank and the ranks each cut document is on stay (the ring offsets too, but with a
+    window)."""
     rows = [list(row) for row in pieces]
     load = [sum(work_of(*p) for p in row) for row in rows]
-    kinds = (_exchange, _shift) if shifts else (_exchange,)
+    if not shifts:
+        return _moves(rows, load, work_of, (_exchange,))
+    rows = _moves(rows, load, work_of, (_exchange, functools.partial(_shift, grain=TILE)))
+    if _imbalance(load) > target:
+        rows = _moves(rows, load, work_of, (_exchange, functools.partial(_shift, grain=1)))
+    return rows
+
+
+def _moves(rows, load, work_of: _Work, kinds) -> list[list[Piece]]:
+    """:func:`_evened`'s loop with the moves ``kinds``, on ``rows`` and their ``load`` (both
+    updated in place)."""
+    W = len(rows)
     enough = sum(load) / W * 1e-3  # a move must lower the top by this much (0.1% of the mean)
     for _ in range(4 * W * W):  # each move lowers the top of the loads; a bound to be sure
         a = max(range(W), key=lambda r: (load[r], -r))
@@ -274,10 +303,11 @@ def _exchange(rows, a: int, b: int, load, work_of: _Work):
     return best
 
 
-def _shift(rows, a: int, b: int, load, work_of: _Work):
+def _shift(rows, a: int, b: int, load, work_of: _Work, grain: int = 1):
     """The best shift of two cut points between ranks ``a`` and ``b``: rank ``a`` takes
     ``delta`` tokens of one document from ``b`` and gives ``b`` as many of another, so both
-    keep their tokens (as :func:`_exchange`'s tuple, or None):
+    keep their tokens (as :func:`_exchange`'s tuple, or None); both new cut points multiples
+    of ``grain`` (positions within their documents):
 
         a: ... d1[s1, x1) | e2[x2, f2) ...        a: ... d1[s1, x1 + delta) | e2[x2 + delta, f2)
         b: d1[x1, f1) ... | ... e2[s2, x2)   ->   b: d1[x1 + delta, f1) ... | e2[s2, x2 + delta)
@@ -297,6 +327,12 @@ def _shift(rows, a: int, b: int, load, work_of: _Work):
         if room < 1:
             continue
         delta = torch.arange(1, room + 1)
+        if grain > 1:  # the new cut points: pa1 grown by delta, pa2 shrunk by it
+            cut1 = pa1[2] + delta if first1 else pa1[1] - delta
+            cut2 = pa2[2] - delta if first2 else pa2[1] + delta
+            delta = delta[(cut1 % grain == 0) & (cut2 % grain == 0)]
+            if delta.numel() == 0:
+                continue
         gain = _moved_work(pa1, pb1, first1, delta, work_of, grow=True)
         loss = _moved_work(pa2, pb2, first2, delta, work_of, grow=False)
         moved = loss - gain
@@ -392,7 +428,7 @@ def _place_runs(order, W: int, n: int, work_of: _Work, limit: float) -> list[lis
             load[r] += work
             continue
         targets = torch.arange(1, m, dtype=torch.int64) * work // m
-        cuts = [0, *torch.searchsorted(prefix[d], targets).tolist(), length]
+        cuts = _on_tiles([0, *torch.searchsorted(prefix[d], targets).tolist(), length])
         parts = [
             (a, b, int(prefix[d][b] - prefix[d][a]))
             for a, b in zip(cuts[:-1], cuts[1:], strict=True)
@@ -425,6 +461,16 @@ def _place_runs(order, W: int, n: int, work_of: _Work, limit: float) -> list[lis
             tokens[r] += b - a
             a = b
     return pieces
+
+
+def _on_tiles(cuts: list[int]) -> list[int]:
+    """A document's cut points (from 0 to its length) each moved to the nearest multiple of
+    ``TILE`` where the pieces stay non-empty and in order, else kept."""
+    out = [cuts[0]]
+    for i, c in enumerate(cuts[1:-1], 1):
+        r = round(c / TILE) * TILE
+        out.append(r if out[-1] < r < cuts[i + 1] else c)
+    return [*out, cuts[-1]]
 
 
 def _cut_counts(n_docs: int):
