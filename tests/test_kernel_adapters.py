@@ -1855,12 +1855,12 @@ def test_ring_varlen_dq_accumulated_by_the_kernel(
     whole = world_size == 1 and layout == "zigzag"  # one block: flash-attn 4's own backward
     if layout == "documents":
         layout = dr.document_layout(bounds, world_size, window_size=window_size)
-        # its evened cut points may leave the tiles (Note [Balanced documents])
-        aligned = all(
+        # its cut points on the tiles (Note [Balanced documents]): every rank accumulates
+        assert all(
             a % 64 == 0 and (b % 64 == 0 or b == lengths[d])
             for row in layout.pieces
             for d, a, b in row
-        )
+        ), layout.pieces
     kw = dict(layout=layout, world_size=world_size, backend="flash_attn4", scale=SCALE)
     kw |= dict(cu_seqlens=bounds, window_size=window_size)
     causal, mask_window = normalize_window(window_size, True, T)
