@@ -86,3 +86,33 @@ def test_simulate_varlen_ring_matches_per_document_attention(layout, causal, wor
     )
     for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize(
+    "dtype, window, adopted",
+    [(torch.float64, (-1, -1), True), (torch.bfloat16, (-1, -1), False),
+     (torch.float64, (4, 0), False)],
+)  # fmt: skip
+def test_first_block_becomes_the_accumulator(monkeypatch, dtype, window, adopted):
+    """Note [Ring forward]: step 0's block of every local query, its result already in the
+    accumulation dtype (fp64 here; a kernel's unrounded outputs), is the output accumulator
+    itself (no fresh ``[S, H, D]``, no copy); in bf16 (the block's result rounded), or where
+    step 0 is two blocks (zigzag's halves under a window), the engine allocates its own.
+    Either way the ring equals full attention."""
+    import dtensor_ring.engine.ring as engine
+
+    made = []
+    original = engine._new_accumulators
+    monkeypatch.setattr(engine, "_new_accumulators", lambda *a: made.append(1) or original(*a))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 8, generator=g, dtype=torch.float64) for _ in "qkv")
+    x = [t.to(dtype) for t in (q, k, v)]
+    out, _ = simulate_ring(*x, layout="zigzag", world_size=4, causal=True, window_size=window)
+    assert (not made) == adopted, made
+    kw = dict(
+        causal=window == (-1, -1), scale=8**-0.5, window=None if window == (-1, -1) else window
+    )
+    want = MathKernel().forward(*(t.double() for t in x), **kw)[0]
+    torch.testing.assert_close(
+        out.double(), want, atol=1e-12 if dtype == torch.float64 else 2e-2, rtol=0
+    )

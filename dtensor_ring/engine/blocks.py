@@ -39,8 +39,13 @@ class Blocks(Protocol):
     ``merge_``.
     """
 
-    def new_lse(self, q: Tensor, dtype: torch.dtype) -> Tensor:
-        """An uninitialised lse accumulator for the local queries ``q``."""
+    def lse_shape(self, q: Tensor) -> tuple[int, ...]:
+        """The shape of the lse of the local queries ``q``."""
+        ...
+
+    def covers(self, part: Part, q: Tensor) -> bool:
+        """Whether ``part`` takes every row of ``q``, in order (its block's result then has
+        the shape of the whole accumulator)."""
         ...
 
     def is_empty(self, block: Block) -> bool:
@@ -156,9 +161,12 @@ class DenseBlocks:
     def __init__(self, seq_local: int):
         self.seq_local = seq_local
 
-    def new_lse(self, q_BSHD: Tensor, dtype: torch.dtype) -> Tensor:
+    def lse_shape(self, q_BSHD: Tensor) -> tuple[int, ...]:
         B, S, H, _ = q_BSHD.shape
-        return torch.empty(B, H, S, dtype=dtype, device=q_BSHD.device)
+        return (B, H, S)
+
+    def covers(self, part: Part, q_BSHD: Tensor) -> bool:
+        return part.size(self.seq_local) == q_BSHD.shape[1] == self.seq_local
 
     def is_empty(self, block: Block) -> bool:
         n = self.seq_local
@@ -288,9 +296,13 @@ class VarlenBlocks:
         self._query_rows: dict[Block, VarlenQueryRows | None] = {}  # (_query_rows)
         self._kernel_cache: dict = {}  # the dq accumulator's, for the next backward
 
-    def new_lse(self, q_THD: Tensor, dtype: torch.dtype) -> Tensor:
+    def lse_shape(self, q_THD: Tensor) -> tuple[int, ...]:
         T, H, _ = q_THD.shape
-        return torch.empty(H, T, dtype=dtype, device=q_THD.device)
+        return (H, T)
+
+    def covers(self, part: Part, q_THD: Tensor) -> bool:
+        rows = self.rows[part]
+        return rows.index is None and rows.start == 0 and rows.total == q_THD.shape[0]
 
     def is_empty(self, block: Block) -> bool:
         return min(self.rows[block.q].total, self.rows[block.kv].total) == 0

@@ -8,9 +8,12 @@ Note [Ring forward]
               wait for the next K/V
 
 Step 0 is always the diagonal block over all local queries, so it initialises ``(out, lse)``
-instead of merging into them. K/V travel in their input dtype; ``out``/``lse`` accumulate in
-the accumulation dtype and ``out`` is cast once at the end. A plan of one block of all queries
-against all keys (W = 1) is one kernel call, forward and backward: no accumulator at all.
+instead of merging into them; where that block's result is already in the accumulation dtype
+(a kernel's unrounded outputs, fp32 inputs) and shaped as the accumulator, it becomes it (no
+copy, and no second ``[S, H, D]`` fp32 tensor alive). K/V travel in their input dtype;
+``out``/``lse`` accumulate in the accumulation dtype and ``out`` is cast once at the end. A
+plan of one block of all queries against all keys (W = 1) is one kernel call, forward and
+backward: no accumulator at all.
 
 Note [Ring backward]
 ~~~~~~~~~~~~~~~~~~~~
@@ -155,8 +158,7 @@ def ring_forward(
         lse, out = lse.contiguous(), out.contiguous()  # the layouts of the fakes (ops/common.py)
         return blocks.finish(out, lse, True, out.dtype), lse
     acc = accumulation_dtype(q_BSHD.dtype)
-    out_acc = torch.empty(q_BSHD.shape, dtype=acc, device=q_BSHD.device)
-    lse_acc = blocks.new_lse(q_BSHD, acc)
+    out_acc = lse_acc = None  # the first block's result itself where it can be (below)
     side = _SideStream(q_BSHD.device)
     q_part = PartsOf(blocks.take, q_BSHD)
     kv = [k_BSHD, v_BSHD]
@@ -174,6 +176,11 @@ def ring_forward(
                 scale,
                 unrounded=True,
             )
+            if out_acc is None:
+                if blk.init and _adoptable(blocks, blk, q_BSHD, out_b, lse_b, acc):
+                    out_acc, lse_acc = out_b, lse_b.to(acc).contiguous()
+                    continue
+                out_acc, lse_acc = _new_accumulators(blocks, q_BSHD, acc)
             if blk.init:
                 blocks.init_(out_acc, lse_acc, blk.q, out_b, lse_b)
             else:
@@ -185,7 +192,28 @@ def ring_forward(
         if pending is not None:
             kv = pending.wait()
     side.join()
+    if out_acc is None:  # no block ran
+        out_acc, lse_acc = _new_accumulators(blocks, q_BSHD, acc)
     return blocks.finish(out_acc, lse_acc, False, q_BSHD.dtype), lse_acc
+
+
+def _new_accumulators(blocks: Blocks, q: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    out = torch.empty(q.shape, dtype=acc, device=q.device)
+    return out, torch.empty(blocks.lse_shape(q), dtype=acc, device=q.device)
+
+
+def _adoptable(blocks: Blocks, blk: Block, q: Tensor, out_b: Tensor, lse_b: Tensor, acc) -> bool:
+    """Whether the first block's ``out_b`` can be the output accumulator itself (Note [Ring
+    forward]): an init block of every local query, in the accumulation dtype (a kernel's
+    unrounded outputs, or fp32 / fp64 inputs), contiguous, shaped as the accumulator (its
+    ``lse_b``, small, is then made contiguous in the accumulation dtype where it is not)."""
+    return (
+        out_b.dtype == acc
+        and blocks.covers(blk.q, q)
+        and out_b.shape == q.shape
+        and tuple(lse_b.shape) == tuple(blocks.lse_shape(q))
+        and out_b.is_contiguous()
+    )
 
 
 def _whole_block(steps: Sequence[Step]) -> Block | None:
