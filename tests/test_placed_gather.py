@@ -78,7 +78,10 @@ def test_heads_k_stride_groups(dist_pool, stride):
 
 
 def check_nothing_moves(group: dist.ProcessGroup) -> None:
-    """No document cut: no all-to-all at all, forward or backward."""
+    """No document cut: no all-to-all at all, forward or backward, and each rank's one kernel
+    call is the answer (its result not copied into an output of the engine's)."""
+    from dtensor_ring.engine.blocks import VarlenBlocks
+
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     bounds = [0, *range(8, 8 * 2 * W, 8), 16 * W]
     lay = dr.document_layout(bounds, W)
@@ -90,12 +93,17 @@ def check_nothing_moves(group: dist.ProcessGroup) -> None:
         raise AssertionError("an all-to-all although no document is cut")
 
     original, dist.all_to_all_single = dist.all_to_all_single, refuse
+
+    def copy(*args, **kwargs):
+        raise AssertionError("a block's result copied although the rank's documents are whole")
+
+    copied, VarlenBlocks.init_ = VarlenBlocks.init_, copy
     try:
         q.requires_grad_()
         kw = dict(causal=True, group=group, algorithm="all_gather")
         dr.ring_varlen_attention_func(lay, q, q, q, cu_local, None, **kw).sum().backward()
     finally:
-        dist.all_to_all_single = original
+        dist.all_to_all_single, VarlenBlocks.init_ = original, copied
     assert q.grad is not None
 
 
@@ -188,3 +196,27 @@ def check_sinks(group: dist.ProcessGroup) -> None:
 
 def test_sinks_as_the_ring(dist_pool):
     dist_pool.run(check_sinks, 3)
+
+
+def check_rows_of_minus_inf_scores(group: dist.ProcessGroup) -> None:
+    """A row whose every visible score is -inf is NaN (SDPA's 0 / 0), as the ring gives it,
+    also on a rank of whole documents (one kernel call: the math kernel's 0 for such a row,
+    for merging, is not the answer)."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    bounds = [0, *range(8, 8 * 2 * W, 8), 16 * W]  # no document cut
+    lay = dr.document_layout(bounds, W)
+    q = torch.ones(16 * W, 2, 4, dtype=torch.float64)
+    k = torch.ones(16 * W, 1, 4, dtype=torch.float64)
+    k[bounds[1] : bounds[2], :, 0] = float("-inf")  # document 1's keys: every score -inf
+    results = []
+    for algorithm in ("ring", "all_gather"):
+        (ql, cu), (kl, _) = (dr.shard_varlen(x, bounds, lay, rank, W) for x in (q, k))
+        kw = dict(causal=True, group=group, algorithm=algorithm, backend="math")
+        results.append(dr.ring_varlen_attention_func(lay, ql, kl, kl, cu, None, **kw))
+    torch.testing.assert_close(results[1], results[0], equal_nan=True, rtol=0, atol=0)
+    assert results[0].isnan().any() == (rank == [r for r, row in enumerate(lay.pieces)
+                                                 if any(d == 1 for d, _, _ in row)][0])  # fmt: skip
+
+
+def test_rows_of_minus_inf_scores(dist_pool):
+    dist_pool.run(check_rows_of_minus_inf_scores, 2)

@@ -58,14 +58,14 @@ class RowExchange(Protocol):
         received ``[R, ...]`` (sources in rank order)."""
 
 
-def _whole_block(meta: PlacedGather, groups: Sequence) -> Block | None:
-    """The block when one local block of all local rows is the whole call (one KV head group):
-    its kernel's result is the answer."""
+def _whole_block(meta: PlacedGather, groups: Sequence, local: VarlenBlocks, q) -> Block | None:
+    """The block when one local block of every local row against its own rows (the rank's
+    whole documents, each against itself) is the whole call, one KV head group: its kernel's
+    result is the answer."""
     if len(groups) != 1 or meta.remote_blocks or len(meta.local_blocks) != 1:
         return None
     blk = meta.local_blocks[0]
-    spans = blk.q.spans
-    return blk if spans == ((0, meta.local_len),) and blk.kv.spans == spans else None
+    return blk if blk.kv == blk.q and local.covers(blk.q, q) else None
 
 
 def _sent(meta: PlacedGather, k_g: Tensor, v_g: Tensor) -> Tensor:
@@ -108,13 +108,14 @@ def placed_forward(
     T, H, _ = q_THD.shape
     groups = head_groups(H, k_THD.shape[1], heads_k_stride)
     local = _span_blocks(meta.local_blocks, q_THD.device)
-    whole = _whole_block(meta, groups)
+    whole = _whole_block(meta, groups, local, q_THD)
     if whole is not None:  # (other ranks may still fetch our rows)
         pending = exchange.start(_sent(meta, k_THD, v_THD)) if meta.exchanges else None
         out, lse = local.forward(kernel, q_THD, k_THD, v_THD, whole, scale)
         if pending is not None:
             pending.wait()
-        return out.contiguous(), lse.contiguous()
+        lse, out = lse.contiguous(), out.contiguous()  # as the ring's one block (ring.py)
+        return local.finish(out, lse, True, out.dtype), lse
     remote = _span_blocks(meta.remote_blocks, q_THD.device)
     out = torch.empty_like(q_THD, memory_format=torch.contiguous_format)
     lse = torch.empty(H, T, dtype=accumulation_dtype(q_THD.dtype), device=q_THD.device)
@@ -154,7 +155,7 @@ def placed_backward(
     T, H, _ = q_THD.shape
     groups = head_groups(H, k_THD.shape[1], heads_k_stride)
     local = _span_blocks(meta.local_blocks, q_THD.device)
-    whole = _whole_block(meta, groups)
+    whole = _whole_block(meta, groups, local, q_THD)
     if whole is not None and not any(meta.send_splits):  # no other rank adds to our dK/dV
         if meta.exchanges:  # the others' collectives, with nothing of ours
             exchange.start(_sent(meta, k_THD, v_THD)).wait()
