@@ -249,21 +249,7 @@ def main() -> None:
                 if mode is not None:  # the baseline of the in-kernel dq sum, in this run
                     label = f"{label}, per-block dq"
                 with block_grads_mode(kernel, mode or IN_KERNEL):
-                    sims = [
-                        RankSimulator(
-                            q_T,
-                            k_T,
-                            v_T,
-                            layout=layout,
-                            world_size=W,
-                            rank=r,
-                            cu_seqlens=bounds,
-                            causal=True,
-                            window_size=window,
-                            backend=kernel,
-                        )  # fmt: skip
-                        for r in range(W)
-                    ]
+                    sims = ranks(RankSimulator, (q_T, k_T, v_T), layout, W, bounds, window, kernel)
                     row = path_row(name, f"varlen {label} ({kernel})", sims, a.reps, ideal, best)
                     if a.graphs:  # the slowest rank replayed from a CUDA graph: no host time
                         sim = sims[row["slowest_rank"]]
@@ -287,20 +273,7 @@ def main() -> None:
                     rows.append(row)
                     del sims
             for label, layout in varlen_paths[1:]:  # placed documents: their all-gather too
-                sims = [
-                    GatherSimulator(
-                        q_T,
-                        k_T,
-                        v_T,
-                        layout=layout,
-                        world_size=W,
-                        rank=r,
-                        cu_seqlens=bounds,
-                        window_size=window,
-                        backend=kernel,
-                    )  # fmt: skip
-                    for r in range(W)
-                ]
+                sims = ranks(GatherSimulator, (q_T, k_T, v_T), layout, W, bounds, window, kernel)
                 row = gather_row(
                     name, f"varlen {label}, gather ({kernel})", sims, a.reps, ideal, best
                 )
@@ -375,6 +348,25 @@ def path_row(mask, path, sims, reps, ideal, best) -> dict:
         "kernels_alone_fwd_s": kernel_fwd,
         "kernels_alone_fwd_bwd_s": kernel_fwd_bwd,
     }
+
+
+def ranks(simulator, qkv_T, layout, W: int, bounds, window, kernel) -> list:
+    """Every rank of ``layout``'s ``W``-rank call over the packed documents ``bounds``
+    (causal, flash-attn's ``window`` within them), each a ``simulator`` (``RankSimulator``,
+    ``GatherSimulator``)."""
+    return [
+        simulator(
+            *qkv_T,
+            layout=layout,
+            world_size=W,
+            rank=r,
+            cu_seqlens=bounds,
+            causal=True,
+            window_size=window,
+            backend=kernel,
+        )  # fmt: skip
+        for r in range(W)
+    ]
 
 
 def gather_row(mask, path, sims, reps, ideal, best) -> dict:
