@@ -251,22 +251,8 @@ def main() -> None:
                 with block_grads_mode(kernel, mode or IN_KERNEL):
                     sims = ranks(RankSimulator, (q_T, k_T, v_T), layout, W, bounds, window, kernel)
                     row = path_row(name, f"varlen {label} ({kernel})", sims, a.reps, ideal, best)
-                    if a.graphs:  # the slowest rank replayed from a CUDA graph: no host time
-                        sim = sims[row["slowest_rank"]]
-                        dout_rank = torch.randn_like(sim.q)
-
-                        def step(sim=sim, dout_rank=dout_rank):
-                            sim.forward()
-                            sim.backward(dout_rank)
-
-                        g = (graph_timed(sim.forward, a.reps), graph_timed(step, a.reps))
-                        row["graph_fwd_s"], row["graph_fwd_bwd_s"] = g
-                        row["graph_eff_best_fwd"] = best[0] / g[0]
-                        row["graph_eff_best_fwd_bwd"] = best[1] / g[1]
-                        print(
-                            f"{'':<22}{'  from a CUDA graph':<36}{g[0] * 1e3:>9.3f}{'':>7}"
-                            f"{g[1] * 1e3:>9.3f}{'':>7}{best[0] / g[0]:>7.1%}{best[1] / g[1]:>7.1%}"
-                        )
+                    if a.graphs:
+                        replayed(row, sims[row["slowest_rank"]], a.reps, best)
                     row["kv_transfers"] = sims[0].plan.kv_transfers()
                     if layout is not varlen_paths[0][1]:
                         row["imbalance"], row["cut_documents"] = layout.imbalance, len(layout.split)
@@ -277,6 +263,8 @@ def main() -> None:
                 row = gather_row(
                     name, f"varlen {label}, gather ({kernel})", sims, a.reps, ideal, best
                 )
+                if a.graphs:
+                    replayed(row, sims[row["slowest_rank"]], a.reps, best)
                 rows.append(
                     row | {"imbalance": layout.imbalance, "cut_documents": len(layout.split)}
                 )
@@ -348,6 +336,25 @@ def path_row(mask, path, sims, reps, ideal, best) -> dict:
         "kernels_alone_fwd_s": kernel_fwd,
         "kernels_alone_fwd_bwd_s": kernel_fwd_bwd,
     }
+
+
+def replayed(row: dict, sim, reps: int, best) -> None:
+    """``row`` with the slowest rank ``sim`` replayed from a CUDA graph (no host time):
+    ``graph_*`` times and efficiencies against the ``best`` one-GPU time / W; printed."""
+    dout_rank = torch.randn_like(sim.q)
+
+    def step():
+        sim.forward()
+        sim.backward(dout_rank)
+
+    g = (graph_timed(sim.forward, reps), graph_timed(step, reps))
+    row["graph_fwd_s"], row["graph_fwd_bwd_s"] = g
+    row["graph_eff_best_fwd"] = best[0] / g[0]
+    row["graph_eff_best_fwd_bwd"] = best[1] / g[1]
+    print(
+        f"{'':<22}{'  from a CUDA graph':<36}{g[0] * 1e3:>9.3f}{'':>7}"
+        f"{g[1] * 1e3:>9.3f}{'':>7}{best[0] / g[0]:>7.1%}{best[1] / g[1]:>7.1%}"
+    )
 
 
 def ranks(simulator, qkv_T, layout, W: int, bounds, window, kernel) -> list:
