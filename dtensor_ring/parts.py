@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
+
 GlobalRuns = tuple[tuple[int, int, int], ...]  # (global start, length, stride), local order
 UNBOUNDED = 1 << 62  # a band edge that never bites (exact integer arithmetic throughout)
 
@@ -134,3 +136,13 @@ class DocSpans:
     @property
     def value(self) -> str:
         return ",".join(f"{a}:{b}" for a, b in self.spans)
+
+
+def concat_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The rows of spans: ``cat([arange(s, s + n) for s, n in zip(starts, lengths)])``,
+    vectorised (int64)."""
+    total = int(lengths.sum())
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(
+        total
+    )

@@ -19,7 +19,7 @@ from ..kernels import BlockKernel, DqAccumulator
 from ..kernels.base import VarlenQueryRows, capturing
 from ..kernels.flex import FlexMods
 from ..kernels.merge import add_rows_, finish_rows, merge_
-from ..parts import Block, DocSpans, Part
+from ..parts import Block, DocSpans, Part, concat_ranges
 from ..schedule.plan import Plan
 
 
@@ -462,7 +462,7 @@ def _rows_of(first: Tensor, sizes: Tensor, device: torch.device) -> _Rows:
     total = int(sizes.sum())
     cu = torch.zeros(len(sizes) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(sizes, 0)
-    index = _concat_ranges(first, sizes)
+    index = concat_ranges(first, sizes)
     start = int(index[0]) if total else 0
     contiguous = total == 0 or bool((index == torch.arange(start, start + total)).all())
     return _Rows(
@@ -473,15 +473,6 @@ def _rows_of(first: Tensor, sizes: Tensor, device: torch.device) -> _Rows:
         max_seqlen=int(sizes.max()),
         first=first,
         sizes=sizes,
-    )
-
-
-def _concat_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
-    """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])``, vectorised (int64)."""
-    total = int(lengths.sum())
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(
-        total
     )
 
 

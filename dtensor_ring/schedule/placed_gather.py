@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..layouts.documents import DocumentLayout
-from ..parts import Block, Span
+from ..parts import Block, Span, concat_ranges
 from .varlen import merge_doc_blocks
 
 Segment = tuple[int, int, int]  # (rank, first local row, stop): keys held there, in order
@@ -70,46 +70,49 @@ def placed_gather(
 def _placed_gather(layout, causal, window, rank, device) -> PlacedGather:
     W = layout.world_size
     local, remote, segments = _needs(layout, causal, window, rank)
-    needed = [_rows_from(segments, s) if s != rank else () for s in range(W)]
-    offsets = [0] * W
-    for s in range(1, W):
-        offsets[s] = offsets[s - 1] + len(needed[s - 1])
-    position = {(s, row): offsets[s] + i for s in range(W) for i, row in enumerate(needed[s])}
-    buf_local, rows_local, buf_recv, rows_recv = [], [], [], []
-    at = 0
-    for s, a, b in segments:
-        for row in range(a, b):
-            if s == rank:
-                buf_local.append(at)
-                rows_local.append(row)
-            else:
-                buf_recv.append(at)
-                rows_recv.append(position[(s, row)])
-            at += 1
+    src, first, stop = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3).unbind(1)
+    lengths = stop - first
+    at = torch.cumsum(lengths, 0) - lengths  # each segment's first row of the key buffer
+    mine = src == rank
+    needed = [_rows_from(segments, s) if s != rank else _NONE for s in range(W)]
+    # a received row's place: its (source, row) among every source's sorted rows, in order
+    received_keys = torch.cat([s * _ROWS + rows for s, rows in enumerate(needed)])
+    theirs = ~mine
+    asked = concat_ranges(first[theirs], lengths[theirs])
+    asked += src[theirs].repeat_interleave(lengths[theirs]) * _ROWS
     sends = [_rows_from(_needs(layout, causal, window, t)[2], rank) for t in range(W)]
-    sends[rank] = ()
-
-    def tensor(values) -> Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
+    sends[rank] = _NONE
     return PlacedGather(
         rank=rank,
         local_len=layout.local_bounds[rank][-1],
         local_blocks=merge_doc_blocks(local),
         remote_blocks=merge_doc_blocks(remote),
-        keys=at,
-        from_local=(tensor(buf_local), tensor(rows_local)),
-        from_received=(tensor(buf_recv), tensor(rows_recv)),
-        send_rows=tensor([row for rows in sends for row in rows]),
+        keys=int(lengths.sum()),
+        from_local=(
+            concat_ranges(at[mine], lengths[mine]).to(device),
+            concat_ranges(first[mine], lengths[mine]).to(device),
+        ),
+        from_received=(
+            concat_ranges(at[theirs], lengths[theirs]).to(device),
+            torch.searchsorted(received_keys, asked).to(device),
+        ),
+        send_rows=torch.cat(sends).to(device),
         send_splits=tuple(len(rows) for rows in sends),
         recv_splits=tuple(len(rows) for rows in needed),
         exchanges=any(s != t for t in range(W) for s, _, _ in _needs(layout, causal, window, t)[2]),
     )
 
 
-def _rows_from(segments: tuple[Segment, ...], src: int) -> tuple[int, ...]:
-    """The distinct local rows of rank ``src`` among ``segments``, increasing."""
-    return tuple(sorted({row for s, a, b in segments if s == src for row in range(a, b)}))
+_NONE = torch.zeros(0, dtype=torch.int64)
+_ROWS = 2**40  # above any rank's rows: (source, row) as one sortable int64
+
+
+def _rows_from(segments: tuple[Segment, ...], src: int) -> torch.Tensor:
+    """The distinct local rows of rank ``src`` among ``segments``, increasing (int64)."""
+    spans = torch.tensor([(a, b - a) for s, a, b in segments if s == src], dtype=torch.int64)
+    if spans.numel() == 0:
+        return _NONE
+    return torch.unique(concat_ranges(spans[:, 0], spans[:, 1]))
 
 
 @functools.lru_cache(maxsize=256)
