@@ -256,8 +256,10 @@ def llama3_attention_impl(
     per-document layout ("llama3_zigzag", Note [Balanced all-gather attention]):
     ``cu_seqlens_q`` / ``max_seqlen_q`` are the local ``cu_seqlens`` / ``max_seqlen`` of ring
     varlen, ``cu_seqlens_k`` / ``max_seqlen_k`` / ``k_start`` / ``k_stop`` are ignored (the
-    front door passes the same values). ``window_left/right``: the normalised window within
-    documents.
+    front door passes the same values). Placed documents (a ``document_layout``; Note
+    [Gathering what placed documents need]): the same arguments as a per-document layout, the
+    local ``cu_seqlens`` the rank's own; each rank fetches only the keys its queries see.
+    ``window_left/right``: the normalised window within documents.
     """
     meta, group = _setup_llama3(
         q,
