@@ -23,7 +23,7 @@ Segment = tuple[int, int, int]  # (rank, first local row, stop): keys held there
 
 @dataclass(frozen=True)
 class PlacedGather:
-    """What rank ``rank`` of a placed layout computes and moves (Note [Gathering what placed
+    """What one rank of a placed layout computes and moves (Note [Gathering what placed
     documents need]).
 
     ``local_blocks``: query spans whose keys are one run of the rank's own rows (``kv``: local
@@ -36,8 +36,6 @@ class PlacedGather:
     sends something (every rank then joins the all-to-all).
     """
 
-    rank: int
-    local_len: int
     local_blocks: tuple[Block, ...]
     remote_blocks: tuple[Block, ...]
     keys: int
@@ -83,8 +81,6 @@ def _placed_gather(layout, causal, window, rank, device) -> PlacedGather:
     sends = [_rows_from(_needs(layout, causal, window, t)[2], rank) for t in range(W)]
     sends[rank] = _NONE
     return PlacedGather(
-        rank=rank,
-        local_len=layout.local_bounds[rank][-1],
         local_blocks=merge_doc_blocks(local),
         remote_blocks=merge_doc_blocks(remote),
         keys=int(lengths.sum()),
