@@ -320,8 +320,15 @@ def ideal_row(mask: str, path: str, per_rank: tuple[float, float]) -> dict:
 def path_row(mask, path, sims, reps, ideal, best) -> dict:
     """The slowest rank of ``sims`` against the flex ideal and the best one-GPU time / W, and
     its block kernels alone."""
-    fwd, fwd_bwd, slowest = slowest_rank(sims, reps)
-    kernel_fwd, kernel_fwd_bwd = kernels_alone(sims[slowest], reps)
+    timed_rank = slowest_rank(sims, reps)
+    alone = kernels_alone(sims[timed_rank[2]], reps)
+    return _row(mask, path, timed_rank, ideal, best, sims[0].plan.kv_transfers(), alone)
+
+
+def _row(mask, path, timed_rank, ideal, best, kv_transfers, alone) -> dict:
+    """A table row: the slowest rank's ``(forward, forward + backward, rank)`` against the
+    flex ideal and the best one-GPU time / W, ``kv_transfers`` and its kernels ``alone``."""
+    fwd, fwd_bwd, slowest = timed_rank
     return {
         "mask": mask,
         "path": path,
@@ -331,10 +338,10 @@ def path_row(mask, path, sims, reps, ideal, best) -> dict:
         "eff_fwd_bwd": ideal[1] / fwd_bwd,
         "eff_best_fwd": best[0] / fwd,
         "eff_best_fwd_bwd": best[1] / fwd_bwd,
-        "kv_transfers": sims[0].plan.kv_transfers(),
+        "kv_transfers": kv_transfers,
         "slowest_rank": slowest,
-        "kernels_alone_fwd_s": kernel_fwd,
-        "kernels_alone_fwd_bwd_s": kernel_fwd_bwd,
+        "kernels_alone_fwd_s": alone[0],
+        "kernels_alone_fwd_bwd_s": alone[1],
     }
 
 
@@ -416,20 +423,9 @@ def gather_row(mask, path, sims, reps, ideal, best) -> dict:
                 t(out, blk.q), rows.take_lse(lse, blk.q), blk, sim.scale,
             )  # fmt: skip
 
-    return {
-        "mask": mask,
-        "path": path,
-        "fwd_s": fwd,
-        "fwd_bwd_s": fwd_bwd,
-        "eff_fwd": ideal[0] / fwd,
-        "eff_fwd_bwd": ideal[1] / fwd_bwd,
-        "eff_best_fwd": best[0] / fwd,
-        "eff_best_fwd_bwd": best[1] / fwd_bwd,
-        "kv_transfers": max(s.meta.received for s in sims),
-        "slowest_rank": slowest,
-        "kernels_alone_fwd_s": timed(fwd_alone, reps),
-        "kernels_alone_fwd_bwd_s": timed(fwd_bwd_alone, reps),
-    }
+    received = max(s.meta.received for s in sims)
+    alone = (timed(fwd_alone, reps), timed(fwd_bwd_alone, reps))
+    return _row(mask, path, (fwd, fwd_bwd, slowest), ideal, best, received, alone)
 
 
 def one_gpu_varlen(q, k, v, dout, bounds, window, backend):
