@@ -77,12 +77,24 @@ def _llama3(group: dist.ProcessGroup) -> Result:
     return out, (q, k, v)
 
 
+def _placed_gather(group: dist.ProcessGroup) -> Result:
+    """Placed documents' all-gather (Note [Gathering what placed documents need]), documents
+    cut over the ranks: every rank fetches."""
+    W = dist.get_world_size(group)
+    lay = dr.document_layout([0, 3, 13, 8 * W], W)
+    cu = torch.tensor(lay.local_bounds[dist.get_rank(group)], dtype=torch.int32)
+    q, k, v = (t[0].requires_grad_() for t in _dense())
+    kw = dict(causal=True, group=group, algorithm="all_gather")
+    return dr.ring_varlen_attention_func(lay, q, k, v, cu, None, **kw), (q, k, v)
+
+
 CALLS: dict[str, Callable[[dist.ProcessGroup], Result]] = {
     "ring": _ring,
     "zigzag_causal": lambda g: _ring(g, dr.zigzag_ring_flash_attn_func, causal=True),
     "ring_window": lambda g: _ring(g, causal=True, window=(2, 0)),  # sparse plan: direct
     "ulysses": _ulysses,
     "llama3": _llama3,
+    "placed_gather": _placed_gather,
 }
 
 
@@ -150,6 +162,16 @@ SCENARIOS = [
         fault="stops",
         phase="forward",
         expected=_HEADER.format("ring_attention") + r"\(with ranks 0, 1, 2\)",
+    ),
+    Scenario(
+        "placed_gather_backward_stops",
+        world_size=2,
+        call="placed_gather",
+        faulty=1,
+        fault="stops",
+        phase="backward",
+        expected=r"placed documents all-gather, all-to-all of K/V failed on rank 0 "
+        r"\(with ranks 0, 1\)",
     ),
     Scenario(  # last: the others cannot go on without the dead rank
         "ring_backward_dies",
@@ -282,7 +304,7 @@ def outcomes() -> dict[str, dict[int, tuple]]:
     return results
 
 
-@pytest.mark.slow  # waits out five 2 s timeouts after starting 3 processes
+@pytest.mark.slow  # waits out six 2 s timeouts after starting 3 processes
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_others_fail_naming_the_step(outcomes, scenario):
     replies = outcomes[scenario.name]

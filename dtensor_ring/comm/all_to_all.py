@@ -1,4 +1,5 @@
-"""The all-to-all of Ulysses attention (Note [Ulysses attention] in ``ops/ulysses.py``)."""
+"""The all-to-alls: Ulysses attention's (Note [Ulysses attention] in ``ops/ulysses.py``) and
+the uneven rows of placed documents' gather (Note [Gathering what placed documents need])."""
 
 from __future__ import annotations
 
