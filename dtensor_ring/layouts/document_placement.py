@@ -313,11 +313,14 @@ def _shift(rows, a: int, b: int, load, work_of: _Work, grain: int = 1):
         b: d1[x1, f1) ... | ... e2[s2, x2)   ->   b: d1[x1 + delta, f1) ... | e2[s2, x2 + delta)
 
     (either document may be cut the other way round: ``a`` holding its later piece)."""
+    theirs: dict[int, list[Piece]] = {}  # b's pieces by document (a rank holds thousands)
+    for pb in rows[b]:
+        theirs.setdefault(pb[0], []).append(pb)
     cuts = [
         (pa, pb, pa[2] == pb[1])
         for pa in rows[a]
-        for pb in rows[b]
-        if pa[0] == pb[0] and (pa[2] == pb[1] or pb[2] == pa[1])
+        for pb in theirs.get(pa[0], ())
+        if pa[2] == pb[1] or pb[2] == pa[1]
     ]
     best = None
     for (pa1, pb1, first1), (pa2, pb2, first2) in itertools.permutations(cuts, 2):
