@@ -82,7 +82,7 @@ def check_pair(lay: Layout, algorithm: str, varlen: bool = False) -> None:
     [Layouts and algorithms]) in a ``varlen`` call or a dense one; the mask is checked by the
     call resolution."""
     if lay.varlen == "placed":
-        algorithms = ("ring", "all_gather") if varlen else ("ring",)
+        algorithms = VARLEN_ALGORITHMS if varlen else ("ring",)
         if algorithm not in algorithms:
             raise ValueError(
                 f"layout {lay.name!r} (documents placed by dtensor_ring.document_layout) runs "

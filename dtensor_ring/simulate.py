@@ -290,18 +290,19 @@ class GatherSimulator:
         window_size: tuple[int, int] = (-1, -1),
     ):
         causal, window = normalize_window(window_size, causal, q.shape[0])
-        shards = [
-            [shard_varlen(t, cu_seqlens, layout, r, world_size)[0] for t in (q, k, v)]
+        shards = [  # every rank's K/V: what each sends this one
+            [shard_varlen(t, cu_seqlens, layout, r, world_size)[0] for t in (k, v)]
             for r in range(world_size)
         ]
-        self.q, self.k, self.v = shards[rank]
+        self.q = shard_varlen(q, cu_seqlens, layout, rank, world_size)[0]
+        self.k, self.v = shards[rank]
         metas = [placed_gather(layout, causal, window, r, q.device) for r in range(world_size)]
         self.meta = metas[rank]
         received = []
         for src, m in enumerate(metas):  # what each rank sends this one
             first = sum(m.send_splits[:rank])
             rows = m.send_rows[first : first + m.send_splits[rank]]
-            _, k_src, v_src = shards[src]
+            k_src, v_src = shards[src]
             received.append(torch.stack([k_src[rows], v_src[rows]], 1))
         self.received = torch.cat(received)
         self.kernel = select_kernel(

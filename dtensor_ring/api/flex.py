@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, create_block_mask
 
 from .._compat import function_reads, resolve_group
+from ..algorithm import VARLEN_ALGORITHMS
 from ..consistency import relay_errors
 from ..kernels import accumulation_dtype, select_flex_kernel
 from ..kernels.flex import FlexKernel, FlexMods
@@ -130,7 +131,7 @@ def flex_attention(
         )
     group_name, world_size = group_arg(group)
     with relay_errors((group_name,), "flex_attention"):  # one rank's error: every rank's
-        if algorithm not in (None, "ring", "all_gather"):
+        if algorithm not in (None, *VARLEN_ALGORITHMS):
             raise ValueError(
                 "dtensor_ring.flex_attention runs algorithm='ring' or 'all_gather' (document "
                 f"masks), got algorithm={algorithm!r}"

@@ -65,7 +65,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import for_each_simulated_rank
-from ..algorithm import Algorithm, check_pair
+from ..algorithm import VARLEN_ALGORITHMS, Algorithm, check_pair
 from ..consistency import relay_errors
 from ..layouts import Layout, balancer_layout, get_layout, token_indices
 from ..resolve import check_algorithm, group_arg, placement
@@ -139,7 +139,7 @@ class ContextParallel(ParallelStyle):
                 f"are [B, H, S, D], sequence dim {SDPA_SEQ_DIM}"
             )
         check_algorithm(algorithm)
-        if self.attention_type == "flex" and algorithm not in (None, "ring", "all_gather"):
+        if self.attention_type == "flex" and algorithm not in (None, *VARLEN_ALGORITHMS):
             raise ValueError(
                 f"ContextParallel(attention_type='flex', algorithm={algorithm!r}): FlexAttention "
                 "runs on the ring (algorithm='ring' or None) or, for document masks, by the "

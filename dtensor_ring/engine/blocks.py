@@ -329,12 +329,11 @@ class VarlenBlocks:
             x_THD.index_copy_(0, rows.index, x_b.to(x_THD.dtype))
 
     def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
+        self.put_(out_acc, part, out_b)
         rows = self.rows[part]
         if rows.index is None:
-            rows.take(out_acc, 0).copy_(out_b)
             rows.take(lse_acc, 1).copy_(lse_b)
         else:
-            out_acc.index_copy_(0, rows.index, out_b.to(out_acc.dtype))
             lse_acc.index_copy_(1, rows.index, lse_b)
 
     def merge_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:

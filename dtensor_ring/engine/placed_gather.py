@@ -153,17 +153,16 @@ def placed_backward(
     remote blocks' dK/dV of received rows to their owners (the reverse sizes of
     ``exchange``), in the accumulation dtype."""
     T, H, _ = q_THD.shape
+    acc = accumulation_dtype(q_THD.dtype)
     groups = head_groups(H, k_THD.shape[1], heads_k_stride)
     local = _span_blocks(meta.local_blocks, q_THD.device)
     whole = _whole_block(meta, groups, local, q_THD)
     if whole is not None and not any(meta.send_splits):  # no other rank adds to our dK/dV
         if meta.exchanges:  # the others' collectives, with nothing of ours
             exchange.start(_sent(meta, k_THD, v_THD)).wait()
-            acc = accumulation_dtype(q_THD.dtype)
             back_exchange.start(k_THD.new_empty(0, 2, *k_THD.shape[1:], dtype=acc)).wait()
         grads = local.backward(kernel, dout_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, whole, scale)
         return tuple(g.contiguous() for g in grads)
-    acc = accumulation_dtype(q_THD.dtype)
     remote = _span_blocks(meta.remote_blocks, q_THD.device)
     dq = torch.empty_like(q_THD, memory_format=torch.contiguous_format)  # each row: one block
     dk = torch.zeros(k_THD.shape, dtype=acc, device=q_THD.device)

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
+from ..algorithm import VARLEN_ALGORITHMS
 from ..api.context_parallel import _cp_group
 from ..api.documents import PlacedRows, document_layout, document_mask, placed_rows
 from ..api.flex import flex_attention, flex_layout
@@ -98,7 +99,7 @@ def apply_cp_to_forward(
     group = _cp_group(cp_mesh)
     first = attention_modules[0]
     documents = isinstance(first, (FlexAttention, VarlenAttention))
-    if documents and algorithm not in (None, "ring", "all_gather"):
+    if documents and algorithm not in (None, *VARLEN_ALGORITHMS):
         raise ValueError(
             f"apply_cp_to_forward(algorithm={algorithm!r}): {type(first).__name__} runs on the "
             "ring (None, 'ring') or by the all-gather of placed documents ('all_gather')"

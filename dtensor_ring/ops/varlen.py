@@ -60,14 +60,21 @@ def _setup_ring(
     group = resolve_group(group_name)
     world_size = dist.get_world_size(group)
     rank, lay = dist.get_rank(group), get_layout(layout, "documents")
+    bounds = _local_documents(q, cu_seqlens, max_seqlen, lay, rank, world_size)
+    plan = varlen_plan(bounds, lay, world_size, causal, window)
+    return plan, rank, varlen_blocks(plan, bounds, q.device), group
+
+
+def _local_documents(q, cu_seqlens, max_seqlen, lay, rank: int, world_size: int) -> list[int]:
+    """This rank's local document boundaries, checked against ``lay`` (a placed layout's own,
+    or a per-document layout's share) and ``max_seqlen``."""
     bounds = read_cu_seqlens(cu_seqlens, q.shape[0])
     if lay.varlen == "placed":
         check_placed_local(lay, bounds, rank, world_size)
     else:
         check_local_documents(bounds, lay, world_size)
     check_max_seqlen("max_seqlen", max_seqlen, bounds)
-    plan = varlen_plan(bounds, lay, world_size, causal, window)
-    return plan, rank, varlen_blocks(plan, bounds, q.device), group
+    return bounds
 
 
 def ring_attention_varlen_impl(
@@ -194,9 +201,7 @@ def _setup_llama3(
     lay = get_layout(layout, "varlen")
     if lay.varlen == "placed":
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        bounds = read_cu_seqlens(cu_seqlens_q, q.shape[0])
-        check_placed_local(lay, bounds, rank, world_size)
-        check_max_seqlen("max_seqlen", max_seqlen_q, bounds)
+        _local_documents(q, cu_seqlens_q, max_seqlen_q, lay, rank, world_size)
         return placed_gather(lay, causal, window, rank, q.device), group
     if lay.varlen == "documents":
         meta = gather_meta(

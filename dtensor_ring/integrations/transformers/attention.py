@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...algorithm import Algorithm
+from ...algorithm import VARLEN_ALGORITHMS, Algorithm
 from ...api.attend import dense_attention, varlen_attention
 from ...api.varlen import llama3_attention_func
 from ...consistency import relay_errors
@@ -150,7 +150,7 @@ def setup(
 
     global _config
     if layout == DOCUMENTS:  # a layout per batch, from its documents
-        if algorithm not in (None, "ring", "all_gather"):
+        if algorithm not in (None, *VARLEN_ALGORITHMS):
             raise ValueError(
                 "layout='documents' places each packed batch's documents: pass algorithm="
                 "'ring' (or None) or 'all_gather' (each rank fetches only the keys its "
