@@ -1542,7 +1542,9 @@ def documents_cases() -> list[Case]:
     cases += nonfinite_cases(doors) + scale_cases(doors) + args_cases(doors)
     cases += disagree_cases(doors) + dtype_cases(doors) + values_cases(doors)
     cases += shapes_cases(doors)
-    return _retag(cases, "documents")
+    from .placed import placed_cases  # (it imports this module)
+
+    return _retag(cases, "documents") + placed_cases()
 
 
 def flash2_case(ctx: Ctx, door: Door, setup: Setup) -> dict:
