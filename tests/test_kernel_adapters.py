@@ -59,6 +59,7 @@ from dtensor_ring.kernels.cudnn import CudnnKernel
 from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
 from dtensor_ring.kernels.flash_attn_pkg import FlashAttnKernel
 from dtensor_ring.kernels.math import MathKernel
+from dtensor_ring.kernels.merge import merge_eager_
 from dtensor_ring.resolve import normalize_window
 from dtensor_ring.simulate import simulate_ring
 
@@ -886,8 +887,9 @@ def fa4_flash_attn_fwd(
     used |= {"out", "lse", "pack_gqa"}
     _fa4_unused_at_defaults(fa4_flash_attn_fwd, args, used)
     # the sm90 forward class it would compile now: the ring's fp32 one only with pack-GQA off
-    fp32_out = sys.modules["flash_attn.cute.interface"].FlashAttentionForwardSm90 is FA4Fp32Out
-    assert pack_gqa is (False if fp32_out else None)
+    kernel_class = sys.modules["flash_attn.cute.interface"].FlashAttentionForwardSm90
+    mode = {FA4Fp32Out: "fp32_out", FA4Fp32Merge: "merge"}.get(kernel_class, "plain")
+    assert pack_gqa is (None if mode == "plain" else False)
     q, k, v = (_fa4_maybe_contiguous(x) for x in (q, k, v))
     _fa4_check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
@@ -904,7 +906,7 @@ def fa4_flash_attn_fwd(
     key = (q.dtype, q.shape[-1], causal, local, varlen, lse is None)
     cache = fa4_flash_attn_fwd.compile_cache
     if key not in cache:
-        cache[key] = functools.partial(_fa4_compiled_fwd, causal, fp32_out)
+        cache[key] = functools.partial(_fa4_compiled_fwd, causal, mode)
     aux = (None, None)  # AuxData(None, None)
     cache[key](
         q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, None, None, None, left,
@@ -914,22 +916,29 @@ def fa4_flash_attn_fwd(
 
 
 def _fa4_compiled_fwd(
-    causal, fp32_out, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
+    causal, mode, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
     seqused_k, page_table, left, right, sink, sparse, aux, cu_total_m_blocks,
     cu_total_splits_m_blocks,
 ):  # fmt: skip
     """The stand-in's compiled forward: writes ``out`` and ``lse`` (the mask: FA4's own causal
-    flag and window sides, resolved); compiled from the ring's fp32 class, ``out`` in fp32 into
-    the buffer whose rows' first ``D`` values of the input dtype ``out`` views, as its epilogue
-    does (Note [fp32 block outputs from flash-attn 4])."""
+    flag and window sides, resolved); compiled from the ring's fp32 class (``mode``), ``out``
+    in fp32 into the buffer whose rows' first ``D`` values of the input dtype ``out`` views,
+    as its epilogue does (Note [fp32 block outputs from flash-attn 4]); from its merging class,
+    merged into that buffer and ``lse`` in fp32 (Note [Merging in flash-attn 4's epilogue])."""
     kw = dict(causal=False, scale=scale, window=_fa4_window(causal, left, right))
     o, lse_ = _fa4_math("forward", cu_seqlens_q, cu_seqlens_k, q, k, v, **kw)
-    if fp32_out:
+    if mode != "plain":
         assert out.dtype in (torch.bfloat16, torch.float16)
         strides = [s // 2 for s in out.stride()[:-1]] + [1]
         out = torch.empty(0).set_(
             out.untyped_storage(), out.storage_offset() // 2, out.shape, strides
         )
+    if mode == "merge":
+        varlen = cu_seqlens_q is not None
+        acc = (out[None], lse[None]) if varlen else (out, lse)
+        block = (o.float(), lse_.float())
+        merge_eager_(*acc, *((block[0][None], block[1][None]) if varlen else block))
+        return
     out.copy_(o)
     if lse is not None:
         lse.copy_(lse_)
@@ -1010,6 +1019,11 @@ class FA4Fp32Out(FA4ForwardSm90):
     """Stands in for ``_flash_attn4_fp32_out``'s class: the forward writes ``out`` in fp32."""
 
 
+class FA4Fp32Merge(FA4ForwardSm90):
+    """Stands in for ``_flash_attn4_fp32_out``'s merging class: the forward merges into
+    ``out`` (fp32) and ``lse``."""
+
+
 @pytest.fixture
 def flash_attn4(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Stand-in ``flash_attn.cute.interface`` on an sm90 device; returns the recorded calls."""
@@ -1024,6 +1038,7 @@ def flash_attn4(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     interface.FlashAttentionForwardSm90 = FA4ForwardSm90
     fp32_out = types.ModuleType("dtensor_ring.kernels._flash_attn4_fp32_out")
     fp32_out.FlashAttentionForwardSm90Fp32Out = FA4Fp32Out
+    fp32_out.FlashAttentionForwardSm90Fp32Merge = FA4Fp32Merge
     monkeypatch.setitem(sys.modules, fp32_out.__name__, fp32_out)
     packages["flash_attn"].cute = packages["flash_attn.cute"]
     packages["flash_attn.cute"].interface = interface
@@ -1031,7 +1046,7 @@ def flash_attn4(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(flash_attn4_module, "_capability", lambda: (9, 0))
     monkeypatch.setattr(fa4_launch, "_LAUNCHES", {})  # each test records its own launches
-    monkeypatch.setattr(fa4_launch, "_FP32_OUT_CACHE", {})
+    monkeypatch.setattr(fa4_launch, "_CACHES", {"fp32_out": {}, "merge": {}})
     monkeypatch.setattr(fa4_flash_attn_fwd, "compile_cache", {})
     FA4_CALLS.clear()
     return FA4_CALLS
@@ -1166,6 +1181,60 @@ def test_flash_attn4_forward_replayed(flash_attn4, monkeypatch):
     check(False, q, q, q, (1, 1), wrapper_calls=1)
 
 
+def _own_cache(interface) -> bool:
+    """Whether the wrapper's compile cache is its own (none of the swapped classes')."""
+    cache = interface._flash_attn_fwd.compile_cache
+    return all(cache is not c for c in fa4_launch._CACHES.values())
+
+
+def test_flash_attn4_merges_in_its_epilogue(flash_attn4_pieces, monkeypatch):
+    """``merge_forward`` (Note [Merging in flash-attn 4's epilogue]): the block merged into the
+    running fp32 ``(out, lse)`` in place as the engine's merge of its fp32 result, dense and
+    varlen; compiled from the merging class with pack-GQA off on a signature's first call,
+    replayed after, the wrapper's own class and cache back in place; a signature the wrapper
+    must run every time (a misaligned q) and ``REPLAY = False`` merge nothing (False)."""
+    calls, interface = FA4_CALLS, flash_attn4_pieces
+    g, cu = torch.Generator().manual_seed(7), torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+
+    def check(varlen: bool, misaligned: bool, merged: bool, wrapper_calls: int) -> None:
+        shape = (20, 4, 16) if varlen else (2, 20, 4, 16)
+        q = torch.randn(shape, generator=g).to(torch.bfloat16)
+        q = q.flatten()[1:].as_strided(q[..., :8].shape, q.stride()) if misaligned else q
+        q = q[..., :8]
+        k, v = torch.randn(2, *q.shape[:-2], 2, 8, generator=g).to(torch.bfloat16).unbind(0)
+        args = (cu, cu, 8, 8) if varlen else ()
+        lse_shape = (4, 20) if varlen else (2, 4, 20)
+        out_acc = torch.randn(q.shape, generator=g)
+        lse_acc = torch.randn(lse_shape, generator=g)
+        want = (out_acc.clone(), lse_acc.clone())
+        before = len(calls)
+        merge = FLASH4.merge_forward_varlen if varlen else FLASH4.merge_forward
+        assert merge(q, k, v, *args, out_acc, lse_acc, causal=True, scale=SCALE) is merged
+        if merged:
+            o, lse = getattr(MATH, "forward_varlen" if varlen else "forward")(
+                *(t.double() for t in (q, k, v)), *args, causal=True, scale=SCALE
+            )
+            block = (o.float(), lse.float())
+            acc = (want[0][None], want[1][None]) if varlen else want
+            merge_eager_(*acc, *((block[0][None], block[1][None]) if varlen else block))
+        assert torch.equal(out_acc, want[0]) and torch.equal(lse_acc, want[1])
+        assert len(calls) - before == wrapper_calls
+        if wrapper_calls:
+            assert calls[-1]["pack_gqa"] is False
+        assert interface.FlashAttentionForwardSm90 is FA4ForwardSm90
+        assert all(
+            interface._flash_attn_fwd.compile_cache is not c for c in fa4_launch._CACHES.values()
+        )
+
+    for varlen in (False, True):
+        check(varlen, False, True, wrapper_calls=1)  # recorded with the merging class
+        check(varlen, False, True, wrapper_calls=0)  # replayed
+        check(varlen, True, True, wrapper_calls=1)  # recorded: not replayable
+        check(varlen, True, False, wrapper_calls=0)  # the engine merges
+    monkeypatch.setattr(fa4_launch, "REPLAY", False)
+    check(False, False, False, wrapper_calls=0)
+
+
 def test_flash_attn4_fp32_outputs(flash_attn4_pieces, monkeypatch):
     """``unrounded=True`` (Note [fp32 block outputs from flash-attn 4]): out in fp32, the fp64
     result rounded to fp32 only, dense and varlen; compiled from the fp32 class with pack-GQA
@@ -1196,7 +1265,9 @@ def test_flash_attn4_fp32_outputs(flash_attn4_pieces, monkeypatch):
         if wrapper_calls:
             assert calls[-1]["pack_gqa"] is (False if fp32 else None)
         assert interface.FlashAttentionForwardSm90 is FA4ForwardSm90
-        assert interface._flash_attn_fwd.compile_cache is not fa4_launch._FP32_OUT_CACHE
+        assert all(
+            interface._flash_attn_fwd.compile_cache is not c for c in fa4_launch._CACHES.values()
+        )
 
     for varlen in (False, True):
         check(varlen, False, True, wrapper_calls=1)  # recorded with the fp32 class

@@ -116,3 +116,51 @@ def test_first_block_becomes_the_accumulator(monkeypatch, dtype, window, adopted
     torch.testing.assert_close(
         out.double(), want, atol=1e-12 if dtype == torch.float64 else 2e-2, rtol=0
     )
+
+
+@pytest.mark.parametrize(
+    "layout,varlen", [("zigzag", False), ("ring", False), ("zigzag", True), ("documents", True)]
+)
+def test_kernel_merges_blocks_of_every_query(monkeypatch, layout, varlen):
+    """Note [Ring forward]: after step 0, a block of every local query goes to the kernel's
+    ``merge_forward`` (flash-attn 4 merges it in its epilogue); a kernel that merges as the
+    engine would gives the engine's result bit for bit, and both equal full attention."""
+    import dtensor_ring as dr
+    from dtensor_ring.kernels.base import BlockKernel
+    from dtensor_ring.kernels.merge import merge_eager_
+
+    g = torch.Generator().manual_seed(0)
+    shape = (96, 4, 8) if varlen else (1, 96, 4, 8)
+    q = torch.randn(shape, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(*shape[:-2], 2, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    bounds = [0, 48, 72, 96]
+    kw = dict(world_size=3, causal=True)
+    if varlen:
+        kw["cu_seqlens"] = bounds
+        if layout == "documents":
+            layout = dr.document_layout(bounds, 3)
+    want = simulate_ring(q, k, v, layout=layout, **kw)
+    merged = []
+
+    def merge_forward(self, q, k, v, out_acc, lse_acc, *, causal, scale, window):
+        merged.append(q.shape)
+        merge_eager_(out_acc, lse_acc, *self.forward(q, k, v, causal=causal, scale=scale,
+                                                      window=window, unrounded=True))  # fmt: skip
+        return True
+
+    def merge_forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, out_acc, lse_acc, **kw):
+        merged.append(q.shape)
+        rows = self.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, unrounded=True, **kw)
+        merge_eager_(out_acc[None], lse_acc[None], rows[0][None], rows[1][None])
+        return True
+
+    monkeypatch.setattr(BlockKernel, "merges_outputs", True)
+    monkeypatch.setattr(BlockKernel, "_merge_forward", merge_forward)
+    monkeypatch.setattr(BlockKernel, "_merge_forward_varlen", merge_forward_varlen)
+    got = simulate_ring(q, k, v, layout=layout, **kw)
+    assert merged and all(s[-3 if varlen else 1] == 32 for s in merged), merged
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    ref = simulate_ring(q, k, v, layout="ring", world_size=1, causal=True,
+                        cu_seqlens=bounds if varlen else None)  # fmt: skip
+    torch.testing.assert_close(got[0], ref[0], atol=1e-12, rtol=0)

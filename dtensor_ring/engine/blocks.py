@@ -91,6 +91,21 @@ class Blocks(Protocol):
         (``BlockKernel.forward``)."""
         ...
 
+    def merge_forward(
+        self,
+        kernel: BlockKernel,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        block: Block,
+        scale: float,
+        out_acc: Tensor,
+        lse_acc: Tensor,
+    ) -> bool:
+        """``block`` (of every local query, parts already taken) merged by the kernel itself
+        into the whole accumulators (``BlockKernel.merge_forward``); False: nothing done."""
+        ...
+
     def finish(self, out: Tensor, lse: Tensor, whole: bool, dtype: torch.dtype) -> Tensor:
         """The final ``out`` in ``dtype`` from the accumulated one (or, ``whole``, the one
         block's, in ``dtype`` already): rows with ``lse = -inf`` (no visible key) as the
@@ -193,6 +208,11 @@ class DenseBlocks:
             q, k, v, causal=block.causal, scale=scale, window=block.window, unrounded=unrounded
         )
 
+    def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
+        return kernel.merge_forward(
+            q, k, v, out_acc, lse_acc, causal=block.causal, scale=scale, window=block.window
+        )
+
     def finish(self, out, lse, whole, dtype):
         return softmax_empty_rows(out, lse, whole, dtype)
 
@@ -237,6 +257,9 @@ class FlexBlocks(DenseBlocks):
 
     def forward(self, kernel, q, k, v, block, scale, unrounded=False):
         return kernel.forward(q, k, v, block.origin, scale, self.mods)  # flex rounds its out
+
+    def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
+        return False  # (its empty rows merge by their own rule: merge_ below)
 
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         dlse = None if self.dlse_BHS is None else self.take_lse(self.dlse_BHS, block.q)
@@ -360,6 +383,13 @@ class VarlenBlocks:
             window=block.window,
             unrounded=unrounded,
         )
+
+    def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
+        rq, rk = self.rows[block.q], self.rows[block.kv]
+        return kernel.merge_forward_varlen(
+            q, k, v, rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen, out_acc,
+            lse_acc, causal=block.causal, scale=scale, window=block.window,
+        )  # fmt: skip
 
     def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         rq, rk = self.rows[block.q], self.rows[block.kv]

@@ -10,7 +10,10 @@ Note [Ring forward]
 Step 0 is always the diagonal block over all local queries, so it initialises ``(out, lse)``
 instead of merging into them; where that block's result is already in the accumulation dtype
 (a kernel's unrounded outputs, fp32 inputs) and shaped as the accumulator, it becomes it (no
-copy, and no second ``[S, H, D]`` fp32 tensor alive). K/V travel in their input dtype;
+copy, and no second ``[S, H, D]`` fp32 tensor alive). A later block of every local query is
+merged by the kernel itself where it can (``BlockKernel.merge_forward``; flash-attn 4: Note
+[Merging in flash-attn 4's epilogue]): its epilogue reads the accumulators' rows and writes
+the merge, with no block output in memory and no merge pass. K/V travel in their input dtype;
 ``out``/``lse`` accumulate in the accumulation dtype and ``out`` is cast once at the end. A
 plan of one block of all queries against all keys (W = 1) is one kernel call, forward and
 backward: no accumulator at all.
@@ -89,6 +92,7 @@ class _SideStream:
 
     def __init__(self, device: torch.device):
         self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.queued = False  # updates since the last join (a capture forbids an idle join)
         if self.stream is not None:
             # the caller's stream, read once. On the current device, switching by set_stream
             # costs a fraction of the stream context manager's host time (paid per block);
@@ -101,6 +105,7 @@ class _SideStream:
         if self.stream is None:
             update()
             return
+        self.queued = True
         self.stream.wait_stream(self.compute)
         if self.switch:
             torch.cuda.set_stream(self.stream)
@@ -115,9 +120,11 @@ class _SideStream:
             t.record_stream(self.stream)
 
     def join(self) -> None:
-        """Make the compute stream wait for every update."""
-        if self.stream is not None:
+        """Make the compute stream wait for every update (none queued: nothing to wait for;
+        under CUDA graph capture, waiting on the idle side stream would be an error)."""
+        if self.queued:
             self.compute.wait_stream(self.stream)
+            self.queued = False
 
 
 @functools.cache
@@ -167,11 +174,16 @@ def ring_forward(
         for blk in step.blocks:
             if blocks.is_empty(blk):
                 continue
+            k_b, v_b = blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
+            if _merged_by_kernel(kernel, blocks, blk, q_BSHD, out_acc):
+                side.join()  # the kernel merges into the accumulators: after the queued merges
+                if blocks.merge_forward(kernel, q_BSHD, k_b, v_b, blk, scale, out_acc, lse_acc):
+                    continue
             out_b, lse_b = blocks.forward(
                 kernel,
                 q_part(blk.q),
-                blocks.take(kv[0], blk.kv),
-                blocks.take(kv[1], blk.kv),
+                k_b,
+                v_b,
                 blk,
                 scale,
                 unrounded=True,
@@ -195,6 +207,14 @@ def ring_forward(
     if out_acc is None:  # no block ran
         out_acc, lse_acc = _new_accumulators(blocks, q_BSHD, acc)
     return blocks.finish(out_acc, lse_acc, False, q_BSHD.dtype), lse_acc
+
+
+def _merged_by_kernel(kernel: BlockKernel, blocks: Blocks, blk: Block, q: Tensor, out_acc) -> bool:
+    """Whether ``blk`` asks ``kernel`` to merge it into the accumulators itself (Note [Ring
+    forward]): a kernel that may, a block of every local query after the first."""
+    return (
+        kernel.merges_outputs and out_acc is not None and not blk.init and blocks.covers(blk.q, q)
+    )
 
 
 def _new_accumulators(blocks: Blocks, q: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -9,6 +9,10 @@ thread's column pairs in 8-byte stores, a partial one value by value; and the ou
 off (``use_tma_O``: the store is plain). ``mO`` arrives typed as the input dtype (the wrapper
 checks it so): a view of the first ``D`` of ``2 D`` values a row of an fp32 buffer, which the
 epilogue reads back as that buffer.
+
+:class:`FlashAttentionForwardSm90Fp32Merge` merges instead (Note [Merging in flash-attn 4's
+epilogue] in ``flash_attn4_launch.py``): ``mO`` / ``mLSE`` hold a ring's running ``(out, lse)``
+and each row becomes the merge of what they hold and the block's row.
 """
 
 from typing import Optional
@@ -17,6 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+from flash_attn.cute.named_barrier import NamedBarrierFwd
 from quack import layout_utils
 
 
@@ -66,15 +71,7 @@ class FlashAttentionForwardSm90Fp32Out(FlashAttentionForwardSm90):
                 for m in cutlass.range(cute.size(taccOgLSE.shape[1]), unroll_full=True):
                     if t0accOcO[m, 0][0] < rows_left - taccOcO_mn[0][0]:
                         taccOgLSE[m, 0] = lse[m]
-        # mO: (seqlen, d, h[, b]) of the input dtype over rows of 2 d; as fp32: rows of d. The
-        # parent assumes its strides 16-byte aligned; so are the fp32 ones (a multiple of 4).
-        stride32 = tuple(_half_stride(s) if i != 1 else s for i, s in enumerate(mO.stride))
-        mO32 = cute.make_tensor(
-            cute.recast_ptr(mO.iterator, dtype=Float32), cute.make_layout(mO.shape, stride=stride32)
-        )
-        mO_cur = seqlen.offset_batch_Q(mO32, batch_idx, dim=3)[None, None, head_idx]
-        gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
-        taccOgO = thr_mma.partition_C(gO)
+        taccOgO = thr_mma.partition_C(self._fp32_tile(mO, seqlen, batch_idx, head_idx, m_block))
         if rows_left >= self.tile_m and mO.shape[1] == self.tile_hdimv:
             # a whole tile: a thread's column pairs as 8-byte stores
             cute.autovec_copy(acc_O, taccOgO)
@@ -83,6 +80,102 @@ class FlashAttentionForwardSm90Fp32Out(FlashAttentionForwardSm90):
             for i in cutlass.range_constexpr(cute.size(acc_O)):
                 if taccOcO[i][0] < rows_left and taccOcO[i][1] < mO.shape[1]:
                     taccOgO[i] = acc_O[i]
+
+    def _fp32_tile(self, mO: cute.Tensor, seqlen, batch_idx, head_idx, m_block) -> cute.Tensor:
+        """The ``(tile_m, tile_hdimv)`` tile of the fp32 buffer behind ``mO``: ``mO`` (seqlen, d,
+        h[, b]) of the input dtype over rows of 2 d; as fp32: rows of d. The parent assumes its
+        strides 16-byte aligned; so are the fp32 ones (a multiple of 4)."""
+        stride32 = tuple(_half_stride(s) if i != 1 else s for i, s in enumerate(mO.stride))
+        mO32 = cute.make_tensor(
+            cute.recast_ptr(mO.iterator, dtype=Float32), cute.make_layout(mO.shape, stride=stride32)
+        )
+        mO_cur = seqlen.offset_batch_Q(mO32, batch_idx, dim=3)[None, None, head_idx]
+        return cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
+
+
+class FlashAttentionForwardSm90Fp32Merge(FlashAttentionForwardSm90Fp32Out):
+    """:class:`FlashAttentionForwardSm90Fp32Out` merging its rows into ``mO`` (fp32) and
+    ``mLSE``, which hold a running ``(out, lse)``, by the formulas of the engine's merge
+    (Note [Online-softmax merge] in ``merge.py``, as ``_triton_merge.py`` computes them):
+
+        out = sigmoid(lse_old - lse_b) out_old + sigmoid(lse_b - lse_old) out_b
+        lse = logaddexp(lse_old, lse_b)        (an infinite maximum: the maximum itself)
+
+    Every thread
+    reads its rows' old lse before any writes the new one (a barrier of the epilogue threads:
+    a row's lse is read by its four threads and written by one)."""
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],  # noqa: UP045
+        sO: cute.Tensor,
+        seqlen,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tma_atom_O,
+        tiled_mma: cute.TiledMma,
+        tidx: Int32,
+        m_block: Int32,
+        head_idx: Int32,
+        batch_idx: Int32,
+    ):
+        assert not self.pack_gqa
+        assert mLSE is not None
+        thr_mma = tiled_mma.get_slice(tidx)
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+        rows_left = seqlen.seqlen_q - m_block * self.tile_m
+        mLSE_cur = seqlen.offset_batch_Q(mLSE, batch_idx, dim=2)[None, head_idx]
+        gLSE = cute.local_tile(mLSE_cur, (self.tile_m,), (m_block,))
+        gLSE_expanded_layout = cute.append(
+            gLSE.layout, cute.make_layout((self.tile_hdimv,), stride=(0,))
+        )
+        gLSE_expanded = cute.make_tensor(gLSE.iterator, gLSE_expanded_layout)
+        taccOgLSE = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gLSE_expanded))
+        taccOcO_mn = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))
+        w_old = cute.make_fragment_like(lse, Float32)
+        w_new = cute.make_fragment_like(lse, Float32)
+        lse_out = cute.make_fragment_like(lse, Float32)
+        for m in cutlass.range(cute.size(lse), unroll_full=True):
+            old = Float32(-Float32.inf)
+            if taccOcO_mn[m, 0][0] < rows_left:
+                old = taccOgLSE[m, 0]
+            new = lse[m]
+            w_old[m] = 1.0 / (1.0 + cute.math.exp(new - old))  # sigmoid(old - new)
+            w_new[m] = 1.0 / (1.0 + cute.math.exp(old - new))
+            top = cute.arch.fmax(old, new)
+            infinite = top == Float32.inf or top == -Float32.inf
+            lse_out[m] = (
+                top
+                if infinite
+                else top + cute.math.log(cute.math.exp(old - top) + cute.math.exp(new - top))
+            )
+        taccOgO = thr_mma.partition_C(self._fp32_tile(mO, seqlen, batch_idx, head_idx, m_block))
+        acc_mn = layout_utils.reshape_acc_to_mn(acc_O)
+        if rows_left >= self.tile_m and mO.shape[1] == self.tile_hdimv:  # a whole tile
+            old_O = cute.make_fragment_like(acc_O, Float32)
+            cute.autovec_copy(taccOgO, old_O)
+            old_mn = layout_utils.reshape_acc_to_mn(old_O)
+            for m in cutlass.range(cute.size(lse), unroll_full=True):
+                acc_mn[m, None].store(
+                    old_mn[m, None].load() * w_old[m] + acc_mn[m, None].load() * w_new[m]
+                )
+            cute.autovec_copy(acc_O, taccOgO)
+        else:
+            gO_mn = layout_utils.reshape_acc_to_mn(taccOgO)
+            for m in cutlass.range(cute.size(lse), unroll_full=True):
+                for n in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    if taccOcO_mn[m, n][0] < rows_left and taccOcO_mn[m, n][1] < mO.shape[1]:
+                        gO_mn[m, n] = gO_mn[m, n] * w_old[m] + acc_mn[m, n] * w_new[m]
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads
+        )
+        if taccOcO_mn[0, 0][1] == 0:  # the thread of column 0 writes its rows' lse
+            for m in cutlass.range(cute.size(lse), unroll_full=True):
+                if taccOcO_mn[m, 0][0] < rows_left:
+                    taccOgLSE[m, 0] = lse_out[m]
 
 
 def _half_stride(stride):

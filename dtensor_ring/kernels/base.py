@@ -18,6 +18,11 @@ for causal blocks with ``S_q == S_k``). Contract:
   attention are then exact (see Note [Ring backward] in ``engine/ring.py``). With
   ``unrounded=True`` (the caller sums block gradients) a backend that has them before rounding
   (``unrounded_grads``) may return any of the three in the accumulation dtype instead.
+* ``merge_forward(q, k, v, out_acc, lse_acc)`` (``merge_forward_varlen``): a kernel that
+  merges a block into a ring's running ``(out, lse)`` in its own epilogue
+  (``merges_outputs``; flash-attn 4 on sm90: Note [Merging in flash-attn 4's epilogue]) does
+  so in place and returns True; the others return False, and the engine merges the block's
+  ``unrounded`` forward itself.
 * ``dq_accumulator(...)`` (``dq_accumulator_varlen(...)`` for packed documents): a kernel that
   can sum a ring's dq blocks itself returns a :class:`DqAccumulator` (flash-attn 4 on sm90:
   Note [dq accumulated inside flash-attn 4]); the others ``None``, and the engine sums their
@@ -178,6 +183,8 @@ class BlockKernel:
     unrounded_grads: ClassVar[bool] = False
     # its _forward / _forward_varlen take ``unrounded=True``: out in the accumulation dtype
     unrounded_outputs: ClassVar[bool] = False
+    # its _merge_forward / _merge_forward_varlen may merge a block into running accumulators
+    merges_outputs: ClassVar[bool] = False
     relative_speed: ClassVar[float] = 1.0
     # for small calls (KernelCall.small) the automatic choice takes the first of these that
     # can run the call instead: measured faster there, where this one's host time sets the pace
@@ -344,6 +351,66 @@ class BlockKernel:
             max_seqlen_k,
             **self._forward_options(causal, scale, window, unrounded),
         )
+
+    def merge_forward(
+        self,
+        q_BSHD: Tensor,
+        k_BSHD: Tensor,
+        v_BSHD: Tensor,
+        out_acc_BSHD: Tensor,
+        lse_acc_BHS: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        window: tuple[int, int] | None = None,
+    ) -> bool:
+        """Merge one block into a running ``out_acc`` (accumulation dtype, contiguous, every
+        query row of the block) and ``lse_acc`` (contiguous) in place, as the engine's merge
+        of :meth:`forward`'s ``unrounded`` result would (Note [Online-softmax merge]); False
+        where this backend does not for this call: nothing done, the caller merges."""
+        if not self.merges_outputs:
+            return False
+        q_BSHD, k_BSHD, v_BSHD = unit_last_stride(q_BSHD, k_BSHD, v_BSHD)
+        q_BSHD, scale, _ = fold_scale_sign(q_BSHD, scale)
+        return self._merge_forward(
+            q_BSHD, k_BSHD, v_BSHD, out_acc_BSHD, lse_acc_BHS,
+            causal=causal, scale=scale, window=window,
+        )  # fmt: skip
+
+    def merge_forward_varlen(
+        self,
+        q_THD: Tensor,
+        k_THD: Tensor,
+        v_THD: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        out_acc_THD: Tensor,
+        lse_acc_HT: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        window: tuple[int, int] | None = None,
+    ) -> bool:
+        """:meth:`merge_forward` of a varlen block (:meth:`forward_varlen`'s arguments)."""
+        if not self.merges_outputs:
+            return False
+        q_THD, k_THD, v_THD = unit_last_stride(q_THD, k_THD, v_THD)
+        q_THD, scale, _ = fold_scale_sign(q_THD, scale)
+        return self._merge_forward_varlen(
+            q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            out_acc_THD, lse_acc_HT, causal=causal, scale=scale, window=window,
+        )  # fmt: skip
+
+    def _merge_forward(self, q_BSHD, k_BSHD, v_BSHD, out_acc, lse_acc, *, causal, scale, window):
+        return False
+
+    def _merge_forward_varlen(
+        self, q_THD, k_THD, v_THD, cu_q, cu_k, max_q, max_k, out_acc, lse_acc, *,
+        causal, scale, window,
+    ):  # fmt: skip
+        return False
 
     def _forward_options(self, causal, scale, window, unrounded) -> dict:
         """The keywords of ``_forward`` / ``_forward_varlen``: ``unrounded`` only for a

@@ -146,6 +146,8 @@ class FlashAttn4Kernel(BlockKernel):
     # Note [fp32 block outputs from flash-attn 4] (flash_attn4_launch.py; sm90, the checked
     # release): exact on an H100, a ring rank's forward no slower (docs/backends.md)
     unrounded_outputs: ClassVar[bool] = True
+    # Note [Merging in flash-attn 4's epilogue] (flash_attn4_launch.py; sm90, the checked release)
+    merges_outputs: ClassVar[bool] = True
 
     def is_available(self) -> str | None:
         if _INTERFACE not in sys.modules:
@@ -170,6 +172,25 @@ class FlashAttn4Kernel(BlockKernel):
         interface = _interface()
         options = _forward_options(interface, unrounded, causal=causal, scale=scale, window=window)
         return launch.forward(interface, q_BSHD, k_BSHD, v_BSHD, **options)
+
+    def _merge_forward(self, q_BSHD, k_BSHD, v_BSHD, out_acc, lse_acc, *, causal, scale, window):
+        interface = _interface()
+        if unrounded_reason(interface) is not None:
+            return False
+        options = _options(causal=causal, scale=scale, window=window)
+        return launch.merge_forward(interface, q_BSHD, k_BSHD, v_BSHD, out_acc, lse_acc, **options)
+
+    def _merge_forward_varlen(
+        self, q_THD, k_THD, v_THD, cu_q, cu_k, max_q, max_k, out_acc, lse_acc, *,
+        causal, scale, window,
+    ):  # fmt: skip
+        interface = _interface()
+        if unrounded_reason(interface) is not None:
+            return False
+        options = _options(causal=causal, scale=scale, window=window)
+        return launch.merge_forward(
+            interface, q_THD, k_THD, v_THD, out_acc, lse_acc, cu_q, cu_k, max_q, max_k, **options
+        )
 
     def _backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window

@@ -61,6 +61,24 @@ wrapper from another thread at that moment would: flash-attn 4 has no hook for a
 of its caller's). pack-GQA is off (the epilogue stores rows of one head). Used for ring blocks
 that are merged (``BlockKernel.forward(..., unrounded=True)``), never for a whole call's one
 block, whose output is the answer.
+
+Note [Merging in flash-attn 4's epilogue]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+After step 0 a ring's forward merges each block into running fp32 ``(out, lse)``: a pass that
+reads the block's fp32 ``out``, reads and writes the accumulator (three ``[S, H, D]`` fp32
+tensors of traffic a block; at 8192 tokens of 32 heads of 128, ~0.13 ms on an H100, a quarter
+of a long-document rank's forward). Where a block holds every row of the accumulators, the
+kernel can merge itself: a third class (``FlashAttentionForwardSm90Fp32Merge``) whose
+epilogue, with the block's row in registers, reads the accumulator's row and its lse, and
+writes the merge by the engine's formulas (Note [Online-softmax merge]), through the fp32
+view above (``out`` is the accumulator; ``lse`` the running lse):
+
+    plain merge:   kernel -> out_b (fp32, HBM) ; merge reads out_b, out, lse -> writes out, lse
+    in epilogue:   kernel (acc_O in registers) reads out, lse -> writes out, lse
+
+A row's lse is read by the four threads holding the row and written by one, after a barrier of
+the epilogue threads. Recorded and replayed like the fp32 class, with its own compile cache;
+a signature that cannot be replayed is not merged by the kernel (the engine merges).
 """
 
 from __future__ import annotations
@@ -185,32 +203,76 @@ def forward(
     the signature was seen (Note [flash-attn 4's forward, replayed]). ``fp32_out``: ``out`` in
     fp32, unrounded (Note [fp32 block outputs from flash-attn 4]; sm90 only)."""
     shape = (*q.shape[:-1], v.shape[-1])
-    if fp32_out and min(q.shape[:-2].numel(), k.shape[:-2].numel()) == 0:
+    if fp32_out and _empty(q, k):
         fp32_out = False  # the wrapper writes zeros and -inf itself, launching nothing
     if fp32_out:  # the wrapper is handed the first D of 2 D values of each fp32 row
         out_fp32 = torch.empty(shape, dtype=torch.float32, device=q.device)
         out = out_fp32.view(q.dtype)[..., : shape[-1]]
-        kernel_options = dict(options, pack_gqa=False)
     else:
         out = out_fp32 = torch.empty(shape, dtype=q.dtype, device=q.device)
-        kernel_options = options
     varlen = cu_seqlens_q is not None
     lse_shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     tensors = (q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens_q, cu_seqlens_k)
-    wrapper = interface._flash_attn_fwd
-    signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, *sorted(kernel_options.items())))
-    launch = _LAUNCHES.get((wrapper, signature, fp32_out)) if REPLAY else _NOT_REPLAYED
-    if isinstance(launch, _Launch):
-        launch(tensors)
-        return out_fp32, lse
-    if fp32_out and launch is _NOT_REPLAYED:  # its class is swapped in only to record
+    kind = _FP32_OUT if fp32_out else _PLAIN
+    if not _run(interface, kind, tensors, max_seqlen_q, max_seqlen_k, options):
         out, lse = forward(interface, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, **options)  # fmt: skip
         return out.float(), lse
+    return out_fp32, lse
+
+
+def merge_forward(
+    interface: ModuleType,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out_acc: Tensor,
+    lse_acc: Tensor,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    **options: object,
+) -> bool:
+    """The block :func:`forward` would compute, merged by its epilogue into a running
+    ``out_acc`` (fp32, contiguous, shaped as ``forward``'s ``out``) and ``lse_acc`` (fp32,
+    contiguous, as its ``lse``), in place (Note [Merging in flash-attn 4's epilogue]; sm90
+    only). False where this signature runs only through the wrapper: nothing done, the caller
+    merges."""
+    if _empty(q, k):
+        return True  # no query, or no key: nothing to merge
+    out = out_acc.view(q.dtype)[..., : v.shape[-1]]
+    tensors = (q.detach(), k.detach(), v.detach(), out, lse_acc, cu_seqlens_q, cu_seqlens_k)
+    return _run(interface, _MERGE, tensors, max_seqlen_q, max_seqlen_k, options)
+
+
+def _empty(q: Tensor, k: Tensor) -> bool:
+    return min(q.shape[:-2].numel(), k.shape[:-2].numel()) == 0
+
+
+_PLAIN, _FP32_OUT, _MERGE = "plain", "fp32_out", "merge"  # the kernel classes (_kernel_class)
+
+
+def _run(interface: ModuleType, kind: str, tensors, max_seqlen_q, max_seqlen_k, options) -> bool:
+    """The wrapper's call on ``tensors`` (``q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k``)
+    with the kernel class ``kind``, replayed where its signature was recorded; False (nothing
+    run) for a signature another class than the plain one cannot replay."""
+    kernel_options = options if kind == _PLAIN else dict(options, pack_gqa=False)
+    wrapper = interface._flash_attn_fwd
+    signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, *sorted(kernel_options.items())))
+    launch = _LAUNCHES.get((wrapper, signature, kind)) if REPLAY else _NOT_REPLAYED
+    if isinstance(launch, _Launch):
+        launch(tensors)
+        return True
+    if kind != _PLAIN and launch is _NOT_REPLAYED:  # its class is swapped in only to record
+        return False
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = tensors
     call = functools.partial(
         wrapper,
-        *tensors[:3],
+        q,
+        k,
+        v,
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
@@ -220,35 +282,40 @@ def forward(
         return_lse=True,
         **kernel_options,
     )
-    with _RECORDING, _kernel_class(interface, fp32_out) as cache:
+    with _RECORDING, _kernel_class(interface, kind) as cache:
         if launch is None:  # a new signature
             if len(_LAUNCHES) >= _MAX_LAUNCHES:
                 _LAUNCHES.clear()
-            _LAUNCHES[wrapper, signature, fp32_out] = _record(wrapper, cache, call, tensors)
-        else:  # a signature the wrapper runs every time; never with fp32_out
+            _LAUNCHES[wrapper, signature, kind] = _record(wrapper, cache, call, tensors)
+        else:  # a signature the wrapper runs every time; never with another class
             call()
-    return out_fp32, lse
+    return True
 
 
-_FP32_OUT_CACHE: dict = {}  # the wrapper's compile cache while it compiles the fp32 kernel
+_CACHES: dict[str, dict] = {_FP32_OUT: {}, _MERGE: {}}  # the wrapper's compile cache per class
 
 
 @contextlib.contextmanager
-def _kernel_class(interface: ModuleType, fp32_out: bool) -> Iterator[object]:
-    """The wrapper's compile cache, to record from; with ``fp32_out``, while the wrapper runs,
-    its sm90 forward class is the fp32 one and its compile cache one of fp32 kernels (the
-    wrapper's cache key does not tell the two classes apart). Hold ``_RECORDING``."""
+def _kernel_class(interface: ModuleType, kind: str) -> Iterator[object]:
+    """The wrapper's compile cache, to record from; for a ``kind`` other than the plain one,
+    while the wrapper runs, its sm90 forward class is that kind's and its compile cache one of
+    that class's kernels (the wrapper's cache key does not tell the classes apart). Hold
+    ``_RECORDING``."""
     wrapper = interface._flash_attn_fwd
-    if not fp32_out:
+    if kind == _PLAIN:
         yield getattr(wrapper, "compile_cache", None)
         return
-    from ._flash_attn4_fp32_out import FlashAttentionForwardSm90Fp32Out
+    from . import _flash_attn4_fp32_out as classes
 
+    swapped = {
+        _FP32_OUT: classes.FlashAttentionForwardSm90Fp32Out,
+        _MERGE: classes.FlashAttentionForwardSm90Fp32Merge,
+    }[kind]
     kernel_class, cache = interface.FlashAttentionForwardSm90, wrapper.compile_cache
-    interface.FlashAttentionForwardSm90 = FlashAttentionForwardSm90Fp32Out
-    wrapper.compile_cache = _FP32_OUT_CACHE
+    interface.FlashAttentionForwardSm90 = swapped
+    wrapper.compile_cache = _CACHES[kind]
     try:
-        yield _FP32_OUT_CACHE
+        yield _CACHES[kind]
     finally:
         interface.FlashAttentionForwardSm90, wrapper.compile_cache = kernel_class, cache
 

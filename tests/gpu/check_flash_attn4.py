@@ -595,6 +595,77 @@ def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
             save()
 
 
+def merge_part() -> None:
+    """Blocks merged in the epilogue (Note [Merging in flash-attn 4's epilogue]) against the
+    engine's merge of fp32 block outputs: the simulated ring's out and lse against fp64 with
+    the kernel merging (on) and not (off), dense zigzag and packed documents at W = 4; how many
+    blocks the kernel merged; then one rank's forward time, on and off: zigzag W = 8 at 8192
+    and 4096 tokens a rank, and 5 long documents in 65536 tokens placed on 8 ranks."""
+    from dtensor_ring.kernels import flash_attn4_launch as launch
+
+    merged, original = [], launch.merge_forward
+
+    def counted(*args, **kwargs):
+        done = original(*args, **kwargs)
+        merged.append(done)
+        return done
+
+    launch.merge_forward = counted
+    default = FlashAttn4Kernel.merges_outputs
+    rows, times = [], {}
+    try:
+        bounds = [0, 2048, 3072, 8192]
+        q, k, v, dout = make_inputs(8192, 8192, seed=11)
+        cases = [("zigzag", "zigzag", None), ("documents", dr.document_layout(bounds, 4), bounds)]
+        for label, layout, cu_seqlens in cases:
+            if late(f"merge {label}"):
+                continue
+            tensors = (q, k, v, dout)
+            tensors = tensors if cu_seqlens is None else tuple(t[0] for t in tensors)
+            cu = None if cu_seqlens is None else torch.tensor(bounds, dtype=torch.int32).cuda()
+            ref = reference(*tensors, causal=True, cu=cu)
+            for on in (True, False):
+                FlashAttn4Kernel.merges_outputs = on
+                merged.clear()
+                row: dict[str, object] = dict(path=f"simulate {label} W=4", kernel_merges=on)
+                try:
+                    got = simulate_ring(*tensors, layout=layout, world_size=4, causal=True,
+                                        cu_seqlens=cu_seqlens, backend="flash_attn4")  # fmt: skip
+                    row["errors"] = errors(dict(zip(NAMES, got, strict=True)), ref)
+                    row["out_mean_err"] = float((got[0].double() - ref["out"]).abs().mean())
+                    row["blocks_merged_by_kernel"] = sum(merged)
+                    row["blocks_not_replayable"] = merged.count(False)
+                except Exception as e:
+                    row["status"] = error_text(e)
+                rows.append(row)
+                RESULT["merge"] = rows
+                save()
+        timed = [(f"zigzag W=8 {n}", n) for n in (8192, 4096)] + [("documents x5 W=8", None)]
+        for label, tokens in timed:
+            if late(f"merge time {label}"):
+                continue
+            if tokens is None:  # bench_flex's 5 documents, the balanced placement, rank 7
+                import bench_flex
+
+                bounds5 = bench_flex.documents(65536, 5, "cuda")[1]
+                x = tuple(t[0] for t in make_inputs(65536, 65536, seed=12)[:3])
+                kw = dict(layout=dr.document_layout(bounds5, 8), cu_seqlens=bounds5, rank=7)
+            else:
+                x, kw = (
+                    make_inputs(8 * tokens, 8 * tokens, seed=9)[:3],
+                    dict(layout="zigzag", rank=0),
+                )
+            for on in (True, False):
+                FlashAttn4Kernel.merges_outputs = on
+                sim = RankSimulator(*x, world_size=8, causal=True, backend="flash_attn4", **kw)
+                times[f"{label} kernel merges {on}"] = median_ms(sim.forward)
+                RESULT["merge_rank_fwd_ms"] = times
+                save()
+    finally:
+        launch.merge_forward = original
+        FlashAttn4Kernel.merges_outputs = default
+
+
 def ring_part(keep: dict) -> None:
     """zigzag W=4 on one device (simulated), and the functional API on a real 1-rank group."""
     rows = []
@@ -782,6 +853,7 @@ def main() -> None:
         deterministic_part,
         unrounded_part,
         fp32_out_part,
+        merge_part,
         ring_varlen_part,
     ):
         if only and part.__name__.removesuffix("_part") not in only.split(","):
