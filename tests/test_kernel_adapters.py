@@ -1188,11 +1188,12 @@ def _own_cache(interface) -> bool:
 
 
 def test_flash_attn4_merges_in_its_epilogue(flash_attn4_pieces, monkeypatch):
-    """``merge_forward`` (Note [Merging in flash-attn 4's epilogue]): the block merged into the
-    running fp32 ``(out, lse)`` in place as the engine's merge of its fp32 result, dense and
-    varlen; compiled from the merging class with pack-GQA off on a signature's first call,
-    replayed after, the wrapper's own class and cache back in place; a signature the wrapper
-    must run every time (a misaligned q) and ``REPLAY = False`` merge nothing (False)."""
+    """``merge_forward`` (Note [Merging in flash-attn 4's epilogue]): the block merged into its
+    rows of the running fp32 ``(out, lse)`` (strided views of longer accumulators) in place
+    as the engine's merge of its fp32 result, the other rows untouched, dense and varlen;
+    compiled from the merging class with pack-GQA off on a signature's first call, replayed
+    after, the wrapper's own class and cache back in place; a signature the wrapper must run
+    every time (a misaligned q) and ``REPLAY = False`` merge nothing (False)."""
     calls, interface = FA4_CALLS, flash_attn4_pieces
     g, cu = torch.Generator().manual_seed(7), torch.tensor([0, 5, 12, 20], dtype=torch.int32)
 
@@ -1204,9 +1205,12 @@ def test_flash_attn4_merges_in_its_epilogue(flash_attn4_pieces, monkeypatch):
         k, v = torch.randn(2, *q.shape[:-2], 2, 8, generator=g).to(torch.bfloat16).unbind(0)
         args = (cu, cu, 8, 8) if varlen else ()
         lse_shape = (4, 20) if varlen else (2, 4, 20)
-        out_acc = torch.randn(q.shape, generator=g)
-        lse_acc = torch.randn(lse_shape, generator=g)
-        want = (out_acc.clone(), lse_acc.clone())
+        # the block's rows of a longer accumulator (rows 10-29 of 40): strided views
+        out_all = torch.randn(*q.shape[:-3], 40, *q.shape[-2:], generator=g)
+        lse_all = torch.randn(*lse_shape[:-1], 40, generator=g)
+        out_acc, lse_acc = out_all.narrow(-3, 10, 20), lse_all.narrow(-1, 10, 20)
+        want_all = (out_all.clone(), lse_all.clone())
+        want = (want_all[0].narrow(-3, 10, 20), want_all[1].narrow(-1, 10, 20))
         before = len(calls)
         merge = FLASH4.merge_forward_varlen if varlen else FLASH4.merge_forward
         assert merge(q, k, v, *args, out_acc, lse_acc, causal=True, scale=SCALE) is merged
@@ -1217,7 +1221,7 @@ def test_flash_attn4_merges_in_its_epilogue(flash_attn4_pieces, monkeypatch):
             block = (o.float(), lse.float())
             acc = (want[0][None], want[1][None]) if varlen else want
             merge_eager_(*acc, *((block[0][None], block[1][None]) if varlen else block))
-        assert torch.equal(out_acc, want[0]) and torch.equal(lse_acc, want[1])
+        assert torch.equal(out_all, want_all[0]) and torch.equal(lse_all, want_all[1])
         assert len(calls) - before == wrapper_calls
         if wrapper_calls:
             assert calls[-1]["pack_gqa"] is False

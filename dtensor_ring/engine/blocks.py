@@ -52,6 +52,10 @@ class Blocks(Protocol):
         """Whether ``block`` computes nothing (an empty query/key part)."""
         ...
 
+    def in_place(self, part: Part) -> bool:
+        """Whether ``part``'s rows are one run of the accumulators (taking them is a view)."""
+        ...
+
     def take(self, x: Tensor, part: Part) -> Tensor:
         """The rows of ``part`` of a token-major tensor (q, k, v, out, dout and the like)."""
         ...
@@ -102,8 +106,9 @@ class Blocks(Protocol):
         out_acc: Tensor,
         lse_acc: Tensor,
     ) -> bool:
-        """``block`` (of every local query, parts already taken) merged by the kernel itself
-        into the whole accumulators (``BlockKernel.merge_forward``); False: nothing done."""
+        """``block`` (parts already taken; its query part :meth:`in_place`) merged by the
+        kernel itself into its rows of the accumulators ``out_acc``, ``lse_acc``
+        (``BlockKernel.merge_forward``); False: nothing done."""
         ...
 
     def finish(self, out: Tensor, lse: Tensor, whole: bool, dtype: torch.dtype) -> Tensor:
@@ -187,6 +192,9 @@ class DenseBlocks:
         n = self.seq_local
         return min(block.q.size(n), block.kv.size(n)) == 0
 
+    def in_place(self, part: Part) -> bool:
+        return True  # a part is a range of the sequence
+
     def take(self, x_BSHD: Tensor, part: Part) -> Tensor:
         return _part(x_BSHD, part, 1)
 
@@ -209,8 +217,9 @@ class DenseBlocks:
         )
 
     def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
+        out_rows, lse_rows = _part(out_acc, block.q, 1), _part(lse_acc, block.q, 2)
         return kernel.merge_forward(
-            q, k, v, out_acc, lse_acc, causal=block.causal, scale=scale, window=block.window
+            q, k, v, out_rows, lse_rows, causal=block.causal, scale=scale, window=block.window
         )
 
     def finish(self, out, lse, whole, dtype):
@@ -258,8 +267,11 @@ class FlexBlocks(DenseBlocks):
     def forward(self, kernel, q, k, v, block, scale, unrounded=False):
         return kernel.forward(q, k, v, block.origin, scale, self.mods)  # flex rounds its out
 
-    def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
+    def in_place(self, part: Part) -> bool:
         return False  # (its empty rows merge by their own rule: merge_ below)
+
+    def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
+        return False
 
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         dlse = None if self.dlse_BHS is None else self.take_lse(self.dlse_BHS, block.q)
@@ -330,6 +342,9 @@ class VarlenBlocks:
     def is_empty(self, block: Block) -> bool:
         return min(self.rows[block.q].total, self.rows[block.kv].total) == 0
 
+    def in_place(self, part: Part) -> bool:
+        return self.rows[part].index is None
+
     def take(self, x_THD: Tensor, part: Part) -> Tensor:
         return self.rows[part].take(x_THD, 0)
 
@@ -386,9 +401,10 @@ class VarlenBlocks:
 
     def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
         rq, rk = self.rows[block.q], self.rows[block.kv]
+        out_rows, lse_rows = rq.take(out_acc, 0), rq.take(lse_acc, 1)
         return kernel.merge_forward_varlen(
-            q, k, v, rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen, out_acc,
-            lse_acc, causal=block.causal, scale=scale, window=block.window,
+            q, k, v, rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen, out_rows,
+            lse_rows, causal=block.causal, scale=scale, window=block.window,
         )  # fmt: skip
 
     def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale, unrounded=False):

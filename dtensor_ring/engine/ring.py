@@ -10,10 +10,11 @@ Note [Ring forward]
 Step 0 is always the diagonal block over all local queries, so it initialises ``(out, lse)``
 instead of merging into them; where that block's result is already in the accumulation dtype
 (a kernel's unrounded outputs, fp32 inputs) and shaped as the accumulator, it becomes it (no
-copy, and no second ``[S, H, D]`` fp32 tensor alive). A later block of every local query is
-merged by the kernel itself where it can (``BlockKernel.merge_forward``; flash-attn 4: Note
-[Merging in flash-attn 4's epilogue]): its epilogue reads the accumulators' rows and writes
-the merge, with no block output in memory and no merge pass. K/V travel in their input dtype;
+copy, and no second ``[S, H, D]`` fp32 tensor alive). A later block whose query rows are one
+run of the accumulators is merged by the kernel itself where it can
+(``BlockKernel.merge_forward``; flash-attn 4: Note [Merging in flash-attn 4's epilogue]): its
+epilogue reads the accumulators' rows and writes the merge, with no block output in memory
+and no merge pass. K/V travel in their input dtype;
 ``out``/``lse`` accumulate in the accumulation dtype and ``out`` is cast once at the end. A
 plan of one block of all queries against all keys (W = 1) is one kernel call, forward and
 backward: no accumulator at all.
@@ -175,9 +176,10 @@ def ring_forward(
             if blocks.is_empty(blk):
                 continue
             k_b, v_b = blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
-            if _merged_by_kernel(kernel, blocks, blk, q_BSHD, out_acc):
+            if _merged_by_kernel(kernel, blocks, blk, out_acc):
                 side.join()  # the kernel merges into the accumulators: after the queued merges
-                if blocks.merge_forward(kernel, q_BSHD, k_b, v_b, blk, scale, out_acc, lse_acc):
+                q_b = q_part(blk.q)
+                if blocks.merge_forward(kernel, q_b, k_b, v_b, blk, scale, out_acc, lse_acc):
                     continue
             out_b, lse_b = blocks.forward(
                 kernel,
@@ -209,12 +211,11 @@ def ring_forward(
     return blocks.finish(out_acc, lse_acc, False, q_BSHD.dtype), lse_acc
 
 
-def _merged_by_kernel(kernel: BlockKernel, blocks: Blocks, blk: Block, q: Tensor, out_acc) -> bool:
+def _merged_by_kernel(kernel: BlockKernel, blocks: Blocks, blk: Block, out_acc) -> bool:
     """Whether ``blk`` asks ``kernel`` to merge it into the accumulators itself (Note [Ring
-    forward]): a kernel that may, a block of every local query after the first."""
-    return (
-        kernel.merges_outputs and out_acc is not None and not blk.init and blocks.covers(blk.q, q)
-    )
+    forward]): a kernel that may, a block after the first whose query rows are one run of
+    the accumulators."""
+    return kernel.merges_outputs and out_acc is not None and not blk.init and blocks.in_place(blk.q)
 
 
 def _new_accumulators(blocks: Blocks, q: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:

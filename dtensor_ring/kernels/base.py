@@ -364,10 +364,12 @@ class BlockKernel:
         scale: float,
         window: tuple[int, int] | None = None,
     ) -> bool:
-        """Merge one block into a running ``out_acc`` (accumulation dtype, contiguous, every
-        query row of the block) and ``lse_acc`` (contiguous) in place, as the engine's merge
-        of :meth:`forward`'s ``unrounded`` result would (Note [Online-softmax merge]); False
-        where this backend does not for this call: nothing done, the caller merges."""
+        """Merge one block into the running ``out_acc`` (accumulation dtype, shaped as
+        :meth:`forward`'s out, a unit last stride: the block's rows of the ring's
+        accumulator) and ``lse_acc`` (shaped as its lse, a unit last stride) in place, as the
+        engine's merge of :meth:`forward`'s ``unrounded`` result would (Note [Online-softmax
+        merge]); False where this backend does not for this call: nothing done, the caller
+        merges."""
         if not self.merges_outputs:
             return False
         q_BSHD, k_BSHD, v_BSHD = unit_last_stride(q_BSHD, k_BSHD, v_BSHD)

@@ -67,11 +67,12 @@ Note [Merging in flash-attn 4's epilogue]
 After step 0 a ring's forward merges each block into running fp32 ``(out, lse)``: a pass that
 reads the block's fp32 ``out``, reads and writes the accumulator (three ``[S, H, D]`` fp32
 tensors of traffic a block; at 8192 tokens of 32 heads of 128, ~0.13 ms on an H100, a quarter
-of a long-document rank's forward). Where a block holds every row of the accumulators, the
-kernel can merge itself: a third class (``FlashAttentionForwardSm90Fp32Merge``) whose
-epilogue, with the block's row in registers, reads the accumulator's row and its lse, and
-writes the merge by the engine's formulas (Note [Online-softmax merge]), through the fp32
-view above (``out`` is the accumulator; ``lse`` the running lse):
+of a long-document rank's forward). Where a block's rows are one run of the accumulators (a
+view of them: dense parts, a varlen block of consecutive rows), the kernel can merge
+itself: a third class (``FlashAttentionForwardSm90Fp32Merge``) whose epilogue, with the
+block's row in registers, reads the accumulator's row and its lse, and writes the merge by
+the engine's formulas (Note [Online-softmax merge]), through the fp32 view above (``out``:
+those rows of the accumulator; ``lse``: of the running lse, a strided view):
 
     plain merge:   kernel -> out_b (fp32, HBM) ; merge reads out_b, out, lse -> writes out, lse
     in epilogue:   kernel (acc_O in registers) reads out, lse -> writes out, lse
@@ -236,10 +237,10 @@ def merge_forward(
     **options: object,
 ) -> bool:
     """The block :func:`forward` would compute, merged by its epilogue into a running
-    ``out_acc`` (fp32, contiguous, shaped as ``forward``'s ``out``) and ``lse_acc`` (fp32,
-    contiguous, as its ``lse``), in place (Note [Merging in flash-attn 4's epilogue]; sm90
-    only). False where this signature runs only through the wrapper: nothing done, the caller
-    merges."""
+    ``out_acc`` (fp32, shaped as ``forward``'s ``out``, a unit last stride: rows of the ring's
+    accumulator) and ``lse_acc`` (fp32, as its ``lse``, a unit last stride), in place (Note
+    [Merging in flash-attn 4's epilogue]; sm90 only). False where this signature runs only
+    through the wrapper: nothing done, the caller merges."""
     if _empty(q, k):
         return True  # no query, or no key: nothing to merge
     out = out_acc.view(q.dtype)[..., : v.shape[-1]]
