@@ -168,3 +168,31 @@ def test_kernel_merges_blocks_in_place(monkeypatch, layout, varlen):
     ref = simulate_ring(q, k, v, layout="ring", world_size=1, causal=True,
                         cu_seqlens=bounds if varlen else None)  # fmt: skip
     torch.testing.assert_close(got[0], ref[0], atol=1e-12, rtol=0)
+
+
+def test_side_stream_joins_only_after_updates(monkeypatch):
+    """Note [Merges off the critical path]: the compute stream waits for the side stream only
+    when updates were queued since the last join (under CUDA graph capture a wait on a stream
+    that did nothing in the capture is an error: a replayed ring forward failed so)."""
+    from dtensor_ring.engine.ring import _SideStream
+
+    class Stream:
+        def __init__(self):
+            self.waits = 0
+
+        def wait_stream(self, other):
+            self.waits += 1
+
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    side = _SideStream(torch.device("cpu"))
+    side.stream, side.compute, side.switch = Stream(), Stream(), False
+    side.join()
+    assert side.compute.waits == 0
+    ran = []
+    side.run(lambda: ran.append(1))
+    assert ran == [1] and side.stream.waits == 1
+    side.join()
+    side.join()
+    assert side.compute.waits == 1

@@ -51,9 +51,11 @@ second stream, so the next block kernel starts at once and the update overlaps i
 
 The side stream waits for the compute stream before each update (so it sees block s), the
 block results are marked as used on it (``record_stream``: the allocator must not hand their
-memory to kernel s+1 early), and the compute stream waits for the side stream once, before the
-accumulators are read. dK/dV updates stay on the compute stream: they are needed at once, for
-the send.
+memory to kernel s+1 early), and the compute stream waits for the side stream before the
+accumulators are read: at the end, and before a kernel merges into them itself (Note [Ring
+forward]); only while updates are queued on it (a CUDA graph capture rejects a wait on a
+stream that has done nothing in it). dK/dV updates stay on the compute stream: they are needed
+at once, for the send.
 """
 
 from __future__ import annotations
