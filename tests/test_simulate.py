@@ -125,7 +125,7 @@ def test_kernel_merges_blocks_in_place(monkeypatch, layout, varlen):
     """Note [Ring forward]: after step 0, a block whose query rows are one run of the
     accumulators goes to the kernel's ``merge_forward`` with those rows of them (flash-attn 4
     merges it in its epilogue); a kernel that merges as the engine would gives the engine's
-    result bit for bit, and both equal full attention."""
+    result bit for bit, forward and backward, and both equal full attention (W = 3)."""
     import dtensor_ring as dr
     from dtensor_ring.kernels.base import BlockKernel
     from dtensor_ring.kernels.merge import merge_eager_
@@ -134,13 +134,14 @@ def test_kernel_merges_blocks_in_place(monkeypatch, layout, varlen):
     shape = (96, 4, 8) if varlen else (1, 96, 4, 8)
     q = torch.randn(shape, generator=g, dtype=torch.float64)
     k, v = (torch.randn(*shape[:-2], 2, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    dout = torch.randn(shape, generator=g, dtype=torch.float64)
     bounds = [0, 48, 72, 96]
     kw = dict(world_size=3, causal=True)
     if varlen:
         kw["cu_seqlens"] = bounds
         if layout == "documents":
             layout = dr.document_layout(bounds, 3)
-    want = simulate_ring(q, k, v, layout=layout, **kw)
+    want = simulate_ring(q, k, v, dout, layout=layout, **kw)
     merged = []
 
     def merge_forward(self, q, k, v, out_acc, lse_acc, *, causal, scale, window):
@@ -158,16 +159,17 @@ def test_kernel_merges_blocks_in_place(monkeypatch, layout, varlen):
     monkeypatch.setattr(BlockKernel, "merges_outputs", True)
     monkeypatch.setattr(BlockKernel, "_merge_forward", merge_forward)
     monkeypatch.setattr(BlockKernel, "_merge_forward_varlen", merge_forward_varlen)
-    got = simulate_ring(q, k, v, layout=layout, **kw)
+    got = simulate_ring(q, k, v, dout, layout=layout, **kw)
     assert merged, merged
     if layout == "zigzag":  # dense: blocks of all 32 local rows and of half of them (one run);
         # varlen: every document's half is a run of its own, so only blocks of all rows
         assert {s[-3 if varlen else 1] for s in merged} == ({32} if varlen else {16, 32}), merged
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
-    ref = simulate_ring(q, k, v, layout="ring", world_size=1, causal=True,
+    ref = simulate_ring(q, k, v, dout, layout="ring", world_size=1, causal=True,
                         cu_seqlens=bounds if varlen else None)  # fmt: skip
-    torch.testing.assert_close(got[0], ref[0], atol=1e-12, rtol=0)
+    for a, b in zip(got, ref, strict=True):  # out, lse, dq, dk, dv
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
 def test_side_stream_joins_only_after_updates(monkeypatch):

@@ -268,10 +268,7 @@ class FlexBlocks(DenseBlocks):
         return kernel.forward(q, k, v, block.origin, scale, self.mods)  # flex rounds its out
 
     def in_place(self, part: Part) -> bool:
-        return False  # (its empty rows merge by their own rule: merge_ below)
-
-    def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
-        return False
+        return False  # never merged by the kernel: its empty rows merge by their own rule (below)
 
     def backward(self, kernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
         dlse = None if self.dlse_BHS is None else self.take_lse(self.dlse_BHS, block.q)

@@ -177,21 +177,12 @@ def ring_forward(
         for blk in step.blocks:
             if blocks.is_empty(blk):
                 continue
-            k_b, v_b = blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
+            q_b, k_b, v_b = q_part(blk.q), blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
             if _merged_by_kernel(kernel, blocks, blk, out_acc):
                 side.join()  # the kernel merges into the accumulators: after the queued merges
-                q_b = q_part(blk.q)
                 if blocks.merge_forward(kernel, q_b, k_b, v_b, blk, scale, out_acc, lse_acc):
                     continue
-            out_b, lse_b = blocks.forward(
-                kernel,
-                q_part(blk.q),
-                k_b,
-                v_b,
-                blk,
-                scale,
-                unrounded=True,
-            )
+            out_b, lse_b = blocks.forward(kernel, q_b, k_b, v_b, blk, scale, unrounded=True)
             if out_acc is None:
                 if blk.init and _adoptable(blocks, blk, q_BSHD, out_b, lse_b, acc):
                     out_acc, lse_acc = out_b, lse_b.to(acc).contiguous()
