@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..kernels import BlockKernel, DqAccumulator
+from ..kernels import BlockKernel, BlockKVGrads, DqAccumulator
 from ..kernels.base import VarlenQueryRows, capturing
 from ..kernels.flex import FlexMods
 from ..kernels.merge import add_rows_, finish_rows, merge_
@@ -66,6 +66,11 @@ class Blocks(Protocol):
 
     def add_(self, acc: Tensor, part: Part, x: Tensor) -> None:
         """``acc[part] += x`` in place."""
+        ...
+
+    def add_kv_(self, dkv: Sequence[Tensor], part: Part, grads: BlockKVGrads) -> None:
+        """``dk[part] += grads' dk``, ``dv[part] += grads' dv`` in place (``dkv = [dk, dv]``;
+        ``grads`` a pair of tensors or a kernel's :class:`~dtensor_ring.kernels.HeldKVGrads`)."""
         ...
 
     def init_(
@@ -203,6 +208,14 @@ class DenseBlocks:
 
     def add_(self, acc_BSHD: Tensor, part: Part, x_BSHD: Tensor) -> None:
         _part(acc_BSHD, part, 1).add_(x_BSHD)
+
+    def add_kv_(self, dkv_BSHD: Sequence[Tensor], part: Part, grads: BlockKVGrads) -> None:
+        rows = [_part(acc, part, 1) for acc in dkv_BSHD]
+        if isinstance(grads, tuple):
+            for acc, x in zip(rows, grads, strict=True):
+                acc.add_(x)
+        else:
+            grads.add_to(*rows)
 
     def init_(self, out_acc, lse_acc, part, out_b, lse_b) -> None:
         _part(out_acc, part, 1).copy_(out_b)
@@ -354,6 +367,16 @@ class VarlenBlocks:
             rows.take(acc_THD, 0).add_(x_THD)
         else:
             add_rows_(acc_THD, rows.index, x_THD)
+
+    def add_kv_(self, dkv_THD: Sequence[Tensor], part: Part, grads: BlockKVGrads) -> None:
+        rows = self.rows[part]
+        if isinstance(grads, tuple):
+            for acc, x in zip(dkv_THD, grads, strict=True):
+                self.add_(acc, part, x)
+        elif rows.index is None:
+            grads.add_to(*(rows.take(acc, 0) for acc in dkv_THD))
+        else:
+            grads.add_to(*dkv_THD, rows.index)
 
     def put_(self, x_THD: Tensor, part: Part, x_b: Tensor) -> None:
         """Rows ``part`` of ``x_THD`` set to ``x_b`` (a block's final rows)."""

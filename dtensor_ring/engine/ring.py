@@ -296,16 +296,15 @@ def ring_backward(
         grads = []
         for blk in step_blocks:
             k_b, v_b = blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
-            grads.append((blk.kv, *dq.backward(blk, k_b, v_b)))
+            grads.append((blk.kv, dq.backward(blk, k_b, v_b)))
         if s == 0:
             dkv = dkv_own
         elif direct:  # a fresh share for the visiting K/V, where the plan's row runs blocks
             dkv = _zeros_like(dkv_own, acc) if steps[s].blocks else None
         else:  # the accumulator of the visiting K/V, with the shares of the ranks before us
             dkv = pending_dkv.wait()
-        for part, dk_b, dv_b in grads:
-            blocks.add_(dkv[0], part, dk_b)
-            blocks.add_(dkv[1], part, dv_b)
+        for part, dkv_b in grads:
+            blocks.add_kv_(dkv, part, dkv_b)
         if direct and s > 0:  # ours may have arrived meanwhile
             if pending_dkv is not None:
                 _add_all_(dkv_own, pending_dkv.wait())

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockKernel, DqAccumulator, KernelCall, accumulation_dtype
+from .base import (
+    BlockKernel,
+    BlockKVGrads,
+    DqAccumulator,
+    HeldKVGrads,
+    KernelCall,
+    accumulation_dtype,
+)
 from .cpu import CpuFlashKernel
 from .cuda_flash import TorchFlashKernel
 from .cudnn import CudnnKernel
@@ -143,7 +150,9 @@ __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
     "BlockKernel",
+    "BlockKVGrads",
     "DqAccumulator",
+    "HeldKVGrads",
     "KernelCall",
     "accumulation_dtype",
     "clear_selection_cache",

@@ -126,13 +126,30 @@ def is_small(tokens: int, heads: int, head_dim: int) -> bool:
     return tokens * tokens * heads * head_dim < SMALL_BLOCK_WORK
 
 
+class HeldKVGrads(Protocol):
+    """A block's ``(dk, dv)`` that a kernel still holds in its own layout (flash-attn 4's fp32
+    tiles with GQA: Note [Block dK/dV added from flash-attn 4's tiles]), added by the kernel
+    into the engine's accumulators when they are at hand."""
+
+    def add_to(self, dk: Tensor, dv: Tensor, index: Tensor | None = None) -> None:
+        """``dk``, ``dv`` (the accumulation dtype, the block's K/V rows of the ring's
+        accumulators: ``[B, S, H_kv, D]`` or ``[T, H_kv, D]``, any row stride) ``+=`` the
+        block's gradients, row ``i`` into row ``i`` or into row ``index[i]`` (int64,
+        distinct rows). Called once."""
+        ...
+
+
+BlockKVGrads = tuple[Tensor, Tensor] | HeldKVGrads
+
+
 class DqAccumulator(Protocol):
     """A rank's dq over the blocks of a ring's backward, summed inside the kernel."""
 
-    def backward(self, block: Block, k_BSHD: Tensor, v_BSHD: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(self, block: Block, k_BSHD: Tensor, v_BSHD: Tensor) -> BlockKVGrads:
         """Add ``block``'s dq (its query part of the local queries against ``k``/``v``, taken
         by the engine) into the accumulator; return the block's ``(dk, dv)``, which may be in
-        the accumulation dtype (as ``BlockKernel.backward(..., unrounded=True)``)."""
+        the accumulation dtype (as ``BlockKernel.backward(..., unrounded=True)``), or held by
+        the kernel until the engine adds them (:class:`HeldKVGrads`)."""
         ...
 
     def result(self) -> Tensor:

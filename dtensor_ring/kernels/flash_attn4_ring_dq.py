@@ -51,14 +51,36 @@ the kernel reads whole tiles and hides rows past a document only through their +
 which the rows of a tile past a span that ends mid-document do not have. A rank whose blocks
 are not so (or with more than ``_MAX_DOCUMENTS`` documents, where ``_flash_attn_bwd`` adds a
 batch-lookup table) sums per block. The block's K/V are taken by the engine as before; with GQA
-its dK/dV come back fp32, gathered from their padded rows (``padded_rows``); dq is gathered once
-at the end. Checked on CPU against a stand-in that reads whole tiles like the kernel
-(``tests/test_kernel_adapters.py``), and on an H100 (2026-12-05, the ``ring_varlen`` part of
-``tests/gpu/check_flash_attn4.py``: zigzag and the document layout with GQA, dq as the per-block
-path's, dk and dv as single-device flash-attn 4's; MHA, a window, deterministic). Its host
-work a block (the padded rows kept per block, one Triton launch reading dK/dV and dq from
-their tiles: ``untile_rows``) is that of the per-block path or less (docs/performance.md);
+its dK/dV stay in their padded tiles until the engine adds them (``padded_rows``, Note [Block
+dK/dV added from flash-attn 4's tiles]); dq is gathered once at the end. Checked on CPU
+against a stand-in that reads whole tiles like the kernel (``tests/test_kernel_adapters.py``),
+and on an H100 (2026-12-05, the ``ring_varlen`` part of ``tests/gpu/check_flash_attn4.py``:
+zigzag and the document layout with GQA, dq as the per-block path's, dk and dv as
+single-device flash-attn 4's; MHA, a window, deterministic). Its host work a block (the
+padded rows kept per block, one Triton launch adding dK/dV from their tiles) is that of the
+per-block path or less (docs/performance.md);
 ``FlashAttn4Kernel.varlen_dq_in_kernel = False`` turns it off.
+
+Note [Block dK/dV added from flash-attn 4's tiles]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With GQA the main kernel adds each query head's share of a block's dK/dV into zeroed fp32
+tiles (fragment order, padded rows when varlen). The engine adds a block's dK/dV into the
+ring's fp32 accumulators (the visiting K/V's, which travel on) once they have arrived. Both
+accumulators hold these blocks handed back as :class:`TiledGrads` (the engine's
+``HeldKVGrads``), and the engine's add is one launch from the tiles:
+
+    reorder, then add (before)                      from the tiles (TiledGrads.add_to)
+    tiles -> rows (in place, or a fresh [T, H, D])  -
+    acc[rows of the block's K/V] += rows            acc[rows] += scale * tiles[perm]
+
+one pass over the block's fp32 dK/dV fewer (read and write), and, varlen, no fresh copy of
+them. The rows of the accumulator are the block's K/V part: a run (a strided view of any
+row stride) or the rows of an index (varlen parts that are not one run). The tiles stay
+the kernel's until the add, so the add waits for nothing new: it runs where the engine's
+add ran. On CPU ``add_to`` reorders, then adds (the stand-in's order, in the ring tests of
+``tests/test_kernel_adapters.py``); the Triton launch is checked against that on the GPU by
+``tests/gpu/check_inputs.py`` and, in a ring against fp64, by ``tests/gpu/check_flash_attn4.py``
+(parts ``ring``, ``ring_varlen``).
 """
 
 from __future__ import annotations
@@ -70,17 +92,23 @@ import torch
 from torch import Tensor
 
 from ..parts import Block
-from .base import VarlenQueryRows, capturing
+from .base import BlockKVGrads, VarlenQueryRows, capturing
 from .flash_attn4_grads import (
     BlockPlan,
     contiguous,
-    dkv_BSHD,
     main_kernel,
     new_dkv,
     plan_of,
     preprocess,
 )
-from .flash_attn4_tiles import as_BSHD, padded_rows, padded_total, untile_, untile_rows
+from .flash_attn4_tiles import (
+    TiledGrads,
+    as_BSHD,
+    padded_rows,
+    padded_total,
+    untile_,
+    untile_rows,
+)
 
 
 class _KernelDq:
@@ -106,6 +134,13 @@ class _KernelDq:
         self._dpsum, self._lse_log2 = preprocess(
             iface, plan, self._out, self._dout, lse, self._dq_accum, cu_seqlens
         )
+
+    def _held(self, plan: BlockPlan, dkv: list[Tensor], rows: Tensor | None, seq: int):
+        """A block's GQA dK/dV accumulators as the engine adds them (Note [Block dK/dV added
+        from flash-attn 4's tiles]): dK scaled by the softmax scale, as the postprocess does."""
+        dims = [plan.head_dim, plan.head_dim_v]
+        tile = plan.cfg.n_block_size
+        return TiledGrads(dkv, plan.perms[1:], [self._scale, 1.0], rows, tile, dims, seq)
 
     def _block_plan(self, block: Block, q, k, v, dout, seqlens=None) -> BlockPlan:
         """``block``'s plan in the accumulator's tile configuration (``_TILES``)."""
@@ -162,9 +197,10 @@ class RingDq(_KernelDq):
                 return None
         return cls(iface, tensors, plan, scale, window_args, deterministic)
 
-    def backward(self, block: Block, k_BSHD: Tensor, v_BSHD: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(self, block: Block, k_BSHD: Tensor, v_BSHD: Tensor) -> BlockKVGrads:
         """Add ``block``'s dq into the accumulator (its query rows of the local queries, against
-        ``k``/``v``); return its ``(dk, dv)`` as :func:`unrounded_backward` does."""
+        ``k``/``v``); return its ``(dk, dv)``: in the input dtype (``H == H_kv``), else held
+        in the kernel's tiles (:class:`TiledGrads`)."""
         iface = self._iface
         a, b = block.q.bounds(self._q.shape[1])
         q, dout = self._q[:, a:b], self._dout[:, a:b]
@@ -175,9 +211,9 @@ class RingDq(_KernelDq):
         dpsum, lse_log2 = self._dpsum[:, :, rows], self._lse_log2[:, :, rows]
         dk, dv = new_dkv(plan, k, v)
         main_kernel(iface, plan, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, self._scale)
-        if plan.group > 1:
-            untile_([dk, dv], plan.perms[1:], [self._scale, 1.0])
-        return dkv_BSHD(plan, k, dk, dv)
+        if plan.group == 1:
+            return dk, dv
+        return self._held(plan, [dk, dv], None, k.shape[1])
 
     def result(self) -> Tensor:
         """dq ``[B, S, H, D]`` in the input dtype: the accumulator scaled and rounded once."""
@@ -250,10 +286,10 @@ class RingDqVarlen(_KernelDq):
         args = (cu_seqlens, rows, cache, scale, window_args, deterministic)
         return cls(iface, tensors, plan, *args)
 
-    def backward(self, block: Block, k_THD: Tensor, v_THD: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(self, block: Block, k_THD: Tensor, v_THD: Tensor) -> BlockKVGrads:
         """Add ``block``'s dq into the accumulator (its rows of the local queries, read in
         place, against ``k``/``v``, the block's K/V as taken); return its ``(dk, dv)``
-        ``[T_k, H_kv, D]``, fp32 with GQA."""
+        ``[T_k, H_kv, D]`` as :meth:`RingDq.backward` does."""
         iface, q, dout = self._iface, self._q, self._dout
         r, k, v = self._rows[block], *contiguous(iface, k_THD, v_THD)
         plan = self._block_plan(block, q, k, v, dout, (r.max_seqlen_q, r.max_seqlen_k))
@@ -263,13 +299,8 @@ class RingDqVarlen(_KernelDq):
         main_kernel(iface, plan, q, k, v, dout, *accums, dk, dv, self._scale, varlen)
         if plan.group == 1:
             return dk, dv
-        tile = plan.cfg.n_block_size
-        rows = self._padded_rows(block, r.cu_seqlens_k, k.shape[0], tile)
-        dims = [plan.head_dim, plan.head_dim_v]
-        dk, dv = untile_rows(
-            [dk, dv], plan.perms[1:], [self._scale, 1.0], rows, tile, dims, dk.dtype
-        )
-        return dk, dv
+        rows = self._padded_rows(block, r.cu_seqlens_k, k.shape[0], plan.cfg.n_block_size)
+        return self._held(plan, [dk, dv], rows, k.shape[0])
 
     def result(self) -> Tensor:
         """dq ``[T, H, D]`` in the input dtype: the accumulator scaled and rounded once."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -167,6 +168,45 @@ def untile_rows(
         by_row = accum.view(accum.shape[0], -1, perm.numel() // tile).transpose(0, 1)
         out.copy_(by_row.index_select(0, rows)[..., : out.shape[2]])
     return outs
+
+
+@dataclass
+class TiledGrads:
+    """A block's dK and dV as flash-attn 4's main kernel leaves them with GQA: fp32 tiles in the
+    order of its MMA fragments, not yet scaled (Note [Block dK/dV added from flash-attn 4's
+    tiles] in ``flash_attn4_ring_dq.py``). The engine adds them into its accumulators with
+    :meth:`add_to`, once."""
+
+    accums: list[Tensor]  # dK, dV: [B, H_kv, R * hdim_r] (dense) or [H_kv, R * hdim_r] (varlen)
+    perms: list[Tensor]  # their tile orders (``tile_order``)
+    scales: list[float]
+    rows: Tensor | None  # varlen: each packed K/V row's padded row (padded_rows); dense: None
+    tile: int  # rows a tile
+    hdims: list[int]
+    seq: int  # the block's K/V rows
+
+    def add_to(self, dk: Tensor, dv: Tensor, index: Tensor | None = None) -> None:
+        """``dk``, ``dv`` (fp32 ``[B, S, H_kv, D]`` or ``[T, H_kv, D]``, any row stride) ``+=``
+        the block's scaled dK and dV: row ``i`` into row ``i``, or into row ``index[i]``
+        (int64, distinct). One Triton launch on CUDA reading the tiles; else the reorder
+        (in place), then the adds."""
+        untile = _triton("triton_untile_rows") if dk.is_cuda else None
+        if untile is not None:
+            untile(self.accums, self.perms, self.scales, self.rows, self.tile, [dk, dv],
+                   dest=index, add=True)  # fmt: skip
+            return
+        if self.rows is None:
+            untile_(self.accums, self.perms, self.scales)
+            pairs = zip(self.accums, self.perms, self.hdims, strict=True)
+            grads = [as_BSHD(a, p.numel() // self.tile, self.seq, h) for a, p, h in pairs]
+        else:
+            args = (self.accums, self.perms, self.scales, self.rows, self.tile, self.hdims)
+            grads = untile_rows(*args, torch.float32)
+        for acc, grad in zip((dk, dv), grads, strict=True):
+            if index is None:
+                acc.add_(grad)
+            else:
+                acc.index_add_(0, index, grad)
 
 
 @functools.cache

@@ -10,7 +10,11 @@
   1e-6;
 * the Triton reorder of varlen accumulators into rows (``untile_rows``, Note [A varlen dq
   accumulated inside flash-attn 4]) against its eager path on the CPU, fp32 and bf16, head
-  dims rounded up or not, one and two accumulators: equal.
+  dims rounded up or not, one and two accumulators: equal;
+* a block's dK/dV added from flash-attn 4's tiles (``TiledGrads.add_to``, Note [Block dK/dV
+  added from flash-attn 4's tiles]) by its Triton launch against its CPU path (reorder, then
+  add): dense into rows of longer accumulators (B = 2), varlen into a run of rows and into the
+  rows of an index; within 1e-6 (the launch may fuse the multiply and the add).
 
     python tests/gpu/check_inputs.py     # one GPU, seconds; JSON to $OUT/check_inputs.json
 """
@@ -175,12 +179,57 @@ def check_untile_rows() -> list[dict]:
     return rows
 
 
+def check_tiled_grads() -> list[dict]:
+    from dtensor_ring.kernels.flash_attn4_tiles import TiledGrads, padded_rows, padded_total
+
+    gen = torch.Generator().manual_seed(3)
+    tile, heads, dims, dims_r, rows = 64, 2, [128, 96], [128, 128], []
+    cu = torch.tensor([0, 5, 130, 131, 300], dtype=torch.int32)
+    seq = 300
+    for case in ("dense", "varlen run", "varlen index"):
+        if case == "dense":
+            padded, lead, index_rows = -(-seq // tile) * tile, (2, heads), None
+            accs = [torch.zeros(2, 340, heads, d) for d in dims]
+            targets = lambda a: [x[:, 20 : 20 + seq] for x in a]  # noqa: E731
+            dest = None
+        else:
+            padded, lead = padded_total(seq, cu, tile), (heads,)
+            index_rows = padded_rows(cu, seq, tile)
+            accs = [torch.zeros(400, heads, d) for d in dims]
+            if case == "varlen run":
+                targets, dest = (lambda a: [x[50 : 50 + seq] for x in a]), None  # noqa: E731
+            else:
+                targets, dest = (lambda a: a), torch.randperm(400, generator=gen)[:seq]
+        accs = [a.normal_(generator=gen) for a in accs]
+        tiles = [torch.randn(*lead, padded * r, generator=gen) for r in dims_r]
+        perms = [torch.randperm(tile * r, generator=gen) for r in dims_r]
+        results = []
+        for device in ("cpu", "cuda"):
+            mine = [a.to(device) for a in accs]
+            held = TiledGrads(
+                [t.to(device) for t in tiles],
+                [p.to(device) for p in perms],
+                [0.125, 1.0],
+                None if index_rows is None else index_rows.to(device),
+                tile,
+                dims,
+                seq,
+            )
+            held.add_to(*targets(mine), None if dest is None else dest.to(device))
+            results.append([a.cpu() for a in mine])
+        ok = all(
+            torch.allclose(g, w, rtol=1e-6, atol=1e-6) for g, w in zip(*results[::-1], strict=True)
+        )
+        rows.append(dict(tiled_grads=case, ok=ok))
+    return rows
+
+
 def main() -> None:
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     kernels = check_kernels()
     merge = check_merge()
-    untile = check_untile_rows()
+    untile = check_untile_rows() + check_tiled_grads()
     for r in kernels + untile:
         print(r)
     print("merge:", merge)
