@@ -204,10 +204,10 @@ def check_tiled_grads() -> list[dict]:
         tiles = [torch.randn(*lead, padded * r, generator=gen) for r in dims_r]
         perms = [torch.randperm(tile * r, generator=gen) for r in dims_r]
         results = []
-        for device in ("cpu", "cuda"):
-            mine = [a.to(device) for a in accs]
+        for device in ("cpu", "cuda"):  # copies: the CPU path reorders the tiles in place
+            mine = [a.to(device, copy=True) for a in accs]
             held = TiledGrads(
-                [t.to(device) for t in tiles],
+                [t.to(device, copy=True) for t in tiles],
                 [p.to(device) for p in perms],
                 [0.125, 1.0],
                 None if index_rows is None else index_rows.to(device),
@@ -217,7 +217,8 @@ def check_tiled_grads() -> list[dict]:
             )
             held.add_to(*targets(mine), None if dest is None else dest.to(device))
             results.append([a.cpu() for a in mine])
-        ok = all(
+        moved = any(torch.equal(a, b) for a, b in zip(accs, results[0], strict=True))
+        ok = not moved and all(
             torch.allclose(g, w, rtol=1e-6, atol=1e-6) for g, w in zip(*results[::-1], strict=True)
         )
         rows.append(dict(tiled_grads=case, ok=ok))
