@@ -68,8 +68,8 @@ from bench_single_gpu import (  # noqa: E402  (CUDA-event medians; flash-attn 4'
 )
 
 import dtensor_ring as dr  # noqa: E402
-from dtensor_ring.engine.blocks import varlen_blocks  # noqa: E402
 from dtensor_ring.engine.placed_gather import gather_keys  # noqa: E402
+from dtensor_ring.engine.varlen_blocks import varlen_blocks  # noqa: E402
 from dtensor_ring.layouts.document_placement import documents_on_tokens  # noqa: E402
 from dtensor_ring.resolve import normalize_window  # noqa: E402
 from dtensor_ring.schedule.flex_documents import mask_documents  # noqa: E402

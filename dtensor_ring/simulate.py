@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from .engine.blocks import FlexBlocks, varlen_blocks
+from .engine.blocks import FlexBlocks
 from .engine.placed_gather import placed_backward, placed_forward
 from .engine.ring import ring_backward, ring_forward
+from .engine.varlen_blocks import varlen_blocks
 from .kernels import KernelCall, accumulation_dtype, select_flex_kernel, select_kernel
 from .kernels.flex import FlexMods
 from .layouts import Layout, get_layout, shard_local, shard_varlen, unshard_local, unshard_varlen

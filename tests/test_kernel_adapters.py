@@ -59,7 +59,7 @@ from dtensor_ring.kernels.cudnn import CudnnKernel
 from dtensor_ring.kernels.flash_attn4 import FlashAttn4Kernel
 from dtensor_ring.kernels.flash_attn_pkg import FlashAttnKernel
 from dtensor_ring.kernels.math import MathKernel
-from dtensor_ring.kernels.merge import merge_eager_
+from dtensor_ring.kernels.merge import merge_, merge_eager_
 from dtensor_ring.resolve import normalize_window
 from dtensor_ring.simulate import simulate_ring
 
@@ -884,14 +884,20 @@ def fa4_flash_attn_fwd(
     FA4_CALLS.append(args)
     used = {"q", "k", "v", "softmax_scale", "causal", "window_size_left", "window_size_right"}
     used |= {"return_lse", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
-    used |= {"out", "lse", "pack_gqa"}
+    used |= {"out", "lse", "pack_gqa", "seqused_q"}
     _fa4_unused_at_defaults(fa4_flash_attn_fwd, args, used)
     # the sm90 forward class it would compile now: the ring's fp32 one only with pack-GQA off
     kernel_class = sys.modules["flash_attn.cute.interface"].FlashAttentionForwardSm90
     mode = {FA4Fp32Out: "fp32_out", FA4Fp32Merge: "merge"}.get(kernel_class, "plain")
     assert pack_gqa is (None if mode == "plain" else False)
     q, k, v = (_fa4_maybe_contiguous(x) for x in (q, k, v))
-    _fa4_check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if seqused_q is None:
+        _fa4_check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    else:  # document d's queries: seqused_q[d] rows from cu_seqlens_q[d], in any order
+        used = seqused_q.long()
+        assert seqused_q.dtype == cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q[-1] == len(q)
+        assert bool((cu_seqlens_q[:-1].long() + used <= len(q)).all())
+        assert max_seqlen_q == int(used.max()) and seqused_q.shape == cu_seqlens_k[1:].shape
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     varlen = cu_seqlens_q is not None
@@ -909,7 +915,7 @@ def fa4_flash_attn_fwd(
         cache[key] = functools.partial(_fa4_compiled_fwd, causal, mode)
     aux = (None, None)  # AuxData(None, None)
     cache[key](
-        q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, None, None, None, left,
+        q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, seqused_q, None, None, left,
         right, None, None, aux, None, None,
     )  # fmt: skip
     return out, lse, None, None, None
@@ -926,7 +932,15 @@ def _fa4_compiled_fwd(
     as its epilogue does (Note [fp32 block outputs from flash-attn 4]); from its merging class,
     merged into that buffer and ``lse`` in fp32 (Note [Merging in flash-attn 4's epilogue])."""
     kw = dict(causal=False, scale=scale, window=_fa4_window(causal, left, right))
-    o, lse_ = _fa4_math("forward", cu_seqlens_q, cu_seqlens_k, q, k, v, **kw)
+    rows = None  # every row of q; with seqused_q, those of its documents (in place)
+    if seqused_q is not None:
+        docs = _fa4_documents(cu_seqlens_q, seqused_q)
+        rows = torch.cat([torch.arange(a, a + n) for a, n in docs])
+        cu_seqlens_q = torch.zeros_like(cu_seqlens_q)
+        cu_seqlens_q[1:] = seqused_q.cumsum(0)
+    o, lse_ = _fa4_math(
+        "forward", cu_seqlens_q, cu_seqlens_k, q if rows is None else q[rows], k, v, **kw
+    )
     if mode != "plain":
         assert out.dtype in (torch.bfloat16, torch.float16)
         strides = [s // 2 for s in out.stride()[:-1]] + [1]
@@ -937,8 +951,9 @@ def _fa4_compiled_fwd(
         varlen = cu_seqlens_q is not None
         acc = (out[None], lse[None]) if varlen else (out, lse)
         block = (o.float(), lse_.float())
-        merge_eager_(*acc, *((block[0][None], block[1][None]) if varlen else block))
+        merge_(*acc, *((block[0][None], block[1][None]) if varlen else block), rows)
         return
+    assert rows is None  # the ring reads queries in place only to merge them
     out.copy_(o)
     if lse is not None:
         lse.copy_(lse_)
@@ -1745,6 +1760,50 @@ def test_flash_attn4_unrounded_grads_under_graph_capture(flash_attn4_pieces, mon
     assert [g.dtype for g in FLASH4.backward(q, q, k, k, out, lse, **kw)] == [torch.float32] * 3
 
 
+def test_tiled_grads_add_into_rows_once():
+    """Note [Block dK/dV added from flash-attn 4's tiles]: a block's dK/dV tiles (a known tile
+    order) are added, scaled and in rows, into a run of an accumulator's rows (dense, B = 2)
+    or into the rows of an index (varlen, padded tiles); adding them twice raises (the CPU
+    path reorders the tiles in place)."""
+    from dtensor_ring.kernels.flash_attn4_tiles import TiledGrads, padded_rows, padded_total
+
+    g = torch.Generator().manual_seed(4)
+    tile, hdim, hdim_r, heads = 4, 3, 4, 2
+    perm = torch.randperm(tile * hdim_r, generator=g)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+
+    def tiled(rows_BHSD: Tensor) -> Tensor:  # row-major [.., R, hdim_r] -> the kernel's tiles
+        flat = rows_BHSD.reshape(*rows_BHSD.shape[:-2], -1, tile * hdim_r)
+        return flat[..., inverse].flatten(-2)
+
+    seq = 6  # dense: rows 0..5 of 8 (two tiles), into rows 3..8 of a longer accumulator
+    rows = [torch.randn(2, heads, 8, hdim_r, generator=g) for _ in "kv"]
+    held = TiledGrads([tiled(r) for r in rows], [perm, perm], [0.5, 1.0], None, tile,
+                      [hdim] * 2, seq)  # fmt: skip
+    accs = [torch.randn(2, 10, heads, hdim, generator=g) for _ in "kv"]
+    want = [a.clone() for a in accs]
+    for w, r, scale in zip(want, rows, (0.5, 1.0), strict=True):
+        w[:, 3:9] += scale * r[:, :, :seq, :hdim].transpose(1, 2)
+    held.add_to(*(a[:, 3:9] for a in accs))
+    assert all(torch.equal(a, w) for a, w in zip(accs, want, strict=True))
+    with pytest.raises(RuntimeError, match="added twice"):
+        held.add_to(*(a[:, 3:9] for a in accs))
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)  # varlen: 8 rows in padded tiles
+    padded, index_rows = padded_total(8, cu, tile), padded_rows(cu, 8, tile)
+    rows = [torch.randn(heads, padded, hdim_r, generator=g) for _ in "kv"]
+    held = TiledGrads([tiled(r) for r in rows], [perm, perm], [0.5, 1.0], index_rows, tile,
+                      [hdim] * 2, 8)  # fmt: skip
+    dest = torch.randperm(12, generator=g)[:8]
+    accs = [torch.randn(12, heads, hdim, generator=g) for _ in "kv"]
+    want = [a.clone() for a in accs]
+    for w, r, scale in zip(want, rows, (0.5, 1.0), strict=True):
+        w.index_add_(0, dest, scale * r[:, index_rows, :hdim].transpose(0, 1))
+    held.add_to(*accs, dest)
+    assert all(torch.allclose(a, w, rtol=0, atol=1e-6) for a, w in zip(accs, want, strict=True))
+
+
 def test_flash_attn4_unrounded_grads_checks_the_postprocess(flash_attn4_pieces, monkeypatch):
     """A postprocess that is not a pure reorder of its tile (here: it also adds 1 to one
     element) fails the check of the learnt order: the plain backward runs, every time."""
@@ -1917,6 +1976,7 @@ def test_ring_varlen_dq_accumulated_by_the_kernel(
     monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
     monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", True)
     monkeypatch.setattr(FlashAttn4Kernel, "unrounded_outputs", True)
+    monkeypatch.setattr(FlashAttn4Kernel, "merges_by_document", True)
     unit = 128 * world_size
     lengths = [2 * unit, unit, 3 * unit]  # the document layout cuts these on the tiles
     if layout == "zigzag":
@@ -1949,6 +2009,8 @@ def test_ring_varlen_dq_accumulated_by_the_kernel(
     runs = _ring_in_modes(flash_attn4_pieces, monkeypatch, name, (q, k, v, dout), kw)
     for accumulator, calls, (out, lse, *grads) in runs:
         assert _rounded_once(out, want_out)
+        if layout == "zigzag" and world_size > 1:  # halves of documents merged where they lie
+            assert any(c.get("seqused_q") is not None for c in FA4_CALLS), "no by-document merge"
         want = MATH.backward_varlen(
             *(t.double() for t in (dout, q, k, v, out, lse)), cu, cu, longest, longest,
             causal=causal, scale=SCALE, window=mask_window,
@@ -1970,7 +2032,7 @@ def test_ring_varlen_dq_accumulator_under_graph_capture(flash_attn4_pieces, monk
     """The per-block rows a varlen accumulator reads are built (copied to the device) at a
     rank's first backward; while a CUDA graph is captured before that, the rank sums per block
     (no preprocess of ours), and after a warm-up call outside the capture it accumulates."""
-    from dtensor_ring.engine import blocks as engine_blocks
+    from dtensor_ring.engine import varlen_blocks as engine_blocks
 
     monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
     monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", True)
@@ -1996,16 +2058,23 @@ def test_ring_varlen_dq_accumulator_under_graph_capture(flash_attn4_pieces, monk
 
 
 @pytest.mark.slow  # the fast tier's time
-def test_varlen_rows_built_only_for_a_kernel_that_sums_dq(flash_attn4_pieces, monkeypatch):
-    """The per-block rows of the varlen accumulator (host work, copies to the device) are built
-    only where the kernel may sum a rank's dq: not for flash-attn 4 with the switch off, nor
-    for the math kernel."""
-    from dtensor_ring.engine import blocks as engine_blocks
+def test_varlen_rows_built_only_for_a_kernel_that_reads_queries_in_place(
+    flash_attn4_pieces, monkeypatch
+):
+    """The per-block rows of the local queries by document (host work, copies to the device)
+    are built only for a kernel that reads them in place: flash-attn 4 where it sums a rank's
+    dq or merges zigzag's blocks of half of every document where their rows lie (Note [Varlen
+    blocks merged where their rows lie]), not with both switches off, never for the math
+    kernel."""
+    from dtensor_ring.engine import varlen_blocks as engine_blocks
 
     monkeypatch.setattr(FlashAttn4Kernel, "device_types", ("cuda", "cpu"))
     bounds, q = [0, 256, 768], torch.randn(768, 2, 8).to(torch.bfloat16)
-    for backend, on in [("math", True), ("flash_attn4", False), ("flash_attn4", True)]:
+    cases = [("math", True, True), ("flash_attn4", False, False)]
+    cases += [("flash_attn4", True, False), ("flash_attn4", False, True)]
+    for backend, on, by_document in cases:
         monkeypatch.setattr(FlashAttn4Kernel, "varlen_dq_in_kernel", on)
+        monkeypatch.setattr(FlashAttn4Kernel, "merges_by_document", by_document)
         monkeypatch.setattr(engine_blocks, "_BLOCKS_CACHE", {})
         kw = dict(layout="zigzag", world_size=2, backend=backend, cu_seqlens=bounds)
         try:
@@ -2014,8 +2083,8 @@ def test_varlen_rows_built_only_for_a_kernel_that_sums_dq(flash_attn4_pieces, mo
         finally:
             clear_selection_cache()
         built = [bool(b._query_rows) for _, b in engine_blocks._BLOCKS_CACHE.values()]
-        want = backend == "flash_attn4" and on
-        assert built and built == [want] * len(built), (backend, on, built)
+        want = backend == "flash_attn4" and (on or by_document)
+        assert built and built == [want] * len(built), (backend, on, by_document, built)
 
 
 def test_small_calls_prefer_a_kernel_of_little_host_time(flash_attn4, monkeypatch):

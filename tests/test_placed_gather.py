@@ -80,7 +80,7 @@ def test_heads_k_stride_groups(dist_pool, stride):
 def check_nothing_moves(group: dist.ProcessGroup) -> None:
     """No document cut: no all-to-all at all, forward or backward, and each rank's one kernel
     call is the answer (its result not copied into an output of the engine's)."""
-    from dtensor_ring.engine.blocks import VarlenBlocks
+    from dtensor_ring.engine.varlen_blocks import VarlenBlocks
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     bounds = [0, *range(8, 8 * 2 * W, 8), 16 * W]

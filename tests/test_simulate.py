@@ -124,11 +124,12 @@ def test_first_block_becomes_the_accumulator(monkeypatch, dtype, window, adopted
 def test_kernel_merges_blocks_in_place(monkeypatch, layout, varlen):
     """Note [Ring forward]: after step 0, a block whose query rows are one run of the
     accumulators goes to the kernel's ``merge_forward`` with those rows of them (flash-attn 4
-    merges it in its epilogue); a kernel that merges as the engine would gives the engine's
-    result bit for bit, forward and backward, and both equal full attention (W = 3)."""
+    merges it in its epilogue), a varlen block of other rows with the whole accumulators and
+    its rows by document (``seqused_q``); a kernel that merges as the engine would gives the
+    engine's result bit for bit, forward and backward, and both equal full attention (W = 3)."""
     import dtensor_ring as dr
     from dtensor_ring.kernels.base import BlockKernel
-    from dtensor_ring.kernels.merge import merge_eager_
+    from dtensor_ring.kernels.merge import merge_, merge_eager_
 
     g = torch.Generator().manual_seed(0)
     shape = (96, 4, 8) if varlen else (1, 96, 4, 8)
@@ -150,20 +151,28 @@ def test_kernel_merges_blocks_in_place(monkeypatch, layout, varlen):
                                                       window=window, unrounded=True))  # fmt: skip
         return True
 
-    def merge_forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, out_acc, lse_acc, **kw):
+    def merge_forward_varlen(
+        self, q, k, v, cu_q, cu_k, max_q, max_k, out_acc, lse_acc, seqused_q=None, **kw
+    ):
+        rows = None  # with seqused_q: each document's rows of the block, where they lie
+        if seqused_q is not None:
+            firsts, used = cu_q[:-1].tolist(), seqused_q.tolist()
+            rows = torch.cat([torch.arange(a, a + n) for a, n in zip(firsts, used, strict=True)])
+            q, cu_q = q[rows], torch.cat([cu_q[:1] * 0, seqused_q.cumsum(0, dtype=torch.int32)])
         merged.append(q.shape)
-        rows = self.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, unrounded=True, **kw)
-        merge_eager_(out_acc[None], lse_acc[None], rows[0][None], rows[1][None])
+        out_b, lse_b = self.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, unrounded=True, **kw)
+        merge_(out_acc[None], lse_acc[None], out_b[None], lse_b[None], rows)
         return True
 
     monkeypatch.setattr(BlockKernel, "merges_outputs", True)
+    monkeypatch.setattr(BlockKernel, "merges_by_document", True)
     monkeypatch.setattr(BlockKernel, "_merge_forward", merge_forward)
     monkeypatch.setattr(BlockKernel, "_merge_forward_varlen", merge_forward_varlen)
     got = simulate_ring(q, k, v, dout, layout=layout, **kw)
     assert merged, merged
-    if layout == "zigzag":  # dense: blocks of all 32 local rows and of half of them (one run);
-        # varlen: every document's half is a run of its own, so only blocks of all rows
-        assert {s[-3 if varlen else 1] for s in merged} == ({32} if varlen else {16, 32}), merged
+    if layout == "zigzag":  # blocks of all 32 local rows and of half of them (dense: one run;
+        # varlen: every document's half, Note [Varlen blocks merged where their rows lie])
+        assert {s[-3 if varlen else 1] for s in merged} == {16, 32}, merged
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     ref = simulate_ring(q, k, v, dout, layout="ring", world_size=1, causal=True,

@@ -93,7 +93,7 @@ from ..kernels import BlockKernel, accumulation_dtype
 from ..kernels.merge import finish_rows, merge_
 from ..parts import Block
 from ..schedule.llama3 import Llama3Meta
-from .blocks import varlen_blocks
+from .varlen_blocks import varlen_blocks
 
 # What failing waits name (Note [Faults] in comm/faults.py); step k of n: KV head group k.
 _GATHER_FORWARD = "llama3 attention forward, all-gather of K/V"

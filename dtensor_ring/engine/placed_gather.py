@@ -45,8 +45,8 @@ from ..kernels import BlockKernel, accumulation_dtype
 from ..kernels.merge import finish_rows
 from ..parts import Block
 from ..schedule.placed_gather import PlacedGather
-from .blocks import VarlenBlocks, varlen_blocks
 from .llama3 import head_groups
+from .varlen_blocks import VarlenBlocks, varlen_blocks
 
 
 class RowExchange(Protocol):

@@ -177,11 +177,12 @@ def ring_forward(
         for blk in step.blocks:
             if blocks.is_empty(blk):
                 continue
-            q_b, k_b, v_b = q_part(blk.q), blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
+            k_b, v_b = blocks.take(kv[0], blk.kv), blocks.take(kv[1], blk.kv)
             if _merged_by_kernel(kernel, blocks, blk, out_acc):
                 side.join()  # the kernel merges into the accumulators: after the queued merges
-                if blocks.merge_forward(kernel, q_b, k_b, v_b, blk, scale, out_acc, lse_acc):
+                if blocks.merge_forward(kernel, q_BSHD, k_b, v_b, blk, scale, out_acc, lse_acc):
                     continue
+            q_b = q_part(blk.q)
             out_b, lse_b = blocks.forward(kernel, q_b, k_b, v_b, blk, scale, unrounded=True)
             if out_acc is None:
                 if blk.init and _adoptable(blocks, blk, q_BSHD, out_b, lse_b, acc):
@@ -206,9 +207,11 @@ def ring_forward(
 
 def _merged_by_kernel(kernel: BlockKernel, blocks: Blocks, blk: Block, out_acc) -> bool:
     """Whether ``blk`` asks ``kernel`` to merge it into the accumulators itself (Note [Ring
-    forward]): a kernel that may, a block after the first whose query rows are one run of
-    the accumulators."""
-    return kernel.merges_outputs and out_acc is not None and not blk.init and blocks.in_place(blk.q)
+    forward]): a kernel that may, a block after the first whose query rows it can merge
+    where they lie (``Blocks.in_place``)."""
+    if not kernel.merges_outputs or out_acc is None or blk.init:
+        return False
+    return blocks.in_place(kernel, blk.q)
 
 
 def _new_accumulators(blocks: Blocks, q: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:

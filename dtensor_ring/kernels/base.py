@@ -202,6 +202,8 @@ class BlockKernel:
     unrounded_outputs: ClassVar[bool] = False
     # its _merge_forward / _merge_forward_varlen may merge a block into running accumulators
     merges_outputs: ClassVar[bool] = False
+    # merge_forward_varlen takes seqused_q: a block's rows read and merged where they lie
+    merges_by_document: ClassVar[bool] = False
     relative_speed: ClassVar[float] = 1.0
     # for small calls (KernelCall.small) the automatic choice takes the first of these that
     # can run the call instead: measured faster there, where this one's host time sets the pace
@@ -411,15 +413,21 @@ class BlockKernel:
         causal: bool,
         scale: float,
         window: tuple[int, int] | None = None,
+        seqused_q: Tensor | None = None,
     ) -> bool:
-        """:meth:`merge_forward` of a varlen block (:meth:`forward_varlen`'s arguments)."""
-        if not self.merges_outputs:
+        """:meth:`merge_forward` of a varlen block (:meth:`forward_varlen`'s arguments). With
+        ``seqused_q`` (int32 ``[N]``), ``q``, ``out_acc`` and ``lse_acc`` are a rank's whole
+        local tensors and the block's queries of document ``d`` are rows
+        ``[cu_seqlens_q[d], cu_seqlens_q[d] + seqused_q[d])`` of them (``VarlenQueryRows``;
+        Note [Varlen blocks merged where their rows lie]): the other rows stay as they are."""
+        if not self.merges_outputs or (seqused_q is not None and not self.merges_by_document):
             return False
         q_THD, k_THD, v_THD = unit_last_stride(q_THD, k_THD, v_THD)
         q_THD, scale, _ = fold_scale_sign(q_THD, scale)
         return self._merge_forward_varlen(
             q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             out_acc_THD, lse_acc_HT, causal=causal, scale=scale, window=window,
+            seqused_q=seqused_q,
         )  # fmt: skip
 
     def _merge_forward(self, q_BSHD, k_BSHD, v_BSHD, out_acc, lse_acc, *, causal, scale, window):
@@ -427,7 +435,7 @@ class BlockKernel:
 
     def _merge_forward_varlen(
         self, q_THD, k_THD, v_THD, cu_q, cu_k, max_q, max_k, out_acc, lse_acc, *,
-        causal, scale, window,
+        causal, scale, window, seqused_q=None,
     ):  # fmt: skip
         return False
 

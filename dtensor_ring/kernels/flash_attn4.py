@@ -148,6 +148,8 @@ class FlashAttn4Kernel(BlockKernel):
     unrounded_outputs: ClassVar[bool] = True
     # Note [Merging in flash-attn 4's epilogue] (flash_attn4_launch.py; sm90, the checked release)
     merges_outputs: ClassVar[bool] = True
+    # not yet checked on a GPU (tests/gpu/check_flash_attn4.py, part merge): off until then
+    merges_by_document: ClassVar[bool] = False
 
     def is_available(self) -> str | None:
         if _INTERFACE not in sys.modules:
@@ -182,15 +184,16 @@ class FlashAttn4Kernel(BlockKernel):
 
     def _merge_forward_varlen(
         self, q_THD, k_THD, v_THD, cu_q, cu_k, max_q, max_k, out_acc, lse_acc, *,
-        causal, scale, window,
+        causal, scale, window, seqused_q=None,
     ):  # fmt: skip
         interface = _interface()
         if unrounded_reason(interface) is not None:
             return False
         options = _options(causal=causal, scale=scale, window=window)
         return launch.merge_forward(
-            interface, q_THD, k_THD, v_THD, out_acc, lse_acc, cu_q, cu_k, max_q, max_k, **options
-        )
+            interface, q_THD, k_THD, v_THD, out_acc, lse_acc, cu_q, cu_k, max_q, max_k,
+            seqused_q=seqused_q, **options,
+        )  # fmt: skip
 
     def _backward(
         self, dout_BSHD, q_BSHD, k_BSHD, v_BSHD, out_BSHD, lse_BHS, *, causal, scale, window

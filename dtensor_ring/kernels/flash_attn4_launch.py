@@ -20,18 +20,18 @@ ourselves with the arguments it got then, the tensors swapped for this call's:
           input it is (its pointer, shape, strides)
 
 The recording is kept only when it is certainly the whole call: exactly one compiled function
-ran, each of its tensor arguments is one of the call's own tensors (q, k, v, ``out``, ``lse``
-and ``cu_seqlens``, which we allocate or pass; none copied) and every other argument is a
-constant (None, a number, a tuple of them). Which inputs share a pointer (``cu_seqlens_q is
-cu_seqlens_k``, ``q is k``) is part of the signature, so a tensor argument names one input
-whichever of them it was. Anything the wrapper made for the call (a contiguous copy, split-KV
-partials, a scheduler's tensors for many documents) is a tensor we do not know: that signature
-then always runs the wrapper. What the wrapper computes on the host depends on the signature
-only (it reads no tensor values), so a replay launches what the wrapper would launch; the
-launch takes the current stream, as the wrapper's does. (The environment switches it reads on
-every call, its log level and scheduler defaults, are taken as they were at the recording:
-they choose among correct kernels.) ``REPLAY = False`` runs the wrapper
-every time (benchmarks compare the two).
+ran, each of its tensor arguments is one of the call's own tensors (q, k, v, ``out``, ``lse``,
+``cu_seqlens`` and ``seqused_q``, which we allocate or pass; none copied) and every other
+argument is a constant (None, a number, a tuple of them). Which inputs share a pointer
+(``cu_seqlens_q is cu_seqlens_k``, ``q is k``) is part of the signature, so a tensor argument
+names one input whichever of them it was. Anything the wrapper made for the call (a contiguous
+copy, split-KV partials, a scheduler's tensors for many documents) is a tensor we do not know:
+that signature then always runs the wrapper. What the wrapper computes on the host depends on
+the signature only (it reads no tensor values), so a replay launches what the wrapper would
+launch; the launch takes the current stream, as the wrapper's does. (The environment switches
+it reads on every call, its log level and scheduler defaults, are taken as they were at the
+recording: they choose among correct kernels.) ``REPLAY = False`` runs the wrapper every time
+(benchmarks compare the two).
 
 Note [fp32 block outputs from flash-attn 4]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -79,7 +79,10 @@ those rows of the accumulator; ``lse``: of the running lse, a strided view):
 
 A row's lse is read by the four threads holding the row and written by one, after a barrier of
 the epilogue threads. Recorded and replayed like the fp32 class, with its own compile cache;
-a signature that cannot be replayed is not merged by the kernel (the engine merges).
+a signature that cannot be replayed is not merged by the kernel (the engine merges). A varlen
+block of rows that are no one run is merged where its rows lie: the whole local queries and
+accumulators, each document's rows from ``cu_seqlens_q[d]``, ``seqused_q[d]`` of them (Note
+[Varlen blocks merged where their rows lie] in ``engine/varlen_blocks.py``).
 """
 
 from __future__ import annotations
@@ -214,7 +217,7 @@ def forward(
     varlen = cu_seqlens_q is not None
     lse_shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    tensors = (q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens_q, cu_seqlens_k)
+    tensors = (q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens_q, cu_seqlens_k, None)
     kind = _FP32_OUT if fp32_out else _PLAIN
     if not _run(interface, kind, tensors, max_seqlen_q, max_seqlen_k, options):
         out, lse = forward(interface, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -234,17 +237,21 @@ def merge_forward(
     cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    seqused_q: Tensor | None = None,
     **options: object,
 ) -> bool:
     """The block :func:`forward` would compute, merged by its epilogue into a running
     ``out_acc`` (fp32, shaped as ``forward``'s ``out``, a unit last stride: rows of the ring's
     accumulator) and ``lse_acc`` (fp32, as its ``lse``, a unit last stride), in place (Note
-    [Merging in flash-attn 4's epilogue]; sm90 only). False where this signature runs only
-    through the wrapper: nothing done, the caller merges."""
+    [Merging in flash-attn 4's epilogue]; sm90 only); ``seqused_q``: document ``d``'s queries
+    are ``seqused_q[d]`` rows from ``cu_seqlens_q[d]`` (Note [Varlen blocks merged where their
+    rows lie]). False where this signature runs only through the wrapper: nothing done, the
+    caller merges."""
     if _empty(q, k):
         return True  # no query, or no key: nothing to merge
     out = out_acc.view(q.dtype)[..., : v.shape[-1]]
-    tensors = (q.detach(), k.detach(), v.detach(), out, lse_acc, cu_seqlens_q, cu_seqlens_k)
+    tensors = (q.detach(), k.detach(), v.detach(), out, lse_acc, cu_seqlens_q, cu_seqlens_k,
+               seqused_q)  # fmt: skip
     return _run(interface, _MERGE, tensors, max_seqlen_q, max_seqlen_k, options)
 
 
@@ -256,9 +263,9 @@ _PLAIN, _FP32_OUT, _MERGE = "plain", "fp32_out", "merge"  # the kernel classes (
 
 
 def _run(interface: ModuleType, kind: str, tensors, max_seqlen_q, max_seqlen_k, options) -> bool:
-    """The wrapper's call on ``tensors`` (``q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k``)
-    with the kernel class ``kind``, replayed where its signature was recorded; False (nothing
-    run) for a signature another class than the plain one cannot replay."""
+    """The wrapper's call on ``tensors`` (``q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+    seqused_q``) with the kernel class ``kind``, replayed where its signature was recorded;
+    False (nothing run) for a signature another class than the plain one cannot replay."""
     kernel_options = options if kind == _PLAIN else dict(options, pack_gqa=False)
     wrapper = interface._flash_attn_fwd
     signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, *sorted(kernel_options.items())))
@@ -268,7 +275,7 @@ def _run(interface: ModuleType, kind: str, tensors, max_seqlen_q, max_seqlen_k, 
         return True
     if kind != _PLAIN and launch is _NOT_REPLAYED:  # its class is swapped in only to record
         return False
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q = tensors
     call = functools.partial(
         wrapper,
         q,
@@ -276,6 +283,7 @@ def _run(interface: ModuleType, kind: str, tensors, max_seqlen_q, max_seqlen_k, 
         v,
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
+        seqused_q=seqused_q,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         out=out,

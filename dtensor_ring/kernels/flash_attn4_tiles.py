@@ -190,10 +190,13 @@ class TiledGrads:
         the block's scaled dK and dV: row ``i`` into row ``i``, or into row ``index[i]``
         (int64, distinct). One Triton launch on CUDA reading the tiles; else the reorder
         (in place), then the adds."""
+        if not self.accums:  # the CPU path below reorders the tiles in place
+            raise RuntimeError("a block's tiled dK/dV were added twice")
         untile = _triton("triton_untile_rows") if dk.is_cuda else None
         if untile is not None:
             untile(self.accums, self.perms, self.scales, self.rows, self.tile, [dk, dv],
                    dest=index, add=True)  # fmt: skip
+            self.accums = []
             return
         if self.rows is None:
             untile_(self.accums, self.perms, self.scales)
@@ -202,6 +205,7 @@ class TiledGrads:
         else:
             args = (self.accums, self.perms, self.scales, self.rows, self.tile, self.hdims)
             grads = untile_rows(*args, torch.float32)
+        self.accums = []
         for acc, grad in zip((dk, dv), grads, strict=True):
             if index is None:
                 acc.add_(grad)

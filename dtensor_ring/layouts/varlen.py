@@ -32,11 +32,11 @@ The ring and zigzag varlen forms run the *dense* schedules of Note [Ring schedul
 document at once: at each step, the block ``q-part/kv-part`` of the dense plan is applied to
 every document, with a part meaning that part of each document's local piece (``lo`` = the
 first half of each document's local piece, ``hi`` = the second half). The engine's
-``VarlenBlocks`` (``engine/blocks.py``) does this: it holds, for every part the plan uses, the
-rows of the packed tensor, the part's ``cu_seqlens`` and its ``max_seqlen``, precomputed once,
-so a ring step never reads anything back from the device. Documents never meet: query piece of
-one document against keys of another are never computed (the kernels' ``cu_seqlens`` keep them
-apart).
+``VarlenBlocks`` (``engine/varlen_blocks.py``) does this: it holds, for every part the plan
+uses, the rows of the packed tensor, the part's ``cu_seqlens`` and its ``max_seqlen``,
+precomputed once, so a ring step never reads anything back from the device. Documents never
+meet: query piece of one document against keys of another are never computed (the kernels'
+``cu_seqlens`` keep them apart).
 
 Host reads ("syncs"): validating ``cu_seqlens`` needs its values on the host. A CPU tensor is
 read directly (no device sync). A GPU tensor is copied to the host once, the first time it is

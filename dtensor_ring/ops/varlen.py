@@ -21,10 +21,10 @@ from torch import Tensor
 from .._compat import resolve_group
 from ..comm.all_to_all import RowsAllToAll
 from ..comm.p2p import backward_exchangers, forward_exchanger
-from ..engine.blocks import VarlenBlocks, varlen_blocks
 from ..engine.llama3 import llama3_backward, llama3_forward
 from ..engine.placed_gather import placed_backward, placed_forward
 from ..engine.ring import ring_backward, ring_forward
+from ..engine.varlen_blocks import VarlenBlocks, varlen_blocks
 from ..kernels import get_kernel
 from ..layouts import get_layout
 from ..layouts.varlen import (

@@ -598,25 +598,33 @@ def _fp32_out_rows(kernel: BlockKernel, rows: list[dict]) -> None:
 def merge_part() -> None:
     """Blocks merged in the epilogue (Note [Merging in flash-attn 4's epilogue]) against the
     engine's merge of fp32 block outputs: the simulated ring's out and lse against fp64 with
-    the kernel merging (on) and not (off), dense zigzag and packed documents at W = 4; how many
-    blocks the kernel merged; then one rank's forward time, on and off: zigzag W = 8 at 8192
-    and 4096 tokens a rank, and 5 long documents in 65536 tokens placed on 8 ranks."""
+    the kernel merging (on) and not (off), dense zigzag and packed documents at W = 4 (the
+    document layout, and zigzag, whose halves of documents the kernel merges where their rows
+    lie); how many blocks the kernel merged; then one rank's forward time, on and off: zigzag
+    W = 8 at 8192 and 4096 tokens a rank, and 5 long documents in 65536 tokens placed on 8
+    ranks."""
     from dtensor_ring.kernels import flash_attn4_launch as launch
 
-    merged, original = [], launch.merge_forward
+    merged, by_document, original = [], [], launch.merge_forward
 
     def counted(*args, **kwargs):
         done = original(*args, **kwargs)
         merged.append(done)
+        by_document.append(done and kwargs.get("seqused_q") is not None)
         return done
 
     launch.merge_forward = counted
-    default = FlashAttn4Kernel.merges_outputs
+    default, by_document_default = (
+        FlashAttn4Kernel.merges_outputs,
+        FlashAttn4Kernel.merges_by_document,
+    )
+    FlashAttn4Kernel.merges_by_document = True  # what this part checks
     rows, times = [], {}
     try:
         bounds = [0, 2048, 3072, 8192]
         q, k, v, dout = make_inputs(8192, 8192, seed=11)
         cases = [("zigzag", "zigzag", None), ("documents", dr.document_layout(bounds, 4), bounds)]
+        cases.append(("varlen zigzag", "zigzag", bounds))  # halves merged by document
         for label, layout, cu_seqlens in cases:
             if late(f"merge {label}"):
                 continue
@@ -627,6 +635,7 @@ def merge_part() -> None:
             for on in (True, False):
                 FlashAttn4Kernel.merges_outputs = on
                 merged.clear()
+                by_document.clear()
                 row: dict[str, object] = dict(path=f"simulate {label} W=4", kernel_merges=on)
                 try:
                     got = simulate_ring(*tensors, layout=layout, world_size=4, causal=True,
@@ -635,6 +644,7 @@ def merge_part() -> None:
                     row["out_mean_err"] = float((got[0].double() - ref["out"]).abs().mean())
                     row["blocks_merged_by_kernel"] = sum(merged)
                     row["blocks_not_replayable"] = merged.count(False)
+                    row["blocks_merged_by_document"] = sum(by_document)
                 except Exception as e:
                     row["status"] = error_text(e)
                 rows.append(row)
@@ -664,6 +674,7 @@ def merge_part() -> None:
     finally:
         launch.merge_forward = original
         FlashAttn4Kernel.merges_outputs = default
+        FlashAttn4Kernel.merges_by_document = by_document_default
 
 
 def ring_part(keep: dict) -> None:
