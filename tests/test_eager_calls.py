@@ -1,5 +1,6 @@
 """Note [Eager calls] (``ops/common.py``): in eager mode on plain tensors a front door runs the
-op's implementation through an ``autograd.Function``; everywhere else the custom op itself.
+op's implementation through an ``autograd.Function`` (with no graph to record, the
+implementation alone); everywhere else the custom op itself.
 Both give bitwise the same results (world sizes 1-4); the fp64 numerics of every front door
 are in the other test modules."""
 
@@ -38,6 +39,23 @@ def run_eager_vs_op(group, layout: str) -> list[str]:
         mode_fn, _ = _grads(lambda *t: call_attention(ring_attention, *t, *args), q, k, v)
     for a, b in zip(eager, op, strict=True):
         assert torch.equal(a, b)
+    # no graph to record (grad mode off; no input requiring grad): the implementation itself,
+    # without the autograd.Function, the same results
+    applied, apply = [], torch.autograd.Function.apply.__func__
+    torch.autograd.Function.apply = classmethod(
+        lambda cls, *a: applied.append(cls) or apply(cls, *a)
+    )
+    try:
+        with torch.no_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            no_grad = call_attention(ring_attention, *leaves, *args)
+        plain = call_attention(ring_attention, q, k, v, *args)
+    finally:
+        torch.autograd.Function.apply = classmethod(apply)
+    assert not applied, applied
+    for result in (no_grad, plain):
+        assert all(torch.equal(a, b) for a, b in zip(result, eager[:2], strict=True))
+        assert result[0].grad_fn is None
     return [type(f).__name__ for f in (eager_fn, op_fn, mode_fn)]
 
 
