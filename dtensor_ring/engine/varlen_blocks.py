@@ -142,30 +142,23 @@ class VarlenBlocks:
     def finish(self, out, lse, whole, dtype):
         return softmax_empty_rows(out, lse, whole, dtype)
 
-    def forward(self, kernel: BlockKernel, q, k, v, block, scale, unrounded=False):
+    def _kernel_args(self, block: Block, scale: float) -> tuple[tuple, dict]:
+        """``block``'s varlen metadata (cu_seqlens and max_seqlen of its query and K/V parts)
+        and its mask keywords, as the kernel's varlen methods take them."""
         rq, rk = self.rows[block.q], self.rows[block.kv]
-        return kernel.forward_varlen(
-            q,
-            k,
-            v,
-            rq.cu_seqlens,
-            rk.cu_seqlens,
-            rq.max_seqlen,
-            rk.max_seqlen,
-            causal=block.causal,
-            scale=scale,
-            window=block.window,
-            unrounded=unrounded,
-        )
+        meta = (rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen)
+        return meta, dict(causal=block.causal, scale=scale, window=block.window)
+
+    def forward(self, kernel: BlockKernel, q, k, v, block, scale, unrounded=False):
+        meta, mask = self._kernel_args(block, scale)
+        return kernel.forward_varlen(q, k, v, *meta, **mask, unrounded=unrounded)
 
     def merge_forward(self, kernel, q, k, v, block, scale, out_acc, lse_acc):
-        rq, rk = self.rows[block.q], self.rows[block.kv]
-        mask = dict(causal=block.causal, scale=scale, window=block.window)
+        rq = self.rows[block.q]
+        meta, mask = self._kernel_args(block, scale)
         if rq.index is None:  # one run: views of the rows
-            return kernel.merge_forward_varlen(
-                rq.take(q, 0), k, v, rq.cu_seqlens, rk.cu_seqlens, rq.max_seqlen, rk.max_seqlen,
-                rq.take(out_acc, 0), rq.take(lse_acc, 1), **mask,
-            )  # fmt: skip
+            q_rows, out_rows, lse_rows = rq.take(q, 0), rq.take(out_acc, 0), rq.take(lse_acc, 1)
+            return kernel.merge_forward_varlen(q_rows, k, v, *meta, out_rows, lse_rows, **mask)
         rows = self._rows_of_queries([block])  # Note [Varlen blocks merged where their rows lie]
         if rows is None:
             return False
@@ -176,22 +169,8 @@ class VarlenBlocks:
         )  # fmt: skip
 
     def backward(self, kernel: BlockKernel, dout, q, k, v, out, lse, block, scale, unrounded=False):
-        rq, rk = self.rows[block.q], self.rows[block.kv]
-        return kernel.backward_varlen(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            rq.cu_seqlens,
-            rk.cu_seqlens,
-            rq.max_seqlen,
-            rk.max_seqlen,
-            causal=block.causal,
-            scale=scale,
-            window=block.window,
-        )
+        meta, mask = self._kernel_args(block, scale)
+        return kernel.backward_varlen(dout, q, k, v, out, lse, *meta, **mask)
 
     def dq_accumulator(self, kernel, dout, q, k, v, out, lse, blocks, scale):
         if not kernel.sums_varlen_dq():
