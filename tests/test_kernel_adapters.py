@@ -1254,6 +1254,38 @@ def test_flash_attn4_merges_in_its_epilogue(flash_attn4_pieces, monkeypatch):
     check(False, False, False, wrapper_calls=0)
 
 
+def test_flash_attn4_merges_rows_where_they_lie(flash_attn4_pieces, monkeypatch):
+    """``merge_forward_varlen(..., seqused_q=)`` (Note [Varlen blocks merged where their rows
+    lie]): the whole local queries and accumulators, each document's rows of the block from
+    ``cu_seqlens_q[d]`` (``seqused_q[d]`` of them, a document with none at the end), merged
+    as the engine merges the gathered rows, the other rows untouched; recorded on the first
+    call, replayed after (``seqused_q`` one of the call's tensors); a kernel without
+    ``merges_by_document`` merges nothing (False, no call)."""
+    calls = FA4_CALLS
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(24, 4, 8, generator=g).to(torch.bfloat16)  # documents of 10, 6, 8 rows
+    starts = torch.tensor([6, 24, 18, 24], dtype=torch.int32)  # the block: rows 6-9 and 18-23
+    used = torch.tensor([4, 0, 6], dtype=torch.int32)
+    rows = torch.cat([torch.arange(6, 10), torch.arange(18, 24)])
+    cu_k = torch.tensor([0, 4, 4, 10], dtype=torch.int32)  # its K/V by document (causal: as many)
+    k, v = torch.randn(2, 10, 2, 8, generator=g).to(torch.bfloat16).unbind(0)
+    kw = dict(causal=True, scale=SCALE, seqused_q=used)
+    for by_document, wrapper_calls in ((True, 1), (True, 0), (False, 0)):
+        monkeypatch.setattr(FlashAttn4Kernel, "merges_by_document", by_document)
+        out_acc, lse_acc = torch.randn(24, 4, 8, generator=g), torch.randn(4, 24, generator=g)
+        want = (out_acc.clone(), lse_acc.clone())
+        before = len(calls)
+        done = FLASH4.merge_forward_varlen(q, k, v, starts, cu_k, 6, 6, out_acc, lse_acc, **kw)
+        assert done is by_document and len(calls) - before == wrapper_calls
+        if by_document:
+            cu_q = torch.tensor([0, 4, 4, 10], dtype=torch.int32)
+            o, lse = MATH.forward_varlen(
+                *(t.double() for t in (q[rows], k, v)), cu_q, cu_k, 6, 6, causal=True, scale=SCALE
+            )
+            merge_(want[0][None], want[1][None], o.float()[None], lse.float()[None], rows)
+        assert torch.equal(out_acc, want[0]) and torch.equal(lse_acc, want[1])
+
+
 def test_flash_attn4_fp32_outputs(flash_attn4_pieces, monkeypatch):
     """``unrounded=True`` (Note [fp32 block outputs from flash-attn 4]): out in fp32, the fp64
     result rounded to fp32 only, dense and varlen; compiled from the fp32 class with pack-GQA
