@@ -31,7 +31,9 @@ A failing resolution is never kept: bad input raises every time, on every rank. 
 removing a layout, and :func:`~dtensor_ring.kernels.clear_selection_cache`, move the versions
 in the key. The table is bounded (cleared when full). The checks of SDPA on DTensors
 (``check_sdpa_args``: placements, meshes, shapes) are remembered the same way, in a table of
-their own.
+their own, and so are their route and resolution on the local shards (``resolve_local`` in
+``api/dtensor/handlers.py``: one key for both, also read by the call's backward), except for
+"auto" (priced per call) and compared calls.
 """
 
 from __future__ import annotations

@@ -200,3 +200,77 @@ def test_equal_meshes_of_other_groups_are_not_confused(dist_pool):
     group.)"""
     for names, expected in dist_pool.run(_groups_of_equal_meshes, 4):
         assert names == expected
+
+
+def _sdpa_routes(group) -> list:
+    """SDPA on DTensors in a held-open scope (its eager route resolves the local call in the
+    forward and again in the backward): how many routes each call ran."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dtensor_ring.api.dtensor import handlers
+
+    clear_selection_cache()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    W = mesh.size()
+    routes, original = [0], handlers.sdpa_route
+
+    def counting(*args, **kwargs):
+        routes[0] += 1
+        return original(*args, **kwargs)
+
+    def leaves(seed: int = 0):
+        q, k, v = random_qkv(1, 8 * W, 4, 2, 8, torch.float64, seed=seed)
+        return [
+            DTensor.from_local(x.transpose(1, 2).contiguous(), mesh, [Shard(2)], run_check=False)
+            .detach()
+            .requires_grad_()
+            for x in (q, k, v)
+        ]
+
+    seen, outs = [], []
+
+    def call(layout="zigzag", is_causal=True, seed=0):
+        before = routes[0]
+        q, k, v = leaves(seed)
+        with dr.ring_sdpa(layout=layout):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+            out.sum().backward()
+        outs.append([out.to_local().tolist(), q.grad.to_local().tolist()])
+        seen.append(routes[0] - before)
+
+    handlers.sdpa_route = counting
+    try:
+        call()
+        call()  # the same call: remembered, forward and backward
+        call(seed=1)  # other values, the same key
+        call(layout="ring", is_causal=False)
+        torch.use_deterministic_algorithms(True)
+        try:
+            call()
+        finally:
+            torch.use_deterministic_algorithms(False)
+        call(layout="auto")  # priced per call
+        call(layout="auto")
+        dr.set_consistency_checks(True)
+        try:
+            call()  # compared across the group: resolved every time
+            call()
+        finally:
+            dr.set_consistency_checks(None)
+    finally:
+        handlers.sdpa_route = original
+    return [seen, outs[0] == outs[1]]
+
+
+def test_sdpa_on_dtensors_resolves_once_per_key(dist_pool):
+    """SDPA on DTensors' local resolution (``resolve_local``) is remembered per key at W = 1:
+    a call's backward routes no more than its forward, a repeated call not at all, with
+    bitwise the first call's results; another mask or deterministic switch resolves afresh;
+    "auto" and a compared call (the consistency mode; at W = 2 the gloo header) every time,
+    forward and backward."""
+    ((seen, same),) = dist_pool.run(_sdpa_routes, 1)
+    assert seen == [1, 0, 0, 1, 1, 2, 2, 2, 2] and same, seen  # a backward: its forward's
+    for seen, _ in dist_pool.run(_sdpa_routes, 2):
+        assert seen == [2] * 9, seen

@@ -15,8 +15,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..._compat import aten_op, require_aten_op
 from ..._compat import dtensor as _dtensor_compat
 from ...algorithm import Route
+from ...consistency import comparing
 from ...ops.common import call_attention, check_first_order
-from ...resolve import AttentionSpec
+from ...resolve import AttentionSpec, placement
+from ...resolved import Remembered, scalar_key, tensor_key, versions
 from .function import ALGORITHM_OPS, SDPAConfig, resolve_sdpa, sdpa_route
 from .gather import gather_backward, gather_forward, resolve_gather
 from .placements import check_sdpa_args, swap_seq_heads, to_op_layout
@@ -128,10 +130,32 @@ def resolve_local(
     world_size: int,
 ) -> tuple[AttentionSpec, Route]:
     """The route and the call resolution of a checked SDPA call on its local shards in the op
-    layout ``[B, S, H, D]``."""
-    r = sdpa_route(config, lambda: (q, k, v), is_causal, group_name, world_size)
-    resolve = resolve_gather if r.algorithm == "all_gather" else resolve_sdpa
-    return resolve(config, r, q, k, v, is_causal, scale, group_name, world_size), r
+    layout ``[B, S, H, D]``; remembered where nothing in them communicates (below)."""
+    key = _local_key(q, k, v, config, is_causal, scale, group_name, world_size)
+    resolved = LOCAL_RESOLUTIONS.get(key)
+    if resolved is None:
+        r = sdpa_route(config, lambda: (q, k, v), is_causal, group_name, world_size)
+        resolve = resolve_gather if r.algorithm == "all_gather" else resolve_sdpa
+        resolved = resolve(config, r, q, k, v, is_causal, scale, group_name, world_size), r
+        LOCAL_RESOLUTIONS.put(key, resolved)
+    return resolved
+
+
+# The route and resolution of SDPA calls on local shards (Note [Remembered resolutions]): the
+# route's and the resolution's own remembered tables, read through one key of what both read.
+LOCAL_RESOLUTIONS = Remembered()
+
+
+def _local_key(q, k, v, config: SDPAConfig, *scalars) -> tuple | None:
+    """What :func:`resolve_local` reads, or None where it must run afresh: compiling, "auto"
+    (its choice is priced per call), or a call whose resolution compares across the group (the
+    consistency mode, a gloo header: collectives every call, on every rank)."""
+    if torch.compiler.is_compiling() or comparing((scalars[-2],)):
+        return None
+    if placement(config.layout, config.algorithm)[1] == "auto":
+        return None
+    parts = [tensor_key(t) for t in (q, k, v)] + [scalar_key(x) for x in scalars]
+    return None if None in parts else (*parts, config, *versions())
 
 
 def local_forward(
