@@ -137,7 +137,8 @@ def resolve_local(
         r = sdpa_route(config, lambda: (q, k, v), is_causal, group_name, world_size)
         resolve = resolve_gather if r.algorithm == "all_gather" else resolve_sdpa
         resolved = resolve(config, r, q, k, v, is_causal, scale, group_name, world_size), r
-        LOCAL_RESOLUTIONS.put(key, resolved)
+        if placement(config.layout, config.algorithm)[1] != "auto":  # priced per call
+            LOCAL_RESOLUTIONS.put(key, resolved)
     return resolved
 
 
@@ -147,12 +148,10 @@ LOCAL_RESOLUTIONS = Remembered()
 
 
 def _local_key(q, k, v, config: SDPAConfig, *scalars) -> tuple | None:
-    """What :func:`resolve_local` reads, or None where it must run afresh: compiling, "auto"
-    (its choice is priced per call), or a call whose resolution compares across the group (the
-    consistency mode, a gloo header: collectives every call, on every rank)."""
+    """What :func:`resolve_local` reads, or None where it must run afresh: compiling, or a call
+    whose resolution compares across the group (the consistency mode, a gloo header:
+    collectives every call, on every rank)."""
     if torch.compiler.is_compiling() or comparing((scalars[-2],)):
-        return None
-    if placement(config.layout, config.algorithm)[1] == "auto":
         return None
     parts = [tensor_key(t) for t in (q, k, v)] + [scalar_key(x) for x in scalars]
     return None if None in parts else (*parts, config, *versions())
