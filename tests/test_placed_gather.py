@@ -111,15 +111,21 @@ def test_no_cut_document_moves_nothing(dist_pool):
     dist_pool.run(check_nothing_moves, 3)
 
 
-def check_compile(group: dist.ProcessGroup) -> None:
-    """The all-gather of placed documents traces with ``fullgraph=True`` and matches eager,
-    forward and backward (a cut document: the all-to-alls run)."""
+def _cut_documents(group: dist.ProcessGroup, seed: int):
+    """``(layout, q, cu_local)``: this rank's share of random fp64 queries ``[24, 4, 8]`` of
+    four documents placed on the group's ranks, one of them cut (the all-to-alls run)."""
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     bounds = [0, 3, 17, 20, 24]
     lay = dr.document_layout(bounds, W)
     assert lay.split
-    x = torch.randn(24, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    q, cu_local = dr.shard_varlen(x, bounds, lay, rank, W)
+    x = torch.randn(24, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return lay, *dr.shard_varlen(x, bounds, lay, rank, W)
+
+
+def check_compile(group: dist.ProcessGroup) -> None:
+    """The all-gather of placed documents traces with ``fullgraph=True`` and matches eager,
+    forward and backward (a cut document: the all-to-alls run)."""
+    lay, q, cu_local = _cut_documents(group, seed=0)
     k = q[:, :2].clone()
 
     def fn(q, k):
@@ -147,12 +153,7 @@ def check_checkpoint(group: dist.ProcessGroup) -> None:
     the all-to-alls again (one forward more)."""
     import torch.utils.checkpoint as torch_checkpoint
 
-    rank, W = dist.get_rank(group), dist.get_world_size(group)
-    bounds = [0, 3, 17, 20, 24]
-    lay = dr.document_layout(bounds, W)
-    assert lay.split
-    x = torch.randn(24, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    q, cu_local = dr.shard_varlen(x, bounds, lay, rank, W)
+    lay, q, cu_local = _cut_documents(group, seed=1)
     k = (q[:, :2] * 0.5).clone()
     calls = []
 

@@ -209,9 +209,9 @@ def _merged_by_kernel(kernel: BlockKernel, blocks: Blocks, blk: Block, out_acc) 
     """Whether ``blk`` asks ``kernel`` to merge it into the accumulators itself (Note [Ring
     forward]): a kernel that may, a block after the first whose query rows it can merge
     where they lie (``Blocks.in_place``)."""
-    if not kernel.merges_outputs or out_acc is None or blk.init:
-        return False
-    return blocks.in_place(kernel, blk.q)
+    if out_acc is None or blk.init or not blocks.in_place(kernel, blk.q):
+        return False  # (flex blocks never are: FlexBlocks.in_place)
+    return kernel.merges_outputs
 
 
 def _new_accumulators(blocks: Blocks, q: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -126,10 +126,7 @@ def triton_untile_rows(
         for a, p, s, o in zip(accums, perms, scales, outs, strict=True)
     ]
     batch, heads = (1, *accums[0].shape[:1]) if accums[0].dim() == 2 else accums[0].shape[:2]
-    if rows is not None or dest is not None:
-        total = (rows if rows is not None else dest).numel()
-    else:
-        total = outs[0].shape[-3]
+    total = outs[0].shape[-3] if dest is None else dest.numel()  # rows written
     block_d = triton.next_power_of_2(max(seg[4] for seg in segments))
     grid = (triton.cdiv(total, _ROWS), batch * heads, len(segments))
     if len(segments) == 1:

@@ -255,8 +255,7 @@ class BlockKernel:
     ) -> tuple[Tensor, Tensor]:
         """Return ``(out_BSHD, lse_BHS)`` of one block (``unrounded``: see the module
         docstring)."""
-        q_BSHD, k_BSHD, v_BSHD = unit_last_stride(q_BSHD, k_BSHD, v_BSHD)
-        q_BSHD, scale, _ = fold_scale_sign(q_BSHD, scale)
+        q_BSHD, (k_BSHD, v_BSHD), scale, _ = kernel_inputs(q_BSHD, k_BSHD, v_BSHD, scale=scale)
         options = self._forward_options(causal, scale, window, unrounded)
         return self._forward(q_BSHD, k_BSHD, v_BSHD, **options)
 
@@ -276,8 +275,9 @@ class BlockKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(dq_BSHD, dk_BSHD, dv_BSHD)`` of one block, given the global out/lse
         (``unrounded``: see the module docstring)."""
-        dout_BSHD, q_BSHD, k_BSHD, v_BSHD = unit_last_stride(dout_BSHD, q_BSHD, k_BSHD, v_BSHD)
-        q_BSHD, scale, sign = fold_scale_sign(q_BSHD, scale)
+        q_BSHD, (dout_BSHD, k_BSHD, v_BSHD), scale, sign = kernel_inputs(
+            q_BSHD, dout_BSHD, k_BSHD, v_BSHD, scale=scale
+        )
         backward = (
             self._backward_unrounded if unrounded and self.unrounded_grads else self._backward
         )
@@ -358,8 +358,7 @@ class BlockKernel:
         """Return ``(out_THD, lse_HT)``; documents are attended to independently (``window``
         per document, bottom-right aligned as for dense blocks; ``unrounded`` as for
         :meth:`forward`)."""
-        q_THD, k_THD, v_THD = unit_last_stride(q_THD, k_THD, v_THD)
-        q_THD, scale, _ = fold_scale_sign(q_THD, scale)
+        q_THD, (k_THD, v_THD), scale, _ = kernel_inputs(q_THD, k_THD, v_THD, scale=scale)
         return self._forward_varlen(
             q_THD,
             k_THD,
@@ -391,8 +390,7 @@ class BlockKernel:
         merges."""
         if not self.merges_outputs:
             return False
-        q_BSHD, k_BSHD, v_BSHD = unit_last_stride(q_BSHD, k_BSHD, v_BSHD)
-        q_BSHD, scale, _ = fold_scale_sign(q_BSHD, scale)
+        q_BSHD, (k_BSHD, v_BSHD), scale, _ = kernel_inputs(q_BSHD, k_BSHD, v_BSHD, scale=scale)
         return self._merge_forward(
             q_BSHD, k_BSHD, v_BSHD, out_acc_BSHD, lse_acc_BHS,
             causal=causal, scale=scale, window=window,
@@ -422,8 +420,7 @@ class BlockKernel:
         Note [Varlen blocks merged where their rows lie]): the other rows stay as they are."""
         if not self.merges_outputs or (seqused_q is not None and not self.merges_by_document):
             return False
-        q_THD, k_THD, v_THD = unit_last_stride(q_THD, k_THD, v_THD)
-        q_THD, scale, _ = fold_scale_sign(q_THD, scale)
+        q_THD, (k_THD, v_THD), scale, _ = kernel_inputs(q_THD, k_THD, v_THD, scale=scale)
         return self._merge_forward_varlen(
             q_THD, k_THD, v_THD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             out_acc_THD, lse_acc_HT, causal=causal, scale=scale, window=window,
@@ -463,8 +460,9 @@ class BlockKernel:
         window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(dq_THD, dk_THD, dv_THD)`` given the global out/lse."""
-        dout_THD, q_THD, k_THD, v_THD = unit_last_stride(dout_THD, q_THD, k_THD, v_THD)
-        q_THD, scale, sign = fold_scale_sign(q_THD, scale)
+        q_THD, (dout_THD, k_THD, v_THD), scale, sign = kernel_inputs(
+            q_THD, dout_THD, k_THD, v_THD, scale=scale
+        )
         dq, dk, dv = self._backward_varlen(
             dout_THD,
             q_THD,
@@ -552,19 +550,17 @@ class BlockKernel:
 #   ``0 * q`` keeps NaN/Inf in ``q`` visible (0 * inf = NaN, as in ``0 * (q . k)``).
 
 
-def unit_last_stride(*xs: Tensor) -> list[Tensor]:
-    """Each ``x`` itself if its last dim has stride 1, else a contiguous copy (Note [Kernel
-    inputs])."""
-    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
-
-
-def fold_scale_sign(q: Tensor, scale: float) -> tuple[Tensor, float, float]:
-    """``(q', scale', sign)`` with ``scale' > 0`` and ``scale' * q' == scale * q`` (Note
-    [Kernel inputs])."""
+def kernel_inputs(
+    q: Tensor, *others: Tensor, scale: float
+) -> tuple[Tensor, list[Tensor], float, float]:
+    """``(q', others', scale', sign)`` as the backends receive them (Note [Kernel inputs]):
+    each tensor itself if its last dim has stride 1, else a contiguous copy; ``q' = sign * q``
+    with ``scale' > 0`` and ``scale' * q' == scale * q``."""
+    q, *others = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, *others))
     if scale > 0:
-        return q, scale, 1.0
+        return q, others, scale, 1.0
     sign = -1.0 if scale < 0 else 0.0
-    return q * sign, -scale if scale < 0 else 1.0, sign
+    return q * sign, others, -scale if scale < 0 else 1.0, sign
 
 
 def unfold_scale_sign(dq: Tensor, sign: float) -> Tensor:

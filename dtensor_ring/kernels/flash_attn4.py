@@ -178,11 +178,11 @@ class FlashAttn4Kernel(BlockKernel):
         return launch.forward(interface, q_BSHD, k_BSHD, v_BSHD, **options)
 
     def _merge_forward(self, q_BSHD, k_BSHD, v_BSHD, out_acc, lse_acc, *, causal, scale, window):
-        interface = _interface()
-        if unrounded_reason(interface) is not None:
-            return False
-        options = _options(causal=causal, scale=scale, window=window)
-        return launch.merge_forward(interface, q_BSHD, k_BSHD, v_BSHD, out_acc, lse_acc, **options)
+        no_documents = (None,) * 4  # cu_seqlens and max_seqlen: a dense block
+        return self._merge_forward_varlen(
+            q_BSHD, k_BSHD, v_BSHD, *no_documents, out_acc, lse_acc,
+            causal=causal, scale=scale, window=window,
+        )  # fmt: skip
 
     def _merge_forward_varlen(
         self, q_THD, k_THD, v_THD, cu_q, cu_k, max_q, max_k, out_acc, lse_acc, *,

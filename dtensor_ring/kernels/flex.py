@@ -53,13 +53,11 @@ class FlexKernel:
     (:data:`~dtensor_ring.parts.GlobalRuns`).
 
     ``trims``: whether plans should trim blocks to their visible tiles (Note [Flex
-    schedules]); a kernel that skips hidden tiles itself takes whole shards instead.
-    ``merges_outputs``: never (the engine merges flex blocks by their own rule of empty rows:
-    ``FlexBlocks.merge_``)."""
+    schedules]); a kernel that skips hidden tiles itself takes whole shards instead. The
+    engine merges its blocks (by their own rule of empty rows: ``FlexBlocks.merge_``)."""
 
     name: str
     trims: bool
-    merges_outputs = False
 
     def unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """None when the kernel runs on ``device`` in ``dtype``, else why not."""
