@@ -167,16 +167,17 @@ def main() -> None:
         help="flash_attn4 varlen paths also with each block's dq summed by the engine",
     )
     parser.add_argument(
-        "--merges-by-document",
+        "--engine-merges-documents",
         action="store_true",
-        help="flash_attn4: varlen blocks merged where their rows lie (off by default)",
+        help="flash_attn4: varlen blocks whose rows are no one run merged by the engine, not "
+        "where their rows lie (the default before 2026-12-06)",
     )
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
-    if a.merges_by_document:
+    if a.engine_merges_documents:
         from dtensor_ring.kernels import get_kernel
 
-        get_kernel("flash_attn4").merges_by_document = True
+        get_kernel("flash_attn4").merges_by_document = False
     dev, S, W = torch.device("cuda"), a.seq_len, a.world_size
     gen = torch.Generator(device=dev).manual_seed(0)
     shape_q, shape_kv = (1, a.heads, S, a.head_dim), (1, a.kv_heads, S, a.head_dim)

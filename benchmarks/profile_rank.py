@@ -128,15 +128,16 @@ def main() -> None:
         help="flash_attn4: a varlen rank's dq summed by the engine, not in its kernel",
     )
     p.add_argument(
-        "--merges-by-document",
+        "--engine-merges-documents",
         action="store_true",
-        help="flash_attn4: varlen blocks merged where their rows lie (off by default)",
+        help="flash_attn4: varlen blocks whose rows are no one run merged by the engine, not "
+        "where their rows lie (the default before 2026-12-06)",
     )
     a = p.parse_args()
     if a.varlen_dq_per_block:
         get_kernel("flash_attn4").varlen_dq_in_kernel = False
-    if a.merges_by_document:
-        get_kernel("flash_attn4").merges_by_document = True
+    if a.engine_merges_documents:
+        get_kernel("flash_attn4").merges_by_document = False
     device = torch.device("cuda")
     a.dtype = torch.bfloat16
     W = a.world_size

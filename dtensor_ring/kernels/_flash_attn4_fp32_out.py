@@ -103,7 +103,8 @@ class FlashAttentionForwardSm90Fp32Merge(FlashAttentionForwardSm90Fp32Out):
 
     Every thread
     reads its rows' old lse before any writes the new one (a barrier of the epilogue threads:
-    a row's lse is read by its four threads and written by one)."""
+    a row's lse is read by its four threads and written by one), and all its old output values
+    before it writes one (a partial tile too: Note [Merging in flash-attn 4's epilogue])."""
 
     @cute.jit
     def epilogue(
@@ -163,12 +164,19 @@ class FlashAttentionForwardSm90Fp32Merge(FlashAttentionForwardSm90Fp32Out):
                     old_mn[m, None].load() * w_old[m] + acc_mn[m, None].load() * w_new[m]
                 )
             cute.autovec_copy(acc_O, taccOgO)
-        else:
+        else:  # a partial tile: every load first (in flight together), then the stores
             gO_mn = layout_utils.reshape_acc_to_mn(taccOgO)
+            old_O = cute.make_fragment_like(acc_O, Float32)
+            old_mn = layout_utils.reshape_acc_to_mn(old_O)
+            for m in cutlass.range(cute.size(lse), unroll_full=True):
+                for n in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    old_mn[m, n] = Float32(0.0)
+                    if taccOcO_mn[m, n][0] < rows_left and taccOcO_mn[m, n][1] < mO.shape[1]:
+                        old_mn[m, n] = gO_mn[m, n]
             for m in cutlass.range(cute.size(lse), unroll_full=True):
                 for n in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                     if taccOcO_mn[m, n][0] < rows_left and taccOcO_mn[m, n][1] < mO.shape[1]:
-                        gO_mn[m, n] = gO_mn[m, n] * w_old[m] + acc_mn[m, n] * w_new[m]
+                        gO_mn[m, n] = old_mn[m, n] * w_old[m] + acc_mn[m, n] * w_new[m]
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads
         )

@@ -148,10 +148,10 @@ class FlashAttn4Kernel(BlockKernel):
     unrounded_outputs: ClassVar[bool] = True
     # Note [Merging in flash-attn 4's epilogue] (flash_attn4_launch.py; sm90, the checked release)
     merges_outputs: ClassVar[bool] = True
-    # exact on an H100 (tests/gpu/check_flash_attn4.py, part merge), faster on the document
-    # layout, but slower on varlen zigzag of 32 documents for a reason not yet found
-    # (docs/backends.md): off until then
-    merges_by_document: ClassVar[bool] = False
+    # Note [Varlen blocks merged where their rows lie] (engine/varlen_blocks.py): exact on an
+    # H100 (tests/gpu/check_flash_attn4.py, part merge), faster on zigzag and the document
+    # layout (docs/backends.md)
+    merges_by_document: ClassVar[bool] = True
 
     def is_available(self) -> str | None:
         if _INTERFACE not in sys.modules:
