@@ -625,12 +625,14 @@ def merge_part() -> None:
         q, k, v, dout = make_inputs(8192, 8192, seed=11)
         cases = [("zigzag", "zigzag", None), ("documents", dr.document_layout(bounds, 4), bounds)]
         cases.append(("varlen zigzag", "zigzag", bounds))  # halves merged by document
+        # halves of 257 and 639 rows: partial tiles (Note [Merging in flash-attn 4's epilogue])
+        cases.append(("varlen zigzag, partial tiles", "zigzag", [0, 2056, 3080, 8192]))
         for label, layout, cu_seqlens in cases:
             if late(f"merge {label}"):
                 continue
             tensors = (q, k, v, dout)
             tensors = tensors if cu_seqlens is None else tuple(t[0] for t in tensors)
-            cu = None if cu_seqlens is None else torch.tensor(bounds, dtype=torch.int32).cuda()
+            cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32).cuda()
             ref = reference(*tensors, causal=True, cu=cu)
             for on in (True, False):
                 FlashAttn4Kernel.merges_outputs = on
