@@ -80,13 +80,13 @@ those rows of the accumulator; ``lse``: of the running lse, a strided view):
 A row's lse is read by the four threads holding the row and written by one, after a barrier of
 the epilogue threads. A whole tile's old rows are read as 8-byte pairs, all before any write; a
 partial tile's (a document's last rows) value by value, also all before any write: read and
-written in turn, each read waited for the write before it, which made a varlen block of short
-documents 3.4x slower than the fp32 class (H100: 32 documents, 350 against 102 us; 170 us with
-the reads first). Recorded and replayed like the fp32 class, with its own compile cache;
-a signature that cannot be replayed is not merged by the kernel (the engine merges). A varlen
-block of rows that are no one run is merged where its rows lie: the whole local queries and
-accumulators, each document's rows from ``cu_seqlens_q[d]``, ``seqused_q[d]`` of them (Note
-[Varlen blocks merged where their rows lie] in ``engine/varlen_blocks.py``).
+written in turn, value after value, they made a varlen block of short documents 3.4x slower
+than the fp32 class (H100: 32 documents, 350 against 102 us; 170 us with the reads first).
+Recorded and replayed like the fp32 class, with its own compile cache; a signature that
+cannot be replayed is not merged by the kernel (the engine merges). A varlen block of rows that
+are no one run is merged where its rows lie: the whole local queries and accumulators, each
+document's rows from ``cu_seqlens_q[d]``, ``seqused_q[d]`` of them (Note [Varlen blocks merged
+where their rows lie] in ``engine/varlen_blocks.py``).
 """
 
 from __future__ import annotations
