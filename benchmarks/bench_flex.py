@@ -33,7 +33,9 @@ of 2048, prefix-LM with a prefix of S/4) it measures in one run:
   host time); ``--compare-dq``: the
   flash_attn4 varlen paths also with each block's dq summed by the engine ("per-block dq"),
   the baseline of a rank's dq summed in flash-attn 4's kernel (Note [A varlen dq accumulated
-  inside flash-attn 4]);
+  inside flash-attn 4]); ``--compare-merges``: also with the blocks whose rows are no one run
+  merged by the engine ("engine merges"), the baseline of their merge where their rows lie
+  (Note [Varlen blocks merged where their rows lie]), measured next to each other;
 * for every mask, the host time ``dtensor_ring.flex_attention`` takes to read its
   ``BlockMask`` as documents (Note [Document masks on the varlen kernels]: a document mask,
   called without a ``score_mod`` or the lse, runs on the library's varlen path measured
@@ -58,7 +60,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_single_gpu import (  # noqa: E402  (CUDA-event medians; flash-attn 4's dq modes)
+from bench_single_gpu import (  # noqa: E402  (CUDA-event medians; flash-attn 4's modes)
+    ENGINE_MERGES,
     FP32,
     IN_KERNEL,
     block_grads_mode,
@@ -167,17 +170,13 @@ def main() -> None:
         help="flash_attn4 varlen paths also with each block's dq summed by the engine",
     )
     parser.add_argument(
-        "--engine-merges-documents",
+        "--compare-merges",
         action="store_true",
-        help="flash_attn4: varlen blocks whose rows are no one run merged by the engine, not "
-        "where their rows lie (the default before 2026-12-06)",
+        help="flash_attn4 varlen paths also with blocks whose rows are no one run merged by "
+        "the engine, not where their rows lie (the default before 2026-12-06)",
     )
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
-    if a.engine_merges_documents:
-        from dtensor_ring.kernels import get_kernel
-
-        get_kernel("flash_attn4").merges_by_document = False
     dev, S, W = torch.device("cuda"), a.seq_len, a.world_size
     gen = torch.Generator(device=dev).manual_seed(0)
     shape_q, shape_kv = (1, a.heads, S, a.head_dim), (1, a.kv_heads, S, a.head_dim)
@@ -254,10 +253,12 @@ def main() -> None:
             varlen_paths.append(
                 ("mask-aware row", rows_of(dr.flex_layout(bm, W), bounds, W, window))
             )
-            modes = [None, FP32] if a.compare_dq and kernel == "flash_attn4" else [None]
+            modes = [None]  # the baselines, in this run: per-block dq, the engine's merges
+            if kernel == "flash_attn4":
+                modes += [FP32] * a.compare_dq + [ENGINE_MERGES] * a.compare_merges
             for (label, layout), mode in itertools.product(varlen_paths, modes):
-                if mode is not None:  # the baseline of the in-kernel dq sum, in this run
-                    label = f"{label}, per-block dq"
+                if mode is not None:
+                    label += ", per-block dq" if mode == FP32 else ", engine merges"
                 with block_grads_mode(kernel, mode or IN_KERNEL):
                     sims = ranks(RankSimulator, (q_T, k_T, v_T), layout, W, bounds, window, kernel)
                     row = path_row(name, f"varlen {label} ({kernel})", sims, a.reps, ideal, best)

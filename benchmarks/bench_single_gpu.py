@@ -314,6 +314,9 @@ def block_throughput(backend: str, tokens: int, a, device, gen) -> list[dict]:
 IN_KERNEL, FP32, INPUT_DTYPE = "fp32, dq summed in the kernel", "fp32", "input dtype"
 # flash-attn 4 as IN_KERNEL, each forward block through its Python wrapper (no replay)
 WRAPPER_FORWARD = "fp32, dq summed in the kernel; forward by the wrapper"
+# flash-attn 4 as IN_KERNEL, a varlen block whose rows are no one run merged by the engine
+# (not where its rows lie: Note [Varlen blocks merged where their rows lie])
+ENGINE_MERGES = "fp32, dq summed in the kernel; engine merges"
 
 
 @contextlib.contextmanager
@@ -331,6 +334,8 @@ def block_grads_mode(backend: str, mode: str):
         kernel.dq_accumulator_varlen = lambda *args, **kwargs: None
     if mode == INPUT_DTYPE:
         kernel.unrounded_grads = False
+    if mode == ENGINE_MERGES:
+        kernel.merges_by_document = False
     flash_attn4_launch.REPLAY = mode != WRAPPER_FORWARD
     try:
         yield
@@ -339,6 +344,7 @@ def block_grads_mode(backend: str, mode: str):
             "unrounded_grads",
             "dq_accumulator",
             "dq_accumulator_varlen",
+            "merges_by_document",
         ):
             kernel.__dict__.pop(name, None)
         flash_attn4_launch.REPLAY = True
