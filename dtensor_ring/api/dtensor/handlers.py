@@ -147,12 +147,15 @@ def resolve_local(
 LOCAL_RESOLUTIONS = Remembered()
 
 
-def _local_key(q, k, v, config: SDPAConfig, *scalars) -> tuple | None:
+def _local_key(
+    q, k, v, config: SDPAConfig, is_causal, scale, group_name: str, world_size: int
+) -> tuple | None:
     """What :func:`resolve_local` reads, or None where it must run afresh: compiling, or a call
     whose resolution compares across the group (the consistency mode, a gloo header:
     collectives every call, on every rank)."""
-    if torch.compiler.is_compiling() or comparing((scalars[-2],)):
+    if torch.compiler.is_compiling() or comparing((group_name,)):
         return None
+    scalars = (is_causal, scale, group_name, world_size)
     parts = [tensor_key(t) for t in (q, k, v)] + [scalar_key(x) for x in scalars]
     return None if None in parts else (*parts, config, *versions())
 
