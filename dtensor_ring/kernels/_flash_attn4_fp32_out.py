@@ -58,28 +58,47 @@ class FlashAttentionForwardSm90Fp32Out(FlashAttentionForwardSm90):
         cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
         if const_expr(mLSE is not None):  # as the parent writes it
-            mLSE_cur = seqlen.offset_batch_Q(mLSE, batch_idx, dim=2)[None, head_idx]
-            gLSE = cute.local_tile(mLSE_cur, (self.tile_m,), (m_block,))
-            gLSE_expanded_layout = cute.append(
-                gLSE.layout, cute.make_layout((self.tile_hdimv,), stride=(0,))
+            taccOgLSE, taccOcO_mn = self._lse_tile(
+                mLSE, seqlen, batch_idx, head_idx, m_block, thr_mma
             )
-            gLSE_expanded = cute.make_tensor(gLSE.iterator, gLSE_expanded_layout)
-            taccOgLSE = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gLSE_expanded))
-            taccOcO_mn = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))
             t0accOcO = layout_utils.reshape_acc_to_mn(thr_mma.get_slice(0).partition_C(cO))
             if taccOcO_mn[0][1] == 0:
                 for m in cutlass.range(cute.size(taccOgLSE.shape[1]), unroll_full=True):
                     if t0accOcO[m, 0][0] < rows_left - taccOcO_mn[0][0]:
                         taccOgLSE[m, 0] = lse[m]
         taccOgO = thr_mma.partition_C(self._fp32_tile(mO, seqlen, batch_idx, head_idx, m_block))
-        if rows_left >= self.tile_m and mO.shape[1] == self.tile_hdimv:
-            # a whole tile: a thread's column pairs as 8-byte stores
-            cute.autovec_copy(acc_O, taccOgO)
+        self._copy_rows(acc_O, taccOgO, thr_mma.partition_C(cO), rows_left, mO.shape[1])
+
+    def _lse_tile(self, mLSE: cute.Tensor, seqlen, batch_idx, head_idx, m_block, thr_mma):
+        """This thread's part of the block's ``(tile_m,)`` lse tile as the parent partitions it,
+        broadcast over the columns and reshaped to (rows, columns), and the coordinates of
+        this thread's accumulator values in the same shape."""
+        mLSE_cur = seqlen.offset_batch_Q(mLSE, batch_idx, dim=2)[None, head_idx]
+        gLSE = cute.local_tile(mLSE_cur, (self.tile_m,), (m_block,))
+        gLSE_expanded_layout = cute.append(
+            gLSE.layout, cute.make_layout((self.tile_hdimv,), stride=(0,))
+        )
+        gLSE_expanded = cute.make_tensor(gLSE.iterator, gLSE_expanded_layout)
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+        return (
+            layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gLSE_expanded)),
+            layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO)),
+        )
+
+    @cute.jit
+    def _copy_rows(
+        self, src: cute.Tensor, dst: cute.Tensor, coords: cute.Tensor, rows_left, cols
+    ) -> None:
+        """Copy a thread's values between its registers and its part of a tile of the fp32
+        buffer, which holds ``rows_left`` rows of ``cols`` columns from this tile on: a whole
+        tile as column pairs in 8-byte accesses, a partial one value by value (every access
+        issued before any value is used: a load's values arrive together)."""
+        if rows_left >= self.tile_m and cols == self.tile_hdimv:
+            cute.autovec_copy(src, dst)
         else:
-            taccOcO = thr_mma.partition_C(cO)
-            for i in cutlass.range_constexpr(cute.size(acc_O)):
-                if taccOcO[i][0] < rows_left and taccOcO[i][1] < mO.shape[1]:
-                    taccOgO[i] = acc_O[i]
+            for i in cutlass.range_constexpr(cute.size(src)):
+                if coords[i][0] < rows_left and coords[i][1] < cols:
+                    dst[i] = src[i]
 
     def _fp32_tile(self, mO: cute.Tensor, seqlen, batch_idx, head_idx, m_block) -> cute.Tensor:
         """The ``(tile_m, tile_hdimv)`` tile of the fp32 buffer behind ``mO``: ``mO`` (seqlen, d,
@@ -126,16 +145,8 @@ class FlashAttentionForwardSm90Fp32Merge(FlashAttentionForwardSm90Fp32Out):
         assert not self.pack_gqa
         assert mLSE is not None
         thr_mma = tiled_mma.get_slice(tidx)
-        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
-        mLSE_cur = seqlen.offset_batch_Q(mLSE, batch_idx, dim=2)[None, head_idx]
-        gLSE = cute.local_tile(mLSE_cur, (self.tile_m,), (m_block,))
-        gLSE_expanded_layout = cute.append(
-            gLSE.layout, cute.make_layout((self.tile_hdimv,), stride=(0,))
-        )
-        gLSE_expanded = cute.make_tensor(gLSE.iterator, gLSE_expanded_layout)
-        taccOgLSE = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gLSE_expanded))
-        taccOcO_mn = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))
+        taccOgLSE, taccOcO_mn = self._lse_tile(mLSE, seqlen, batch_idx, head_idx, m_block, thr_mma)
         w_old = cute.make_fragment_like(lse, Float32)
         w_new = cute.make_fragment_like(lse, Float32)
         lse_out = cute.make_fragment_like(lse, Float32)
@@ -154,29 +165,17 @@ class FlashAttentionForwardSm90Fp32Merge(FlashAttentionForwardSm90Fp32Out):
                 else top + cute.math.log(cute.math.exp(old - top) + cute.math.exp(new - top))
             )
         taccOgO = thr_mma.partition_C(self._fp32_tile(mO, seqlen, batch_idx, head_idx, m_block))
+        taccOcO = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
+        old_O = cute.make_fragment_like(acc_O, Float32)
+        self._copy_rows(taccOgO, old_O, taccOcO, rows_left, mO.shape[1])
+        # rows past the tile's end merge values never loaded; they are not stored
         acc_mn = layout_utils.reshape_acc_to_mn(acc_O)
-        if rows_left >= self.tile_m and mO.shape[1] == self.tile_hdimv:  # a whole tile
-            old_O = cute.make_fragment_like(acc_O, Float32)
-            cute.autovec_copy(taccOgO, old_O)
-            old_mn = layout_utils.reshape_acc_to_mn(old_O)
-            for m in cutlass.range(cute.size(lse), unroll_full=True):
-                acc_mn[m, None].store(
-                    old_mn[m, None].load() * w_old[m] + acc_mn[m, None].load() * w_new[m]
-                )
-            cute.autovec_copy(acc_O, taccOgO)
-        else:  # a partial tile: every load first (in flight together), then the stores
-            gO_mn = layout_utils.reshape_acc_to_mn(taccOgO)
-            old_O = cute.make_fragment_like(acc_O, Float32)
-            old_mn = layout_utils.reshape_acc_to_mn(old_O)
-            for m in cutlass.range(cute.size(lse), unroll_full=True):
-                for n in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    old_mn[m, n] = Float32(0.0)
-                    if taccOcO_mn[m, n][0] < rows_left and taccOcO_mn[m, n][1] < mO.shape[1]:
-                        old_mn[m, n] = gO_mn[m, n]
-            for m in cutlass.range(cute.size(lse), unroll_full=True):
-                for n in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    if taccOcO_mn[m, n][0] < rows_left and taccOcO_mn[m, n][1] < mO.shape[1]:
-                        gO_mn[m, n] = old_mn[m, n] * w_old[m] + acc_mn[m, n] * w_new[m]
+        old_mn = layout_utils.reshape_acc_to_mn(old_O)
+        for m in cutlass.range(cute.size(lse), unroll_full=True):
+            acc_mn[m, None].store(
+                old_mn[m, None].load() * w_old[m] + acc_mn[m, None].load() * w_new[m]
+            )
+        self._copy_rows(acc_O, taccOgO, taccOcO, rows_left, mO.shape[1])
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads
         )

@@ -78,10 +78,12 @@ those rows of the accumulator; ``lse``: of the running lse, a strided view):
     in epilogue:   kernel (acc_O in registers) reads out, lse -> writes out, lse
 
 A row's lse is read by the four threads holding the row and written by one, after a barrier of
-the epilogue threads. A whole tile's old rows are read as 8-byte pairs, all before any write; a
-partial tile's (a document's last rows) value by value, also all before any write: read and
-written in turn, value after value, they made a varlen block of short documents 3.4x slower
-than the fp32 class (H100: 32 documents, 350 against 102 us; 170 us with the reads first).
+the epilogue threads. One path for every tile: load a thread's old values, merge them as
+vectors, store; a whole tile loads and stores 8-byte pairs, a partial one (a document's last
+rows) value by value under a bounds test, every load issued before any value is used. Read,
+merged and written value after value, a partial tile made a varlen block of short documents
+3.4x slower than the fp32 class (H100: 32 documents, 350 against 102 us; loads first with a
+merge per value 170 us, one vector merge 134 us).
 Recorded and replayed like the fp32 class, with its own compile cache; a signature that
 cannot be replayed is not merged by the kernel (the engine merges). A varlen block of rows that
 are no one run is merged where its rows lie: the whole local queries and accumulators, each
